@@ -1,0 +1,56 @@
+# TrainStream: the two commands users need are `make demo` and `make test`.
+# Each one installs what is missing (system packages, the project venv),
+# configures and builds. See README.md.
+PYTHON ?= python3
+VENV ?= .venv
+BUILD ?= build
+BUILD_TYPE ?= RelWithDebInfo
+CMAKE_ARGS ?=
+JOBS ?= $(shell nproc)
+VENV_PY := $(abspath $(VENV))/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: all deps venv configure build test test-cpp test-python demo clean format gpu-check
+
+all: build
+
+deps:
+	@scripts/install-system-deps.sh
+
+venv: deps
+	@PYTHON=$(PYTHON) VENV=$(VENV) scripts/setup-venv.sh
+
+$(BUILD)/CMakeCache.txt:
+	@$(MAKE) --no-print-directory venv
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	  -DPython_EXECUTABLE=$(VENV_PY) $(CMAKE_ARGS)
+
+configure: venv
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	  -DPython_EXECUTABLE=$(VENV_PY) $(CMAKE_ARGS)
+
+build: venv $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	@$(MAKE) --no-print-directory test-cpp test-python
+
+test-cpp:
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+test-python:
+	PYTHONPATH=$(abspath $(BUILD))/python TRAINSTREAM_BUILD_DIR=$(abspath $(BUILD)) \
+	  $(VENV_PY) -m pytest -q tests/python $(PYTEST_ARGS)
+
+demo: build
+	PYTHONPATH=$(abspath $(BUILD))/python TRAINSTREAM_BUILD_DIR=$(abspath $(BUILD)) \
+	  $(VENV_PY) examples/demo.py
+
+format:
+	clang-format -i $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh' '*.cpp')
+
+gpu-check:
+	scripts/gpu-check.sh
+
+clean:
+	rm -rf $(BUILD)

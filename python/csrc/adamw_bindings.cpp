@@ -1,0 +1,7 @@
+#include <torch/extension.h>
+
+namespace trainstream::python {
+
+void RegisterAdamWBindings(pybind11::module_& m) {}
+
+}  // namespace trainstream::python

@@ -1,0 +1,22 @@
+// trainstream._C: the torch extension. Data-plane copies and hooks, the CPU
+// kernels on tensors, and (with CUDA) the CUDA kernels. No gRPC or protobuf here
+// (DESIGN.md): control-plane values arrive from Python as plain integers.
+#include <torch/extension.h>
+
+namespace trainstream::python {
+void RegisterDataPlaneBindings(pybind11::module_& m);  // dataplane_bindings.cpp
+void RegisterAdamWBindings(pybind11::module_& m);      // adamw_bindings.cpp
+void RegisterQuantBindings(pybind11::module_& m);      // quant_bindings.cpp
+}  // namespace trainstream::python
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "TrainStream torch extension (data plane and kernels)";
+#ifdef TRAINSTREAM_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  trainstream::python::RegisterDataPlaneBindings(m);
+  trainstream::python::RegisterAdamWBindings(m);
+  trainstream::python::RegisterQuantBindings(m);
+}

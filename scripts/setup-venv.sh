@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates the project venv (--system-site-packages, so an installed torch is
+# reused) and installs into it only what is missing, pinned to the GPU host's
+# versions. PYTHON picks the interpreter, VENV the folder.
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup-venv: creating $VENV from $($PYTHON -c 'import sys; print(sys.executable)')"
+  "$PYTHON" -m venv --system-site-packages "$VENV"
+fi
+py="$VENV/bin/python"
+# name==version importname
+want=("torch==2.11.0 torch" "numpy numpy" "pybind11 pybind11" "pytest pytest")
+if [ "${TRAINSTREAM_HF:-1}" = 1 ]; then
+  want+=("transformers==5.17.0 transformers" "peft==0.21.0 peft" "accelerate==1.15.0 accelerate" "safetensors safetensors")
+fi
+missing=()
+for w in "${want[@]}"; do
+  spec=${w% *}; mod=${w#* }
+  if [[ $spec == *==* ]]; then
+    ver=${spec#*==}
+    have=$("$py" -c "import importlib.metadata as m; print(m.version('${spec%%==*}'))" 2>/dev/null || true)
+    [ "$have" = "$ver" ] || missing+=("$spec")
+  else
+    "$py" -c "import $mod" 2>/dev/null || missing+=("$spec")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "setup-venv: installing into $VENV: ${missing[*]}"
+"$py" -m pip install -q --disable-pip-version-check "${missing[@]}"

@@ -1,0 +1,11 @@
+// Include this, not Catch2 directly: Debian 12 ships Catch2 v2, Ubuntu 24.04 v3.
+#pragma once
+#if __has_include(<catch2/catch_test_macros.hpp>)
+#include <catch2/catch_approx.hpp>
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/generators/catch_generators.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+using Catch::Approx;
+#else
+#include <catch2/catch.hpp>
+#endif
