@@ -1,0 +1,145 @@
+// AdamW dispatch, per-step scalars and dtype helpers (adamw.h).
+#include "trainstream/kernels/adamw.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "adamw_impl.h"
+#include "trainstream/kernels/bf16.h"
+#include "trainstream/kernels/counter_rng.h"
+
+namespace trainstream::kernels {
+
+size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat16:
+      return "fp16";
+  }
+  return "unknown";
+}
+
+bool ParseDType(const char* name, DType* out) {
+  const auto is = [name](const char* s) { return std::strcmp(name, s) == 0; };
+  if (is("fp32") || is("float32")) *out = DType::kFloat32;
+  else if (is("bf16") || is("bfloat16")) *out = DType::kBFloat16;
+  else if (is("fp16") || is("float16")) *out = DType::kFloat16;
+  else return false;
+  return true;
+}
+
+AdamWStepScalars ComputeAdamWStepScalars(const AdamWHyperParams& hp, uint64_t step,
+                                         float grad_scale) {
+  // Python floats in torch's _single_tensor_adam are doubles; the CPU kernels
+  // then convert each scalar argument to float (Note [AdamW operation order]).
+  const double bias_correction1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
+  const double bias_correction2 = 1.0 - std::pow(hp.beta2, static_cast<double>(step));
+  const double step_size = hp.lr / bias_correction1;
+  const float weight = static_cast<float>(1.0 - hp.beta1);
+  AdamWStepScalars s;
+  s.grad_scale = grad_scale;
+  s.decay = hp.weight_decay != 0 ? static_cast<float>(1.0 - hp.lr * hp.weight_decay) : 1.0f;
+  s.lerp_from_end = !(std::fabs(weight) < 0.5f);
+  s.lerp_coeff = s.lerp_from_end ? weight - 1.0f : weight;
+  s.beta2 = static_cast<float>(hp.beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - hp.beta2);
+  s.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+  s.eps = static_cast<float>(hp.eps);
+  s.neg_step_size = static_cast<float>(-step_size);
+  return s;
+}
+
+namespace {
+
+internal::UpdateFn UpdateFor(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return internal::AdamWUpdateAvx512;
+    case Isa::kAvx2:
+      return internal::AdamWUpdateAvx2;
+    case Isa::kScalar:
+      break;
+  }
+  return internal::AdamWUpdateScalar;
+}
+
+}  // namespace
+
+void AdamWUpdate(const AdamWRange& range, const AdamWStepScalars& scalars, const RoundingKey& key,
+                 Isa isa) {
+  const internal::UpdateFn fn = UpdateFor(isa);
+  // Split where the element index crosses a multiple of 2^32 so each piece can
+  // count its random-number counter in uint32 (counter_rng.h).
+  size_t done = 0;
+  while (done < range.numel) {
+    const uint64_t index = key.element_offset + done;
+    const uint64_t to_boundary = (uint64_t{1} << 32) - (index & 0xFFFFFFFFull);
+    const size_t n = static_cast<size_t>(
+        std::min<uint64_t>(to_boundary, static_cast<uint64_t>(range.numel - done)));
+    AdamWRange piece = range;
+    piece.numel = n;
+    piece.master = range.master + done;
+    piece.exp_avg = static_cast<char*>(range.exp_avg) + done * DTypeSize(range.moment_dtype);
+    piece.exp_avg_sq =
+        static_cast<char*>(range.exp_avg_sq) + done * DTypeSize(range.moment_dtype);
+    piece.grad = static_cast<const char*>(range.grad) + done * DTypeSize(range.grad_dtype);
+    if (range.param_out != nullptr) {
+      piece.param_out = range.param_out == static_cast<void*>(range.master)
+                            ? static_cast<void*>(piece.master)
+                            : static_cast<char*>(range.param_out) +
+                                  done * DTypeSize(range.param_dtype);
+    }
+    const RngKey rng = MakeRngKey(key.seed, key.param_key, key.step,
+                                  static_cast<uint32_t>(index >> 32));
+    fn(piece, scalars, rng, static_cast<uint32_t>(index));
+    done += n;
+  }
+}
+
+double GradSumSquares(const void* grad, DType grad_dtype, size_t numel, Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return internal::GradSumSquaresAvx512(grad, grad_dtype, numel);
+    case Isa::kAvx2:
+      return internal::GradSumSquaresAvx2(grad, grad_dtype, numel);
+    case Isa::kScalar:
+      break;
+  }
+  return internal::GradSumSquaresScalar(grad, grad_dtype, numel);
+}
+
+void ConvertToFloat(const void* src, DType src_dtype, float* dst, size_t numel) {
+  switch (src_dtype) {
+    case DType::kFloat32:
+      std::memcpy(dst, src, numel * sizeof(float));
+      return;
+    case DType::kBFloat16: {
+      const auto* h = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < numel; ++i) dst[i] = Bf16ToFloat(h[i]);
+      return;
+    }
+    case DType::kFloat16: {
+      const auto* h = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < numel; ++i) dst[i] = Fp16ToFloat(h[i]);
+      return;
+    }
+  }
+}
+
+void StochasticRoundToBf16(const float* src, uint16_t* dst, size_t numel, const RoundingKey& key,
+                           bool use_high_bits) {
+  for (size_t i = 0; i < numel; ++i) {
+    const uint64_t index = key.element_offset + i;
+    const RngKey rng =
+        MakeRngKey(key.seed, key.param_key, key.step, static_cast<uint32_t>(index >> 32));
+    const uint32_t r = CounterRandom(rng, static_cast<uint32_t>(index));
+    dst[i] = FloatToBf16Stochastic(src[i], use_high_bits ? r >> 16 : r);
+  }
+}
+
+}  // namespace trainstream::kernels

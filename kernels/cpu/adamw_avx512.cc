@@ -1,0 +1,186 @@
+// AVX-512 AdamW path: 16 elements per iteration, the same operations as
+// AdamWElement (Note [AdamW operation order]). The bf16 weight output uses
+// vcvtneps2bf16 where the CPU has AVX512_BF16, else the integer rounding.
+#pragma GCC optimize("fp-contract=off")  // see adamw_avx2.cc
+// GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_*
+// (GCC bug 105593, fixed in 12.3/13); nothing in this file is uninitialized.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "adamw_impl.h"
+#include "trainstream/kernels/cpu_features.h"
+
+namespace trainstream::kernels::internal {
+namespace {
+
+constexpr size_t kLanes = 16;
+
+__m512 LoadHalfWidth(const void* p, DType dtype) {
+  const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  if (dtype == DType::kFloat16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+__m512 Load(const void* base, DType dtype, size_t i) {
+  if (dtype == DType::kFloat32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  return LoadHalfWidth(static_cast<const uint16_t*>(base) + i, dtype);
+}
+
+__m256i ToBf16Rne(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+__attribute__((target("avx512bf16"))) __m256i ToBf16RneHardware(__m512 x) {
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+}
+
+__m256i ToBf16Stochastic(__m512 x, __m512i random16) {
+  const __m512i u = _mm512_castps_si512(x);
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, random16), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+__m512i LowBias32(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+struct Pointers {
+  float* master;
+  void* exp_avg;
+  void* exp_avg_sq;
+  const void* grad;
+  void* param_out;  // null: no separate output
+};
+
+template <bool kHardwareBf16>
+inline void Step16(const Pointers& ptr, const AdamWRange& r, const AdamWStepScalars& s,
+                   RngKey key, uint32_t index, size_t i, bool stream) {
+  __m512 g = Load(ptr.grad, r.grad_dtype, i);
+  __m512 m = Load(ptr.exp_avg, r.moment_dtype, i);
+  __m512 v = Load(ptr.exp_avg_sq, r.moment_dtype, i);
+  __m512 p = _mm512_loadu_ps(ptr.master + i);
+
+  g = _mm512_mul_ps(g, _mm512_set1_ps(s.grad_scale));
+  p = _mm512_mul_ps(p, _mm512_set1_ps(s.decay));
+  const __m512 diff = _mm512_sub_ps(g, m);
+  m = _mm512_fmadd_ps(_mm512_set1_ps(s.lerp_coeff), diff, s.lerp_from_end ? g : m);
+  v = _mm512_mul_ps(v, _mm512_set1_ps(s.beta2));
+  v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(s.one_minus_beta2), g), g));
+  const __m512 denom = _mm512_add_ps(
+      _mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(s.bias_correction2_sqrt)),
+      _mm512_set1_ps(s.eps));
+  p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(s.neg_step_size), m), denom));
+
+  _mm512_storeu_ps(ptr.master + i, p);
+  if (r.moment_dtype == DType::kBFloat16) {
+    const __m512i idx = _mm512_add_epi32(
+        _mm512_set1_epi32(static_cast<int>(index + i)),
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i k0 = _mm512_set1_epi32(static_cast<int>(key.k0));
+    const __m512i k1 = _mm512_set1_epi32(static_cast<int>(key.k1));
+    const __m512i bits = LowBias32(_mm512_xor_si512(LowBias32(_mm512_xor_si512(idx, k0)), k1));
+    const __m512i lo = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
+    const __m512i hi = _mm512_srli_epi32(bits, 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(ptr.exp_avg) + i),
+                        ToBf16Stochastic(m, lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(ptr.exp_avg_sq) + i),
+                        ToBf16Stochastic(v, hi));
+  } else {
+    _mm512_storeu_ps(static_cast<float*>(ptr.exp_avg) + i, m);
+    _mm512_storeu_ps(static_cast<float*>(ptr.exp_avg_sq) + i, v);
+  }
+  if (ptr.param_out == nullptr) return;
+  if (r.param_dtype == DType::kFloat32) {
+    float* out = static_cast<float*>(ptr.param_out) + i;
+    if (stream) _mm512_stream_ps(out, p);
+    else _mm512_storeu_ps(out, p);
+    return;
+  }
+  __m256i h;
+  if (r.param_dtype == DType::kBFloat16) {
+    h = kHardwareBf16 ? ToBf16RneHardware(p) : ToBf16Rne(p);
+  } else {
+    h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  auto* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(ptr.param_out) + i);
+  if (stream) _mm256_stream_si256(out, h);
+  else _mm256_storeu_si256(out, h);
+}
+
+template <bool kHardwareBf16>
+void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
+  const bool out_is_master = r.param_out == static_cast<void*>(r.master);
+  Pointers ptr{r.master, r.exp_avg, r.exp_avg_sq, r.grad, out_is_master ? nullptr : r.param_out};
+  const size_t out_bytes = kLanes * DTypeSize(r.param_dtype);
+  const bool stream =
+      ptr.param_out != nullptr && reinterpret_cast<uintptr_t>(ptr.param_out) % out_bytes == 0;
+  const size_t full = r.numel - r.numel % kLanes;
+  for (size_t i = 0; i < full; i += kLanes) {
+    Step16<kHardwareBf16>(ptr, r, s, key, index_lo, i, stream);
+  }
+  if (stream) _mm_sfence();  // order the streamed stores before completion is signalled
+
+  const size_t tail = r.numel - full;
+  if (tail == 0) return;
+  alignas(64) float master[kLanes] = {};
+  alignas(64) float m[kLanes] = {}, v[kLanes] = {}, g[kLanes] = {}, out[kLanes] = {};
+  const size_t ms = DTypeSize(r.moment_dtype), gs = DTypeSize(r.grad_dtype),
+               ps = DTypeSize(r.param_dtype);
+  std::memcpy(master, r.master + full, tail * 4);
+  std::memcpy(m, static_cast<char*>(r.exp_avg) + full * ms, tail * ms);
+  std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * ms, tail * ms);
+  std::memcpy(g, static_cast<const char*>(r.grad) + full * gs, tail * gs);
+  Pointers local{master, m, v, g, ptr.param_out != nullptr ? out : nullptr};
+  Step16<kHardwareBf16>(local, r, s, key, index_lo + static_cast<uint32_t>(full), 0, false);
+  std::memcpy(r.master + full, master, tail * 4);
+  std::memcpy(static_cast<char*>(r.exp_avg) + full * ms, m, tail * ms);
+  std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * ms, v, tail * ms);
+  if (ptr.param_out != nullptr) {
+    std::memcpy(static_cast<char*>(ptr.param_out) + full * ps, out, tail * ps);
+  }
+}
+
+}  // namespace
+
+void AdamWUpdateAvx512(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
+                       uint32_t index_lo) {
+  static const bool hardware_bf16 = CpuHasAvx512Bf16();
+  if (hardware_bf16) Update<true>(r, s, key, index_lo);
+  else Update<false>(r, s, key, index_lo);
+}
+
+double GradSumSquaresAvx512(const void* grad, DType dtype, size_t n) {
+  __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
+                    _mm512_setzero_pd()};
+  size_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    const __m512 a = Load(grad, dtype, i), b = Load(grad, dtype, i + kLanes);
+    const __m512d a0 = _mm512_cvtps_pd(_mm512_castps512_ps256(a));
+    const __m512d a1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    const __m512d b0 = _mm512_cvtps_pd(_mm512_castps512_ps256(b));
+    const __m512d b1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+    acc[0] = _mm512_fmadd_pd(a0, a0, acc[0]);
+    acc[1] = _mm512_fmadd_pd(a1, a1, acc[1]);
+    acc[2] = _mm512_fmadd_pd(b0, b0, acc[2]);
+    acc[3] = _mm512_fmadd_pd(b1, b1, acc[3]);
+  }
+  const double sum = _mm512_reduce_add_pd(
+      _mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
+  return sum + GradSumSquaresScalar(static_cast<const char*>(grad) + i * DTypeSize(dtype), dtype,
+                                    n - i);
+}
+
+}  // namespace trainstream::kernels::internal
