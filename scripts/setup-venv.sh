@@ -21,7 +21,8 @@ for w in "${want[@]}"; do
   if [[ $spec == *==* ]]; then
     ver=${spec#*==}
     have=$("$py" -c "import importlib.metadata as m; print(m.version('${spec%%==*}'))" 2>/dev/null || true)
-    [ "$have" = "$ver" ] || missing+=("$spec")
+    # A local build tag (2.11.0+cu130) is the same release.
+    [ "${have%%+*}" = "$ver" ] || missing+=("$spec")
   else
     "$py" -c "import $mod" 2>/dev/null || missing+=("$spec")
   fi

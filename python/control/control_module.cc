@@ -1,0 +1,261 @@
+// trainstream._control: the control-plane client (gRPC) for Python, over
+// libtrainstream_client. No torch here (DESIGN.md): mapped regions are handed to
+// Python as integer addresses, which trainstream._C turns into tensors.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "trainstream/client.h"
+
+namespace py = pybind11;
+
+namespace trainstream::python {
+namespace {
+
+// Python exception classes, one per status code, made in module init.
+py::dict& ErrorTypes() {
+  static py::dict* types = new py::dict();  // leaked: lives as long as the interpreter
+  return *types;
+}
+
+[[noreturn]] void Raise(const Status& status) {
+  const char* name = StatusCodeName(status.code());
+  py::object type = ErrorTypes().contains(name) ? ErrorTypes()[name] : ErrorTypes()["INTERNAL"];
+  PyErr_SetString(type.ptr(), status.message().c_str());
+  throw py::error_already_set();
+}
+
+void Check(const Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+DType ParseDType(const std::string& name) {
+  if (name == "float32") return DType::kFloat32;
+  if (name == "bfloat16") return DType::kBFloat16;
+  if (name == "float16") return DType::kFloat16;
+  throw py::value_error("dtype must be one of float32, bfloat16, float16; got " + name);
+}
+
+// A mapped region, shared between the Python object and anything that holds it.
+struct PyRegion {
+  std::shared_ptr<MappedRegion> region;
+
+  uintptr_t address() const { return reinterpret_cast<uintptr_t>(region->data()); }
+  uintptr_t base_address() const { return address() - region->info().offset; }
+};
+
+template <typename T>
+T GetOr(const py::dict& d, const char* key, T fallback) {
+  return d.contains(key) ? d[key].cast<T>() : fallback;
+}
+
+}  // namespace
+}  // namespace trainstream::python
+
+using namespace trainstream;          // NOLINT: module body only
+using namespace trainstream::python;  // NOLINT
+
+PYBIND11_MODULE(_control, m) {
+  m.doc() = "TrainStream control-plane client (gRPC over a unix socket)";
+
+  // Error classes: each also derives from the builtin a Python user expects.
+  py::exec(R"(
+class ControlError(RuntimeError):
+    """An error answered by (or about) the TrainStream daemon."""
+class InvalidArgument(ControlError, ValueError): pass
+class NotFound(ControlError, LookupError): pass
+class AlreadyExists(ControlError): pass
+class PermissionDenied(ControlError, PermissionError): pass
+class ResourceExhausted(ControlError, MemoryError): pass
+class FailedPrecondition(ControlError): pass
+class Unavailable(ControlError, ConnectionError): pass
+class DeadlineExceeded(ControlError, TimeoutError): pass
+class Internal(ControlError): pass
+)",
+           m.attr("__dict__"));
+  auto& types = ErrorTypes();
+  types["INVALID_ARGUMENT"] = m.attr("InvalidArgument");
+  types["NOT_FOUND"] = m.attr("NotFound");
+  types["ALREADY_EXISTS"] = m.attr("AlreadyExists");
+  types["PERMISSION_DENIED"] = m.attr("PermissionDenied");
+  types["RESOURCE_EXHAUSTED"] = m.attr("ResourceExhausted");
+  types["FAILED_PRECONDITION"] = m.attr("FailedPrecondition");
+  types["UNAVAILABLE"] = m.attr("Unavailable");
+  types["DEADLINE_EXCEEDED"] = m.attr("DeadlineExceeded");
+  types["INTERNAL"] = m.attr("Internal");
+
+  m.def("default_socket_path", &DefaultSocketPath);
+  m.def("embedded_socket_path", &EmbeddedSocketPath);
+
+  py::class_<PyRegion>(m, "Region")
+      .def_property_readonly("address", &PyRegion::address,
+                             "Address of the region's first byte in this process")
+      .def_property_readonly("base_address", &PyRegion::base_address,
+                             "Address of the segment's first byte (slot offsets count from here)")
+      .def_property_readonly("size", [](const PyRegion& r) { return r.region->size(); })
+      .def_property_readonly("region_id", [](const PyRegion& r) { return r.region->info().region_id; })
+      .def_property_readonly("segment_name",
+                             [](const PyRegion& r) { return r.region->info().segment_name; })
+      .def_property_readonly("offset", [](const PyRegion& r) { return r.region->info().offset; })
+      .def_property_readonly("segment_size",
+                             [](const PyRegion& r) { return r.region->info().segment_size; })
+      .def_property_readonly("read_only", [](const PyRegion& r) { return r.region->info().read_only; });
+
+  py::class_<Session>(m, "Session")
+      .def_property_readonly("id", &Session::id)
+      .def_property_readonly("shm_dir", &Session::shm_dir)
+      .def_property_readonly(
+          "control",
+          [](py::object self) {
+            // The control mapping belongs to the Session; the Region keeps the
+            // Session alive through a no-op deleter tied to `self`.
+            Session& s = self.cast<Session&>();
+            MappedRegion* raw = &s.control();
+            auto keep = std::make_shared<py::object>(self);
+            return PyRegion{std::shared_ptr<MappedRegion>(raw, [keep](MappedRegion*) mutable {
+              py::gil_scoped_acquire gil;
+              keep.reset();
+            })};
+          })
+      .def(
+          "register_parameters",
+          [](Session& s, const py::list& groups, const py::list& params,
+             const std::string& moment_dtype, double max_grad_norm, uint64_t seed) {
+            RegisterOptions options;
+            for (auto g : groups) {
+              auto d = g.cast<py::dict>();
+              AdamWHyperParams h;
+              h.lr = GetOr(d, "lr", h.lr);
+              h.beta1 = GetOr(d, "beta1", h.beta1);
+              h.beta2 = GetOr(d, "beta2", h.beta2);
+              h.eps = GetOr(d, "eps", h.eps);
+              h.weight_decay = GetOr(d, "weight_decay", h.weight_decay);
+              options.groups.push_back(h);
+            }
+            options.moment_dtype = ParseDType(moment_dtype);
+            options.max_grad_norm = max_grad_norm;
+            options.seed = seed;
+            std::vector<ParameterSpec> specs;
+            for (auto p : params) {
+              auto d = p.cast<py::dict>();
+              ParameterSpec spec;
+              spec.param_id = d["param_id"].cast<uint64_t>();
+              spec.name = GetOr<std::string>(d, "name", "");
+              spec.shape = d["shape"].cast<std::vector<int64_t>>();
+              spec.dtype = ParseDType(d["dtype"].cast<std::string>());
+              spec.grad_dtype = ParseDType(GetOr<std::string>(d, "grad_dtype", d["dtype"].cast<std::string>()));
+              spec.group = GetOr<uint32_t>(d, "group", 0);
+              specs.push_back(std::move(spec));
+            }
+            Registration reg;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.RegisterParameters(options, specs, &reg);
+            }
+            Check(st);
+            py::list slots;
+            for (const auto& slot : reg.slots) {
+              py::dict d;
+              d["param_id"] = slot.param_id;
+              d["grad_offset"] = slot.grad_offset;
+              d["param_offset"] = slot.param_offset;
+              d["numel"] = slot.numel;
+              slots.append(d);
+            }
+            return py::make_tuple(PyRegion{std::shared_ptr<MappedRegion>(std::move(reg.staging))},
+                                  slots);
+          },
+          py::arg("groups"), py::arg("params"), py::arg("moment_dtype") = "float32",
+          py::arg("max_grad_norm") = 0.0, py::arg("seed") = 0)
+      .def(
+          "allocate_region",
+          [](Session& s, uint64_t bytes, const std::string& label) {
+            std::unique_ptr<MappedRegion> region;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.AllocateRegion(bytes, label, &region);
+            }
+            Check(st);
+            return PyRegion{std::shared_ptr<MappedRegion>(std::move(region))};
+          },
+          py::arg("bytes"), py::arg("label") = "")
+      .def("free_region",
+           [](Session& s, uint64_t region_id) {
+             uint64_t freed = 0;
+             Check(s.FreeRegion(region_id, &freed));
+             return freed;
+           })
+      .def("alive",
+           [](const Session& s) {
+             std::string why;
+             bool alive = s.alive(&why);
+             return py::make_tuple(alive, why);
+           })
+      .def("detach", [](Session& s) {
+        py::gil_scoped_release release;
+        s.Detach();
+      });
+
+  py::class_<Client>(m, "Client")
+      .def_static(
+          "connect",
+          [](const std::string& socket_path, int timeout_ms) {
+            std::unique_ptr<Client> client;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = Client::Connect(socket_path, timeout_ms, &client);
+            }
+            Check(st);
+            return client;
+          },
+          py::arg("socket_path"), py::arg("timeout_ms") = 2000)
+      .def_property_readonly("socket_path", &Client::socket_path)
+      .def("ping",
+           [](Client& c) {
+             PingResult r;
+             Check(c.Ping(&r));
+             py::dict d;
+             d["version"] = r.version;
+             d["protocol_version"] = r.protocol_version;
+             d["pid"] = r.pid;
+             d["uptime_s"] = r.uptime_s;
+             return d;
+           })
+      .def("status_json",
+           [](Client& c) {
+             std::string out;
+             Check(c.StatusJson(&out));
+             return out;
+           })
+      .def(
+          "shutdown",
+          [](Client& c, bool drain) {
+            uint32_t sessions = 0;
+            Check(c.Shutdown(drain, &sessions));
+            return sessions;
+          },
+          py::arg("drain") = false)
+      .def(
+          "attach",
+          [](Client& c, const std::string& job, int rank, int local_rank) {
+            AttachOptions options;
+            options.job = job;
+            options.rank = rank;
+            options.local_rank = local_rank;
+            std::unique_ptr<Session> session;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = c.Attach(options, &session);
+            }
+            Check(st);
+            return session;
+          },
+          py::arg("job") = "", py::arg("rank") = -1, py::arg("local_rank") = -1);
+}

@@ -1,0 +1,456 @@
+"""OffloadAdamW: an AdamW whose master weights, moments and update live in the daemon.
+
+The flow for one step (DESIGN.md, "Optimizer flow"):
+
+1. As each gradient becomes final during backward (a post-accumulate-grad hook),
+   it is copied into its staging slot in shared memory and GRAD_READY is posted
+   on the session's command ring (``grad_post="backward"``, the default); with
+   ``grad_post="step"`` that happens in ``step()`` instead.
+2. ``step()`` posts STEP_END; the daemon's workers update each parameter (at
+   once for each gradient when no clipping is asked for, else after the global
+   norm is known) and answer PARAM_READY.
+3. The new weights are copied from the param slots back into the parameters.
+
+Hyper-parameters travel with every GRAD_READY, so LR schedulers and edits of
+``param_groups`` take effect on the next step, as with torch's optimizers.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+
+from . import _daemon
+from ._options import validate
+from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
+
+# Wire constants (proto/include/trainstream/wire/session_control.h).
+_OP_PARAM_READY = 16
+_OP_STEP_DONE = 17
+_OP_STATE_DONE = 18
+_OP_SYNC_DONE = 19
+_OP_ERROR = 20
+_STATUS_OK = 0
+_STATUS_SKIPPED_NONFINITE = 1
+_FIELD_MASTER, _FIELD_EXP_AVG, _FIELD_EXP_AVG_SQ, _FIELD_STEP, _FIELD_PARAM_FROM_SLOT = range(5)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _C():
+    from . import _C as c  # noqa: PLC0415
+    return c
+
+
+@dataclass
+class _Param:
+    """One parameter known to the daemon. Guarded by the GIL (hooks and step())."""
+    param_id: int
+    param: torch.Tensor
+    name: str
+    group: int
+    grad_slot: Optional[torch.Tensor] = None
+    param_slot: Optional[torch.Tensor] = None
+    backward_count: int = 0      # backward passes that reached this param since the last step
+    posted_step: int = 0         # the step whose gradient was posted, 0 if none pending
+    posted_grad: Optional[torch.Tensor] = None
+    posted_version: int = -1
+    hook: Any = None
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` with its state and update in the TrainStream daemon.
+
+    Same hyper-parameters and ``state_dict`` format as ``torch.optim.AdamW`` (plus
+    each parameter's fp32 ``master_weight``). Extra keyword options are those of
+    ``trainstream.wrap`` (README, "Options").
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
+                 names: Optional[Dict[int, str]] = None, attach: bool = True, **options):
+        if amsgrad or maximize:
+            raise ValueError("OffloadAdamW supports amsgrad=False and maximize=False only")
+        _check_hyper(lr, betas, eps, weight_decay)
+        self._options = validate(options)
+        self._names = names or {}
+        self._entries: Dict[int, _Param] = {}   # id(param) -> entry
+        self._by_id: Dict[int, _Param] = {}     # param_id -> entry
+        self._next_param_id = 0
+        self._client = None
+        self._session = None
+        self._plane = None
+        self._regions: List[Any] = []  # mappings the slot tensors view; kept alive
+        self._scratch = None
+        self._registered_host: List[int] = []
+        self._step_id = 0
+        self._last_grad_norm: Optional[float] = None
+        self._stats = {"steps": 0, "skipped_steps": 0, "grads_posted": 0, "bytes_d2h": 0,
+                       "bytes_h2d": 0, "step_wait_s": 0.0}
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        if attach:
+            self.attach()
+
+    # ------------------------------------------------------------------ setup
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group_index = len(self.param_groups) - 1
+        g = self.param_groups[group_index]
+        _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        new = []
+        for p in g["params"]:
+            if p.dtype not in _DTYPE_NAMES:
+                raise ValueError(f"parameter dtype {p.dtype} is not supported; accepted: "
+                                 f"{', '.join(str(d) for d in _DTYPE_NAMES)}")
+            e = _Param(self._next_param_id, p, self._names.get(id(p), f"param{self._next_param_id}"),
+                       group_index)
+            self._next_param_id += 1
+            self._entries[id(p)] = e
+            self._by_id[e.param_id] = e
+            if p.requires_grad:
+                e.hook = p.register_post_accumulate_grad_hook(self._on_grad_final)
+            new.append(e)
+        if self._session is not None:
+            self._register(new)
+
+    def attach(self) -> None:
+        """Connects to the daemon (starting one if needed) and registers every parameter."""
+        if self._session is not None:
+            return
+        opts = self._options
+        self._client = _daemon.connect(opts["socket"])
+        rank = int(os.environ.get("RANK", -1))
+        local_rank = int(os.environ.get("LOCAL_RANK", -1))
+        job = opts["job"] or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+        self._session = self._client.attach(job, rank, local_rank)
+        control = self._session.control
+        self._plane = _C().DataPlane(control.address, control.size, int(opts["timeout_s"] * 1000))
+        self._register(list(self._entries.values()))
+
+    def detach(self) -> None:
+        """Ends the daemon session (its memory is freed). ``attach()`` starts a new one
+        with the current weights as masters and fresh moments."""
+        for addr in self._registered_host:
+            _C().unregister_host(addr)
+        self._registered_host.clear()
+        for e in self._entries.values():
+            e.grad_slot = e.param_slot = None
+            e.posted_step = 0
+        self._plane = None
+        self._scratch = None
+        self._regions.clear()
+        if self._session is not None:
+            self._session.detach()
+        self._session = None
+        self._client = None
+
+    def __del__(self):
+        try:
+            self.detach()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+    def _register(self, entries: List[_Param]) -> None:
+        if not entries:
+            return
+        groups = [dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
+                       eps=float(g["eps"]), weight_decay=float(g["weight_decay"]))
+                  for g in self.param_groups]
+        specs = [dict(param_id=e.param_id, name=e.name, shape=list(e.param.shape) or [1],
+                      dtype=_DTYPE_NAMES[e.param.dtype], grad_dtype=_DTYPE_NAMES[e.param.dtype],
+                      group=e.group) for e in entries]
+        moment = self._options["moment_dtype"]
+        moment = "float32" if moment == "auto" else moment
+        staging, slots = self._call(self._session.register_parameters, groups, specs, moment,
+                                    float(self._options["max_grad_norm"] or 0.0),
+                                    int(self._options["seed"]))
+        self._regions.append(staging)
+        c = _C()
+        if any(e.param.is_cuda for e in entries) and c.with_cuda:
+            ok, why = c.register_host(staging.base_address, staging.segment_size, False)
+            if ok:
+                self._registered_host.append(staging.base_address)
+            elif self._options["verbose"]:
+                print(f"trainstream: cudaHostRegister of the staging segment failed ({why}); "
+                      "copies will be pageable and slower")
+        for s in slots:
+            e = self._by_id[s["param_id"]]
+            name = _DTYPE_NAMES[e.param.dtype]
+            e.grad_slot = c.tensor_from_address(staging.base_address + s["grad_offset"],
+                                                [s["numel"]], name)
+            e.param_slot = c.tensor_from_address(staging.base_address + s["param_offset"],
+                                                 [s["numel"]], name)
+            with torch.no_grad():
+                e.param_slot.copy_(e.param.detach().reshape(-1))
+            self._plane.post_state(True, e.param_id, _FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
+        self._sync()
+
+    # -------------------------------------------------------------- data plane
+    def _on_grad_final(self, p: torch.Tensor) -> None:
+        e = self._entries.get(id(p))
+        if e is None or self._plane is None:
+            return
+        e.backward_count += 1
+        n = self._options["accumulation_steps"]
+        if e.backward_count > n:
+            raise RuntimeError(
+                f"trainstream: backward() reached {e.name} {e.backward_count} times since the last "
+                f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
+                f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
+        if e.backward_count == n and self._options["grad_post"] == "backward":
+            self._post_grad(e)
+
+    def _post_grad(self, e: _Param) -> None:
+        g = self.param_groups[e.group]
+        grad = p_grad = e.param.grad
+        if grad.is_sparse:
+            raise RuntimeError("OffloadAdamW does not support sparse gradients")
+        if grad.dtype != e.grad_slot.dtype:
+            grad = grad.to(e.grad_slot.dtype)
+        step = self._step_id + 1
+        self._plane.post_grad(e.param_id, grad, e.grad_slot, step, float(g["lr"]),
+                              float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                              float(g["weight_decay"]))
+        e.posted_step = step
+        e.posted_grad = p_grad
+        e.posted_version = p_grad._version
+        self._stats["grads_posted"] += 1
+        self._stats["bytes_d2h"] += grad.numel() * grad.element_size()
+
+    def _call(self, fn, *args):
+        """Runs a control-plane call, turning an unreachable daemon into DaemonError."""
+        c = _daemon._control()
+        try:
+            return fn(*args)
+        except c.Unavailable as e:
+            raise DaemonError(f"the TrainStream daemon is unreachable: {e}") from None
+
+    def _check_alive(self, waited_s: float) -> None:
+        alive, why = self._session.alive()
+        if not alive or self._plane.closing:
+            raise DaemonError(f"the TrainStream daemon ended this session ({why or 'closed'}); "
+                              "optimizer state in the daemon is lost unless you saved a state_dict")
+        if waited_s > self._options["timeout_s"]:
+            raise DaemonError(f"no answer from the TrainStream daemon for {waited_s:.0f} s "
+                              f"(timeout_s={self._options['timeout_s']})")
+
+    def _wait(self, want) -> None:
+        """Polls completions, handing each to ``want(c)`` until it returns True."""
+        start = time.monotonic()
+        while True:
+            try:
+                c = self._plane.poll(100)
+            except _C().DaemonGone as e:
+                raise DaemonError(str(e)) from None
+            if c is None:
+                self._check_alive(time.monotonic() - start)
+                continue
+            if c["opcode"] == _OP_ERROR:
+                raise TrainStreamError(f"the daemon rejected a command: {c['message']}")
+            if want(c):
+                return
+
+    def _sync(self) -> None:
+        self._require_attached()
+        try:
+            seq = self._plane.post_sync()
+        except _C().DaemonGone as e:
+            raise DaemonError(str(e)) from None
+        errors = []
+
+        def want(c):
+            if c["opcode"] == _OP_STATE_DONE and c["status"] != _STATUS_OK:
+                errors.append(c["message"])
+            return c["opcode"] == _OP_SYNC_DONE and c["seq"] == seq
+        self._wait(want)
+        if errors:
+            raise TrainStreamError("the daemon could not apply optimizer state: " + "; ".join(errors))
+
+    def _require_attached(self) -> None:
+        if self._plane is None:
+            raise TrainStreamError("OffloadAdamW is detached; call attach() first")
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._require_attached()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = self._step_id + 1
+        posted = []
+        try:
+            for e in self._entries.values():
+                p = e.param
+                if e.posted_step == step:
+                    if p.grad is not e.posted_grad or p.grad._version != e.posted_version:
+                        raise RuntimeError(
+                            f"trainstream: the gradient of {e.name} changed after backward handed it "
+                            "to the daemon (e.g. clip_grad_norm_ or GradScaler.unscale_). Pass "
+                            "max_grad_norm=... to wrap() for clipping, or grad_post='step' to hand "
+                            "gradients over in step()")
+                    posted.append(e)
+                elif p.grad is not None:
+                    self._post_grad(e)
+                    posted.append(e)
+            t0 = time.monotonic()
+            self._plane.post_step_end(step, len(posted))
+        except _C().DaemonGone as e:
+            raise DaemonError(str(e)) from None
+        pending = {e.param_id for e in posted}
+        result: Dict[str, Any] = {}
+
+        def want(c):
+            op = c["opcode"]
+            if op == _OP_PARAM_READY and c["step"] == step:
+                e = self._by_id[c["param_id"]]
+                self._plane.copy_param(e.param, e.param_slot)
+                self._stats["bytes_h2d"] += e.param_slot.numel() * e.param_slot.element_size()
+                pending.discard(e.param_id)
+            elif op == _OP_STEP_DONE and c["step"] == step:
+                result.update(c)
+            return "opcode" in result and not pending
+        self._wait(want)
+        self._stats["step_wait_s"] += time.monotonic() - t0
+        for e in self._entries.values():
+            e.backward_count = 0
+            e.posted_step = 0
+            e.posted_grad = None
+        self._step_id = step
+        norm = result.get("grad_norm", float("nan"))
+        self._last_grad_norm = norm if norm >= 0 else None
+        if result["status"] == _STATUS_SKIPPED_NONFINITE:
+            self._stats["skipped_steps"] += 1
+            raise NonFiniteGradientError(
+                f"step {step} was not applied: {result['message'] or 'a gradient held NaN or Inf'}")
+        if result["status"] != _STATUS_OK:
+            raise TrainStreamError(f"step {step} failed in the daemon: {result['message']}")
+        self._stats["steps"] += 1
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Waits until the daemon has finished every command posted so far."""
+        self._sync()
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """Global L2 norm of the gradients of the last step, before clipping."""
+        return self._last_grad_norm
+
+    def stats(self) -> Dict[str, Any]:
+        s = dict(self._stats)
+        s["params"] = len(self._entries)
+        s["numel"] = sum(e.param.numel() for e in self._entries.values())
+        s["attached"] = self._session is not None
+        s["session_id"] = self._session.id if self._session is not None else None
+        s["moment_dtype"] = self._options["moment_dtype"]
+        return s
+
+    # ------------------------------------------------------------- state dict
+    def _scratch_region(self, numel: int):
+        need = max(4 * numel, 4096)
+        if self._scratch is None or self._scratch.size < need:
+            if self._scratch is not None:
+                self._call(self._session.free_region, self._scratch.region_id)
+            self._scratch = self._call(self._session.allocate_region, need, "state-transfer")
+        return self._scratch
+
+    def _transfer(self, load: bool, e: _Param, field_id: int, data: Optional[torch.Tensor]):
+        region = self._scratch_region(e.param.numel())
+        view = _C().tensor_from_address(region.address, [e.param.numel()], "float32")
+        if load:
+            view.copy_(data.reshape(-1).to(torch.float32))
+        self._plane.post_state(load, e.param_id, field_id, region.region_id, 0,
+                               4 * e.param.numel(), 0)
+        self._sync()
+        return None if load else view.clone().view(e.param.shape)
+
+    def _export_step(self, e: _Param) -> int:
+        seq_box = {}
+        self._plane.post_state(False, e.param_id, _FIELD_STEP, 0, 0, 0, 0)
+
+        def want(c):
+            if c["opcode"] == _OP_STATE_DONE and c["param_id"] == e.param_id:
+                if c["status"] != _STATUS_OK:
+                    raise TrainStreamError(f"exporting the step of {e.name}: {c['message']}")
+                seq_box["step"] = c["step"]
+                return True
+            return False
+        self._wait(want)
+        return int(seq_box["step"])
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``torch.optim.AdamW``'s format, plus ``master_weight`` (fp32) per parameter."""
+        self._require_attached()
+        order = {}
+        groups = []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = []
+            for p in g["params"]:
+                order.setdefault(id(p), len(order))
+                packed["params"].append(order[id(p)])
+            groups.append(packed)
+        state = {}
+        for e in self._entries.values():
+            step = self._export_step(e)
+            if step == 0:
+                continue
+            dtype = e.param.dtype
+            state[order[id(e.param)]] = {
+                "step": torch.tensor(float(step), dtype=torch.float32),
+                "exp_avg": self._transfer(False, e, _FIELD_EXP_AVG, None).to(dtype),
+                "exp_avg_sq": self._transfer(False, e, _FIELD_EXP_AVG_SQ, None).to(dtype),
+                "master_weight": self._transfer(False, e, _FIELD_MASTER, None),
+            }
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a ``torch.optim.AdamW`` (or ``OffloadAdamW``) state dict."""
+        self._require_attached()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} parameter groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        params = [p for g in self.param_groups for p in g["params"]]
+        for mine, theirs in zip(self.param_groups, groups):
+            if len(mine["params"]) != len(theirs["params"]):
+                raise ValueError("state_dict's parameter groups differ in size from this optimizer's")
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = tuple(v) if k == "betas" else v
+        index_of = {}
+        for theirs in groups:
+            for idx in theirs["params"]:
+                index_of[idx] = len(index_of)
+        for idx, s in state_dict["state"].items():
+            e = self._entries[id(params[index_of[idx]])]
+            master = s.get("master_weight", e.param.detach())
+            self._transfer(True, e, _FIELD_MASTER, master)
+            self._transfer(True, e, _FIELD_EXP_AVG, s["exp_avg"])
+            self._transfer(True, e, _FIELD_EXP_AVG_SQ, s["exp_avg_sq"])
+            step = s["step"]
+            step = int(step.item() if torch.is_tensor(step) else step)
+            self._plane.post_state(True, e.param_id, _FIELD_STEP, 0, 0, 0, step)
+        self._sync()
+
+
+def _check_hyper(lr, betas, eps, weight_decay) -> None:
+    if torch.is_tensor(lr):
+        raise ValueError("lr as a tensor is not supported by OffloadAdamW; pass a float")
+    if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"lr={lr!r}: accepted: a finite number >= 0")
+    if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas={betas!r}: accepted: two numbers in [0, 1)")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"eps={eps!r}: accepted: a finite number > 0")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay={weight_decay!r}: accepted: a finite number >= 0")

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The whole GPU-host check in one command (run through the device tool, with .deps
+# carried; see ../shared/gpu-host/README.md and README.md "GPU host"):
+#   build, every test (the GPU ones included), and the benchmarks. Logs go to
+#   $OUT (or ./gpu-check-out) so they come back even when a step fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STAGES=${STAGES:-"build test bench"}
+
+if [ -f .deps/unpack.sh ]; then
+  # shellcheck disable=SC1091
+  source .deps/unpack.sh
+  export TRAINSTREAM_SKIP_SYSTEM_DEPS=1
+  CMAKE_ARGS="-DCMAKE_PREFIX_PATH=$TS_TORCH_CMAKE_PREFIX;$TS_PYBIND11_CMAKE_DIR;$TS_DEPS_PREFIX/usr $TS_PROTOBUF_CMAKE_ARGS"
+fi
+export CMAKE_ARGS=${CMAKE_ARGS:-}
+{ nvidia-smi -L; nproc; python3 -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
+  grep -o -m1 -E 'avx512_bf16' /proc/cpuinfo; } > "$OUT/machine.txt" 2>&1
+
+rc=0
+if [[ $STAGES == *build* ]]; then
+  make build PYTHON=python3 BUILD=build-gpu CMAKE_ARGS="$CMAKE_ARGS" > "$OUT/build.log" 2>&1 || { rc=1; tail -40 "$OUT/build.log"; }
+fi
+if [[ $STAGES == *test* ]]; then
+  make test PYTHON=python3 BUILD=build-gpu CMAKE_ARGS="$CMAKE_ARGS" PYTEST_ARGS="-rs" > "$OUT/test.log" 2>&1 || rc=1
+  grep -E "passed|failed|error|Tests? .*(passed|failed)|tests passed" "$OUT/test.log" | tail -8
+fi
+if [[ $STAGES == *bench* ]]; then
+  for b in benchmarks/*/gpu_bench.sh; do
+    [ -x "$b" ] || continue
+    name=$(basename "$(dirname "$b")")
+    BUILD_DIR=$PWD/build-gpu "$b" > "$OUT/bench-$name.log" 2>&1 || { rc=1; echo "bench $name failed"; }
+    tail -25 "$OUT/bench-$name.log"
+  done
+fi
+exit $rc

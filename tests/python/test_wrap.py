@@ -1,0 +1,272 @@
+"""trainstream.wrap() against plain torch.optim.AdamW on a small GPT (CPU; the same code
+path runs on CUDA models on the GPU host, see test_wrap_cuda.py)."""
+import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import trainstream
+from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches
+
+STEPS = 20
+
+
+def _models(seed=0, cfg=None):
+    torch.manual_seed(seed)
+    cfg = cfg or GPTConfig()
+    ref = TinyGPT(cfg)
+    ours = copy.deepcopy(ref)
+    return cfg, ref, ours
+
+
+def _param_groups(model, lr):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _max_rel(a, b):
+    return ((a - b).abs() / b.abs().clamp_min(1e-30)).max().item()
+
+
+def _train(model, opt, batches, *, accumulation=1, clip=None):
+    losses = []
+    for x, y in batches:
+        xs, ys = x.chunk(accumulation), y.chunk(accumulation)
+        total = 0.0
+        for xm, ym in zip(xs, ys):
+            loss = model(xm, ym) / accumulation
+            loss.backward()
+            total += loss.item()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _assert_same(ref, ours, ref_losses, our_losses, param_tol=1e-6):
+    for i, (a, b) in enumerate(zip(ref_losses, our_losses)):
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {i}: loss {b} vs torch {a}"
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        diff = (p.detach() - q.detach()).abs().max().item()
+        assert diff <= param_tol, f"{name}: max |diff| {diff:.3g} > {param_tol}"
+
+
+@pytest.mark.parametrize("grad_post", ["backward", "step"])
+def test_losses_and_params_match_torch_adamw(daemon, grad_post):
+    cfg, ref, ours = _models()
+    batches = text_batches(corpus(), cfg, batch=4, steps=STEPS)
+    ref_opt = torch.optim.AdamW(_param_groups(ref, 3e-3), lr=3e-3, foreach=False)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(_param_groups(ours, 3e-3), lr=3e-3),
+                                 socket=daemon.socket, grad_post=grad_post)
+    assert isinstance(opt, trainstream.OffloadAdamW)
+    ref_losses = _train(ref, ref_opt, batches)
+    our_losses = _train(ours, opt, batches)
+    assert our_losses[-1] < our_losses[0], "the model should learn"
+    _assert_same(ref, ours, ref_losses, our_losses)
+    assert ours._trainstream_session.steps == STEPS
+    trainstream.unwrap(ours)
+
+
+def test_gradient_accumulation_matches_torch(daemon):
+    cfg, ref, ours = _models(seed=1)
+    batches = text_batches(corpus(), cfg, batch=8, steps=10, seed=1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-3, foreach=False)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=2e-3),
+                                 socket=daemon.socket, accumulation_steps=2)
+    _assert_same(ref, ours, _train(ref, ref_opt, batches, accumulation=2),
+                 _train(ours, opt, batches, accumulation=2))
+
+
+def test_clipping_matches_torch(daemon):
+    cfg, ref, ours = _models(seed=2)
+    batches = text_batches(corpus(), cfg, batch=4, steps=10, seed=2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 socket=daemon.socket, max_grad_norm=0.05)
+    ref_losses = _train(ref, ref_opt, batches, clip=0.05)
+    our_losses = _train(ours, opt, batches)
+    _assert_same(ref, ours, ref_losses, our_losses)
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.05, "clipping must engage"
+
+
+def test_lr_scheduler_takes_effect(daemon):
+    cfg, ref, ours = _models(seed=3)
+    batches = text_batches(corpus(), cfg, batch=4, steps=8, seed=3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 socket=daemon.socket)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.3) for o in (ref_opt, opt)]
+    losses = []
+    for model, o, sched in ((ref, ref_opt, scheds[0]), (ours, opt, scheds[1])):
+        run = []
+        for x, y in batches:
+            loss = model(x, y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            sched.step()
+            run.append(loss.item())
+        losses.append(run)
+    _assert_same(ref, ours, *losses)
+
+
+def test_state_dict_matches_torch_and_round_trips(daemon):
+    cfg, ref, ours = _models(seed=4)
+    batches = text_batches(corpus(), cfg, batch=4, steps=6, seed=4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3),
+                                 socket=daemon.socket)
+    _train(ref, ref_opt, batches[:3])
+    _train(ours, opt, batches[:3])
+    ref_sd, our_sd = ref_opt.state_dict(), opt.state_dict()
+    assert set(ref_sd["state"]) == set(our_sd["state"])
+    for idx, s in ref_sd["state"].items():
+        o = our_sd["state"][idx]
+        assert float(o["step"]) == float(s["step"]) == 3.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            diff = (o[key] - s[key]).abs().max().item()
+            assert diff <= 1e-6 * max(1.0, s[key].abs().max().item()), f"{idx}.{key}: {diff}"
+        assert o["master_weight"].dtype == torch.float32
+    # Our state dict loads into plain torch AdamW, which then continues in step.
+    fresh = copy.deepcopy(ours)
+    trainstream.unwrap(fresh) if hasattr(fresh, "_trainstream_session") else None
+    torch_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, foreach=False)
+    torch_opt.load_state_dict(our_sd)
+    ref_losses = _train(ref, ref_opt, batches[3:])
+    _assert_same(ref, fresh, ref_losses, _train(fresh, torch_opt, batches[3:]))
+    # And torch's state dict loads into a fresh wrapped optimizer.
+    _, ref2, ours2 = _models(seed=4)
+    ref2.load_state_dict(ref.state_dict())
+    ours2.load_state_dict(ref.state_dict())
+    ref2_opt = torch.optim.AdamW(ref2.parameters(), lr=1e-3, foreach=False)
+    ref2_opt.load_state_dict(ref_opt.state_dict())
+    ours2, opt2 = trainstream.wrap(ours2, socket=daemon.socket, lr=1e-3)
+    opt2.load_state_dict(ref_opt.state_dict())
+    more = text_batches(corpus(), cfg, batch=4, steps=3, seed=5)
+    _assert_same(ref2, ours2, _train(ref2, ref2_opt, more), _train(ours2, opt2, more))
+
+
+def test_existing_torch_state_is_migrated(daemon):
+    cfg, ref, ours = _models(seed=6)
+    batches = text_batches(corpus(), cfg, batch=4, steps=6, seed=6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    torch_opt = torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=False)
+    _train(ref, ref_opt, batches[:3])
+    _train(ours, torch_opt, batches[:3])
+    ours, opt = trainstream.wrap(ours, torch_opt, socket=daemon.socket)
+    _assert_same(ref, ours, _train(ref, ref_opt, batches[3:]), _train(ours, opt, batches[3:]))
+
+
+def test_extra_backward_before_step_raises(daemon):
+    cfg, _, ours = _models()
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket)
+    ours(x, y).backward()
+    with pytest.raises(RuntimeError, match="accumulation_steps=1"):
+        ours(x, y).backward()
+
+
+def test_modified_gradient_after_backward_raises(daemon):
+    cfg, _, ours = _models()
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket)
+    ours(x, y).backward()
+    torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        opt.step()
+
+
+def test_non_finite_gradient_skips_step(daemon):
+    cfg, _, ours = _models()
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket, grad_post="step",
+                                 max_grad_norm=1.0)
+    before = [p.detach().clone() for p in ours.parameters()]
+    ours(x, y).backward()
+    next(ours.parameters()).grad[0, 0] = float("nan")
+    with pytest.raises(trainstream.NonFiniteGradientError):
+        opt.step()
+    for b, p in zip(before, ours.parameters()):
+        assert torch.equal(b, p.detach())
+    assert all(int(s["step"]) == 0 for s in opt.state_dict()["state"].values())
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"optimizer_mode": "fast"}, "optimizer_mode='fast'"),
+    ({"moment_dtype": "int8"}, "moment_dtype"),
+    ({"accumulation_steps": 0}, "accumulation_steps"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm"),
+    ({"colour": "blue"}, "unknown option"),
+    ({"guard_params": "yes"}, "guard_params"),
+])
+def test_bad_options_raise_value_error(options, fragment):
+    model = TinyGPT(GPTConfig())
+    with pytest.raises(ValueError, match=fragment):
+        trainstream.wrap(model, **options)
+
+
+def test_adam_with_l2_weight_decay_is_refused(daemon):
+    model = TinyGPT(GPTConfig())
+    with pytest.raises(ValueError, match="L2"):
+        trainstream.wrap(model, torch.optim.Adam(model.parameters(), weight_decay=0.1),
+                         socket=daemon.socket)
+
+
+def test_memory_report_sections(daemon):
+    cfg, _, ours = _models()
+    batches = text_batches(corpus(), cfg, batch=2, steps=2)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket)
+    _train(ours, opt, batches)
+    report = trainstream.memory_report(ours)
+    for key in ("events", "gpu", "pinned", "transfers", "optimizer", "resident"):
+        assert key in report
+    numel = sum(p.numel() for p in ours.parameters())
+    assert report["optimizer"]["numel"] == numel
+    assert report["transfers"]["bytes_d2h"] == 2 * 4 * numel
+    assert report["transfers"]["bytes_h2d"] == 2 * 4 * numel
+    assert report["pinned"]["mapped_bytes"] >= 2 * 4 * numel
+    assert trainstream.find_blocks(ours) == list(ours.blocks)
+
+
+def test_daemon_death_raises_daemon_error(daemon_factory):
+    d = daemon_factory()
+    cfg, _, ours = _models()
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    ours, opt = trainstream.wrap(ours, socket=d.socket, timeout_s=10.0)
+    ours(x, y).backward()
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(trainstream.DaemonError):
+        opt.step()
+    assert time.monotonic() - t0 < 15, "step() must not hang when the daemon dies"
+
+
+def test_killed_client_session_is_reclaimed(daemon):
+    script = textwrap.dedent(f"""
+        import sys, torch, trainstream
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from tiny_gpt import GPTConfig, TinyGPT
+        model, opt = trainstream.wrap(TinyGPT(GPTConfig()), socket={daemon.socket!r})
+        print("attached", flush=True)
+        sys.stdin.read()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=dict(os.environ))
+    assert proc.stdout.readline().strip() == b"attached"
+    assert len(daemon.status()["sessions"]) == 1
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 2.0
+    while daemon.status()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert daemon.status()["sessions"] == [], "the killed client's session must be reclaimed"
