@@ -1,0 +1,59 @@
+// CPU quantize / dequantize for frozen weights (int8, nf4, fp8, nvfp4). The daemon's
+// base loader calls these while it reads a checkpoint; the torch extension calls them
+// for CPU tensors. Formats and byte layouts: quant_format.h and docs/quantization.md.
+// The CUDA launchers (quant_cuda.h) produce identical bytes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "trainstream/kernels/cpu_features.h"
+#include "trainstream/kernels/quant_format.h"
+
+namespace trainstream::kernels {
+
+// Element types the kernels read (quantize) and write (dequantize). Other dtypes are
+// converted to fp32 by the caller (fp16 -> fp32 is exact, so the bytes do not change).
+enum class QuantElemType : int { kFloat32 = 0, kBFloat16 = 1 };
+
+// "int8", "nf4", "fp8", "nvfp4". Returns false for anything else.
+bool ParseQuantFormat(std::string_view name, QuantFormat* out);
+const char* QuantFormatName(QuantFormat fmt);
+
+// Empty when (fmt, block_size) is valid; otherwise a message naming the problem and
+// what is accepted. int8 and nf4 accept any even block_size >= 2; fp8 and nvfp4 use
+// their fixed blocks (32, 16) and ignore block_size.
+std::string QuantArgsError(QuantFormat fmt, int64_t block_size);
+
+struct QuantCpuOptions {
+  Isa isa = BestIsa();  // kScalar is the reference the vectorized paths must match
+  int num_threads = 0;  // 0: one per hardware thread, fewer for small tensors
+};
+
+// Where a quantized tensor lives. The caller owns all three buffers, sized by
+// MakeQuantLayout: data_bytes, scale_bytes(), and one float for nvfp4.
+struct QuantBuffers {
+  uint8_t* data = nullptr;
+  void* scales = nullptr;            // float[num_blocks] or uint8_t[num_blocks]
+  float* tensor_scale = nullptr;     // nvfp4 only (may be null otherwise)
+};
+
+struct QuantConstBuffers {
+  const uint8_t* data = nullptr;
+  const void* scales = nullptr;
+  float tensor_scale = 0.0f;  // nvfp4 only
+};
+
+// Quantizes layout.numel elements of `src` (contiguous, finite: the caller checks;
+// a NaN or infinity gives defined but meaningless bytes). Padding elements are zeros.
+// Preconditions: QuantArgsError(fmt, layout.block_size) is empty and `layout` came
+// from MakeQuantLayout(fmt, ...).
+void QuantizeCpu(QuantFormat fmt, const QuantLayout& layout, QuantElemType src_type,
+                 const void* src, const QuantBuffers& out, const QuantCpuOptions& opts = {});
+
+// Writes layout.numel elements (padding dropped) of type `dst_type` to `dst`.
+void DequantizeCpu(QuantFormat fmt, const QuantLayout& layout, const QuantConstBuffers& in,
+                   QuantElemType dst_type, void* dst, const QuantCpuOptions& opts = {});
+
+}  // namespace trainstream::kernels
