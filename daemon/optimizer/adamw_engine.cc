@@ -1,0 +1,448 @@
+// AdamWEngine (adamw_engine.h). Each submitted parameter goes through two
+// phases on the workers that own its chunks:
+//   norm:   sum of squares of each chunk (double), which also detects non-finite
+//           values before anything is written;
+//   update: the AdamW kernel on each chunk.
+// Eager mode starts the update of a parameter when its own norm phase ends
+// (inline, on the same worker, for single-chunk parameters, whose gradient is
+// still in cache); deferred mode starts all updates of a step once the step has
+// ended and every norm is in.
+#include "trainstream/optimizer/adamw_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <utility>
+
+#include "trainstream/kernels/bf16.h"
+
+namespace trainstream::optimizer {
+
+struct AdamWEngine::Param {
+  ParamBinding binding;
+  size_t index = 0;  // registration order: fixes the order of norm reductions
+  struct Chunk {
+    size_t offset;
+    size_t count;
+    unsigned worker;
+  };
+  std::vector<Chunk> chunks;
+  std::vector<double> chunk_sumsq;  // written by the chunk's worker in the norm phase
+  std::atomic<size_t> remaining{0};  // chunks left in the current phase
+
+  // The current submission. Written by SubmitGrad while !busy, read by workers
+  // after the pool's queue mutex has ordered them.
+  uint64_t submit_step = 0;
+  AdamWHyperParams hp;
+  kernels::AdamWStepScalars scalars{};
+  uint64_t new_state_step = 0;
+  bool busy = false;  // Guarded by mu_
+
+  uint64_t state_step = 0;  // torch's state['step']; written only by the update phase's last chunk
+
+  size_t ElementBytes(DType t) const { return kernels::DTypeSize(t); }
+};
+
+struct AdamWEngine::Step {
+  struct Norm {
+    size_t index;
+    double sumsq;
+    Param* param;
+  };
+  std::vector<Norm> norms;  // one per submitted parameter whose norm phase ended
+  std::vector<Param*> params;
+  size_t norms_pending = 0;    // submitted parameters still in their norm phase
+  size_t updates_pending = 0;  // submitted parameters not yet done
+  bool ended = false;
+  bool updates_started = false;  // deferred mode
+  StepResult result;
+};
+
+namespace {
+
+std::string CheckHyperParams(const AdamWHyperParams& hp) {
+  if (!(hp.lr >= 0)) return "invalid learning rate " + std::to_string(hp.lr) + " (need >= 0)";
+  if (!(hp.beta1 >= 0 && hp.beta1 < 1)) return "invalid beta1 " + std::to_string(hp.beta1);
+  if (!(hp.beta2 >= 0 && hp.beta2 < 1)) return "invalid beta2 " + std::to_string(hp.beta2);
+  if (!(hp.eps >= 0)) return "invalid eps " + std::to_string(hp.eps);
+  if (!(hp.weight_decay >= 0)) return "invalid weight_decay " + std::to_string(hp.weight_decay);
+  return "";
+}
+
+double OrderedSum(std::vector<double> parts) {
+  double total = 0;
+  for (double x : parts) total += x;
+  return total;
+}
+
+// A one-shot countdown for blocking calls (Init).
+class Latch {
+ public:
+  explicit Latch(size_t count) : count_(count) {}
+  void CountDown() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--count_ == 0) cv_.notify_all();
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return count_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t count_;  // Guarded by mu_
+};
+
+}  // namespace
+
+AdamWEngine::AdamWEngine(WorkerPool* pool, EngineOptions options)
+    : pool_(pool),
+      options_(options),
+      deferred_(options.max_grad_norm > 0 || options.skip_nonfinite_step),
+      worker_load_(pool->size(), 0) {}
+
+AdamWEngine::~AdamWEngine() { WaitIdle(); }
+
+void AdamWEngine::SetCallbacks(ParamDoneCallback param_done, StepDoneCallback step_done) {
+  param_done_ = std::move(param_done);
+  step_done_ = std::move(step_done);
+}
+
+std::string AdamWEngine::AddParam(const ParamBinding& b) {
+  if (by_id_.count(b.param_id)) return "parameter " + std::to_string(b.param_id) + " already added";
+  if (b.numel == 0) return "parameter " + std::to_string(b.param_id) + " has no elements";
+  if (!b.master || !b.exp_avg || !b.exp_avg_sq || !b.grad_slot || !b.param_slot) {
+    return "parameter " + std::to_string(b.param_id) + ": null pointer in binding";
+  }
+  if (options_.moment_dtype == DType::kFloat16) return "moments must be fp32 or bf16, not fp16";
+  if (b.param_slot == static_cast<void*>(b.master) && b.param_dtype != DType::kFloat32) {
+    return "parameter " + std::to_string(b.param_id) +
+           ": param_slot may alias master only for fp32 parameters";
+  }
+  auto p = std::make_unique<Param>();
+  p->binding = b;
+  p->index = params_.size();
+  const size_t chunk = std::max<size_t>(options_.chunk_elems, 64);
+  for (size_t off = 0; off < b.numel; off += chunk) {
+    const size_t count = std::min(chunk, b.numel - off);
+    // Least-loaded worker: spreads big tensors over all workers and packs small
+    // ones, and the mapping never changes (first touch, Init).
+    const unsigned worker = static_cast<unsigned>(
+        std::min_element(worker_load_.begin(), worker_load_.end()) - worker_load_.begin());
+    worker_load_[worker] += count;
+    p->chunks.push_back({off, count, worker});
+  }
+  p->chunk_sumsq.assign(p->chunks.size(), 0.0);
+  by_id_[b.param_id] = p.get();
+  params_.push_back(std::move(p));
+  return "";
+}
+
+std::string AdamWEngine::Init() {
+  size_t tasks = 0;
+  for (size_t i = initialized_; i < params_.size(); ++i) tasks += params_[i]->chunks.size();
+  Latch latch(tasks);
+  const size_t moment_bytes = kernels::DTypeSize(options_.moment_dtype);
+  for (size_t i = initialized_; i < params_.size(); ++i) {
+    Param* p = params_[i].get();
+    for (const Param::Chunk& c : p->chunks) {
+      pool_->Submit(c.worker, [p, c, moment_bytes, &latch] {
+        const ParamBinding& b = p->binding;
+        if (b.param_slot != static_cast<void*>(b.master)) {
+          kernels::ConvertToFloat(
+              static_cast<const char*>(b.param_slot) + c.offset * kernels::DTypeSize(b.param_dtype),
+              b.param_dtype, b.master + c.offset, c.count);
+        }
+        std::memset(static_cast<char*>(b.exp_avg) + c.offset * moment_bytes, 0, c.count * moment_bytes);
+        std::memset(static_cast<char*>(b.exp_avg_sq) + c.offset * moment_bytes, 0,
+                    c.count * moment_bytes);
+        latch.CountDown();
+      });
+    }
+  }
+  latch.Wait();
+  initialized_ = params_.size();
+  return "";
+}
+
+std::string AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp) {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  Param* p = it->second;
+  if (p->index >= initialized_) return "parameter " + std::to_string(param_id) + " not initialised (Init)";
+  if (std::string err = CheckHyperParams(hp); !err.empty()) return err;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (p->busy) {
+      return "parameter " + std::to_string(param_id) + " still has an update in flight (step " +
+             std::to_string(p->submit_step) + ")";
+    }
+    std::unique_ptr<Step>& s = steps_[step];
+    if (!s) {
+      s = std::make_unique<Step>();
+      s->result.step = step;
+    }
+    if (s->ended) return "step " + std::to_string(step) + " already ended";
+    p->busy = true;
+    p->submit_step = step;
+    p->hp = hp;
+    s->params.push_back(p);
+    ++s->norms_pending;
+    ++s->updates_pending;
+    ++in_flight_;
+  }
+  StartNormPhase(p);
+  return "";
+}
+
+std::string AdamWEngine::StepEnd(uint64_t step) {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_ptr<Step>& s = steps_[step];
+  if (!s) {
+    s = std::make_unique<Step>();
+    s->result.step = step;
+  }
+  if (s->ended) return "step " + std::to_string(step) + " already ended";
+  s->ended = true;
+  if (deferred_ && s->norms_pending == 0 && !s->params.empty() && !s->updates_started) {
+    s->updates_started = true;
+    lock.unlock();
+    FinishDeferredNorms(step);
+    return "";
+  }
+  MaybeFinishStep(step, lock);
+  return "";
+}
+
+void AdamWEngine::WaitIdle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_cv_.wait(lock, [this] {
+    if (in_flight_ != 0) return false;
+    for (const auto& [id, s] : steps_) {
+      if (s->ended) return false;
+    }
+    return true;
+  });
+}
+
+void AdamWEngine::StartNormPhase(Param* p) {
+  p->remaining.store(p->chunks.size(), std::memory_order_relaxed);
+  for (size_t c = 0; c < p->chunks.size(); ++c) {
+    pool_->Submit(p->chunks[c].worker, [this, p, c] { NormChunk(p, c); });
+  }
+}
+
+void AdamWEngine::NormChunk(Param* p, size_t chunk) {
+  const Param::Chunk& c = p->chunks[chunk];
+  const ParamBinding& b = p->binding;
+  p->chunk_sumsq[chunk] = kernels::GradSumSquares(
+      static_cast<const char*>(b.grad_slot) + c.offset * kernels::DTypeSize(b.grad_dtype),
+      b.grad_dtype, c.count, options_.isa);
+  if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormDone(p);
+}
+
+void AdamWEngine::OnNormDone(Param* p) {
+  const double sumsq = OrderedSum(p->chunk_sumsq);
+  const bool finite = std::isfinite(sumsq);
+  std::unique_lock<std::mutex> lock(mu_);
+  Step* s = steps_[p->submit_step].get();
+  s->norms.push_back({p->index, sumsq, p});
+  --s->norms_pending;
+  if (!deferred_) {
+    lock.unlock();
+    if (finite) StartUpdatePhase(p, 1.0f);
+    else OnParamDone(p, false);
+    return;
+  }
+  if (s->ended && s->norms_pending == 0 && !s->updates_started) {
+    s->updates_started = true;
+    const uint64_t step = p->submit_step;
+    lock.unlock();
+    FinishDeferredNorms(step);
+  }
+}
+
+// Deferred mode, once per step: every norm is in and no new submission can join.
+void AdamWEngine::FinishDeferredNorms(uint64_t step) {
+  Step* s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s = steps_[step].get();
+  }
+  // s->norms and s->params no longer change: the step ended and all norms are in.
+  std::sort(s->norms.begin(), s->norms.end(),
+            [](const Step::Norm& a, const Step::Norm& b) { return a.index < b.index; });
+  double total = 0;
+  std::vector<Param*> params;  // a copy: the last completion below frees *s
+  for (const Step::Norm& n : s->norms) {
+    total += n.sumsq;
+    params.push_back(n.param);
+  }
+  if (!std::isfinite(total)) {
+    for (Param* p : params) OnParamDone(p, false);
+    return;
+  }
+  float scale = 1.0f;
+  if (options_.max_grad_norm > 0) {
+    // torch.nn.utils.clip_grad_norm_: the norm is a float tensor and
+    // max_norm / (norm + 1e-6) is evaluated as reciprocal(norm + 1e-6) * max_norm.
+    const float norm = static_cast<float>(std::sqrt(total));
+    const float coef = (1.0f / (norm + 1e-6f)) * static_cast<float>(options_.max_grad_norm);
+    if (coef < 1.0f) scale = coef;
+  }
+  for (Param* p : params) StartUpdatePhase(p, scale);
+}
+
+void AdamWEngine::StartUpdatePhase(Param* p, float grad_scale) {
+  p->new_state_step = p->state_step + 1;
+  p->scalars = kernels::ComputeAdamWStepScalars(p->hp, p->new_state_step, grad_scale);
+  p->remaining.store(p->chunks.size(), std::memory_order_relaxed);
+  const int here = WorkerPool::CurrentWorker();
+  if (p->chunks.size() == 1 && here == static_cast<int>(p->chunks[0].worker)) {
+    UpdateChunk(p, 0);  // gradient still in this core's cache from the norm pass
+    return;
+  }
+  for (size_t c = 0; c < p->chunks.size(); ++c) {
+    pool_->Submit(p->chunks[c].worker, [this, p, c] { UpdateChunk(p, c); });
+  }
+}
+
+void AdamWEngine::UpdateChunk(Param* p, size_t chunk) {
+  const Param::Chunk& c = p->chunks[chunk];
+  const ParamBinding& b = p->binding;
+  const size_t mb = kernels::DTypeSize(options_.moment_dtype);
+  kernels::AdamWRange r;
+  r.master = b.master + c.offset;
+  r.exp_avg = static_cast<char*>(b.exp_avg) + c.offset * mb;
+  r.exp_avg_sq = static_cast<char*>(b.exp_avg_sq) + c.offset * mb;
+  r.grad = static_cast<const char*>(b.grad_slot) + c.offset * kernels::DTypeSize(b.grad_dtype);
+  r.param_out = b.param_slot == static_cast<void*>(b.master)
+                    ? static_cast<void*>(r.master)
+                    : static_cast<char*>(b.param_slot) + c.offset * kernels::DTypeSize(b.param_dtype);
+  r.numel = c.count;
+  r.grad_dtype = b.grad_dtype;
+  r.moment_dtype = options_.moment_dtype;
+  r.param_dtype = b.param_dtype;
+  kernels::RoundingKey key{options_.seed, b.param_id, p->new_state_step, c.offset};
+  kernels::AdamWUpdate(r, p->scalars, key, options_.isa);
+  if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    p->state_step = p->new_state_step;
+    OnParamDone(p, true);
+  }
+}
+
+void AdamWEngine::OnParamDone(Param* p, bool updated) {
+  const uint64_t id = p->binding.param_id;
+  uint64_t step;
+  uint64_t state_step;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    step = p->submit_step;
+    state_step = p->state_step;
+    Step* s = steps_[step].get();
+    if (updated) {
+      ++s->result.params_updated;
+    } else {
+      // In a skipped deferred step, only the parameters whose own gradient was
+      // non-finite are listed; the others were finite but held back.
+      for (const Step::Norm& n : s->norms) {
+        if (n.param == p && !std::isfinite(n.sumsq)) s->result.nonfinite_params.push_back(id);
+      }
+      s->result.skipped_nonfinite = true;
+    }
+    p->busy = false;
+  }
+  if (param_done_) param_done_(id, step, updated, state_step);
+  std::unique_lock<std::mutex> lock(mu_);
+  --steps_[step]->updates_pending;
+  --in_flight_;
+  MaybeFinishStep(step, lock);
+  idle_cv_.notify_all();
+}
+
+void AdamWEngine::MaybeFinishStep(uint64_t step, std::unique_lock<std::mutex>& lock) {
+  auto it = steps_.find(step);
+  if (it == steps_.end()) return;
+  Step* s = it->second.get();
+  if (!s->ended || s->updates_pending != 0 || s->norms_pending != 0) return;
+  std::unique_ptr<Step> done = std::move(it->second);
+  steps_.erase(it);
+  ++in_flight_;  // keeps WaitIdle waiting until the callback has returned
+  lock.unlock();
+
+  std::sort(done->norms.begin(), done->norms.end(),
+            [](const Step::Norm& a, const Step::Norm& b) { return a.index < b.index; });
+  double total = 0;
+  for (const Step::Norm& n : done->norms) total += n.sumsq;
+  StepResult& r = done->result;
+  r.grad_norm = std::sqrt(total);
+  std::sort(r.nonfinite_params.begin(), r.nonfinite_params.end());
+  if (r.skipped_nonfinite) {
+    std::ostringstream msg;
+    msg << "non-finite gradient in parameter(s)";
+    for (uint64_t id : r.nonfinite_params) msg << ' ' << id;
+    msg << " at step " << step
+        << (deferred_ ? ": whole step skipped, no state changed"
+                      : ": those parameters were not updated, the others were");
+    r.error = msg.str();
+  }
+  if (step_done_) step_done_(r);
+
+  lock.lock();
+  --in_flight_;
+  idle_cv_.notify_all();
+}
+
+size_t AdamWEngine::ParamNumel(uint64_t param_id) const {
+  auto it = by_id_.find(param_id);
+  return it == by_id_.end() ? 0 : it->second->binding.numel;
+}
+
+std::string AdamWEngine::ExportState(uint64_t param_id, float* master, float* exp_avg,
+                                     float* exp_avg_sq, uint64_t* step) const {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  const Param& p = *it->second;
+  const ParamBinding& b = p.binding;
+  std::memcpy(master, b.master, b.numel * sizeof(float));
+  kernels::ConvertToFloat(b.exp_avg, options_.moment_dtype, exp_avg, b.numel);
+  kernels::ConvertToFloat(b.exp_avg_sq, options_.moment_dtype, exp_avg_sq, b.numel);
+  *step = p.state_step;
+  return "";
+}
+
+std::string AdamWEngine::ImportState(uint64_t param_id, const float* master, const float* exp_avg,
+                                     const float* exp_avg_sq, uint64_t step) {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  Param& p = *it->second;
+  const ParamBinding& b = p.binding;
+  std::memmove(b.master, master, b.numel * sizeof(float));
+  for (size_t i = 0; i < b.numel; ++i) {
+    if (options_.moment_dtype == DType::kBFloat16) {
+      static_cast<uint16_t*>(b.exp_avg)[i] = kernels::FloatToBf16Rne(exp_avg[i]);
+      static_cast<uint16_t*>(b.exp_avg_sq)[i] = kernels::FloatToBf16Rne(exp_avg_sq[i]);
+    } else {
+      static_cast<float*>(b.exp_avg)[i] = exp_avg[i];
+      static_cast<float*>(b.exp_avg_sq)[i] = exp_avg_sq[i];
+    }
+    if (b.param_slot == static_cast<void*>(b.master)) continue;
+    switch (b.param_dtype) {
+      case DType::kFloat32:
+        static_cast<float*>(b.param_slot)[i] = b.master[i];
+        break;
+      case DType::kBFloat16:
+        static_cast<uint16_t*>(b.param_slot)[i] = kernels::FloatToBf16Rne(b.master[i]);
+        break;
+      case DType::kFloat16:
+        static_cast<uint16_t*>(b.param_slot)[i] = kernels::FloatToFp16Rne(b.master[i]);
+        break;
+    }
+  }
+  p.state_step = step;
+  return "";
+}
+
+}  // namespace trainstream::optimizer

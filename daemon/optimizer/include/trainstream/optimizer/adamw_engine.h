@@ -1,0 +1,159 @@
+// AdamWEngine: torch.optim.AdamW over many parameters on a WorkerPool, for the
+// daemon's optimizer service. Memory (master, moments, gradient and parameter
+// slots) belongs to the caller; the engine only borrows pointers from AddParam
+// until it is destroyed. docs/adamw.md describes the modes and guarantees.
+//
+// Flow per step s:
+//   SubmitGrad(id, s, hp) for each parameter whose gradient is in its slot,
+//   StepEnd(s) once all of them are submitted.
+// Eager mode (no clipping, skip_nonfinite_step false): each parameter is checked
+// for non-finite values and updated as soon as it is submitted; a non-finite
+// gradient skips that parameter only (its state and slot are untouched) and is
+// reported in the step result. Deferred mode (max_grad_norm > 0 or
+// skip_nonfinite_step): norms are computed as gradients arrive, updates wait for
+// StepEnd, then global norm -> finite check (non-finite skips the whole step) ->
+// clip -> update.
+//
+// Threading: SubmitGrad/StepEnd are thread-safe. Callbacks run on worker threads
+// (or, for a step with nothing left to do, on the thread calling StepEnd); they
+// must not block for long and must not call WaitIdle.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "trainstream/kernels/adamw.h"
+#include "trainstream/kernels/cpu_features.h"
+#include "trainstream/optimizer/worker_pool.h"
+
+namespace trainstream::optimizer {
+
+using kernels::AdamWHyperParams;
+using kernels::DType;
+
+// One parameter's memory, all owned by the caller and valid for the engine's
+// lifetime. exp_avg/exp_avg_sq hold numel elements of the engine's moment dtype.
+// param_slot may equal master when param_dtype is fp32 (then there is no
+// separate output copy). grad_slot is only read.
+struct ParamBinding {
+  uint64_t param_id = 0;
+  size_t numel = 0;
+  DType param_dtype = DType::kFloat32;
+  DType grad_dtype = DType::kFloat32;
+  float* master = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  const void* grad_slot = nullptr;
+  void* param_slot = nullptr;
+};
+
+struct EngineOptions {
+  DType moment_dtype = DType::kFloat32;  // kFloat32 or kBFloat16
+  double max_grad_norm = 0;              // > 0: clip by global L2 norm (deferred mode)
+  bool skip_nonfinite_step = false;      // deferred mode without clipping
+  uint64_t seed = 0;                     // stochastic rounding of bf16 moments
+  size_t chunk_elems = 64 * 1024;        // elements per work item
+  kernels::Isa isa = kernels::BestIsa();  // forced path (tests, benchmarks)
+};
+
+struct StepResult {
+  uint64_t step = 0;
+  double grad_norm = 0;            // global L2 norm of the submitted gradients (pre-clip)
+  bool skipped_nonfinite = false;  // some gradient was non-finite
+  uint32_t params_updated = 0;
+  std::vector<uint64_t> nonfinite_params;  // ids with a non-finite gradient
+  std::string error;                       // human-readable, empty when all is well
+};
+
+// updated == false: the parameter was skipped (non-finite); its slot is unchanged.
+// param_step is the parameter's torch-style step count after this call.
+using ParamDoneCallback =
+    std::function<void(uint64_t param_id, uint64_t step, bool updated, uint64_t param_step)>;
+using StepDoneCallback = std::function<void(const StepResult& result)>;
+
+class AdamWEngine {
+ public:
+  // `pool` must outlive the engine.
+  AdamWEngine(WorkerPool* pool, EngineOptions options);
+  // Waits for in-flight work (WaitIdle) so no borrowed pointer is used afterwards.
+  ~AdamWEngine();
+  AdamWEngine(const AdamWEngine&) = delete;
+  AdamWEngine& operator=(const AdamWEngine&) = delete;
+
+  // Set before the first SubmitGrad; either may be empty.
+  void SetCallbacks(ParamDoneCallback param_done, StepDoneCallback step_done);
+
+  // Registers a parameter. Not concurrent with SubmitGrad/StepEnd. Returns "" or
+  // an error naming what is wrong (duplicate id, null pointer, unsupported dtype).
+  std::string AddParam(const ParamBinding& binding);
+
+  // Blocking: for every parameter added since the last Init, sets master from the
+  // param slot (any dtype) and zeroes the moments, each chunk on the worker that
+  // will later update it (first touch).
+  std::string Init();
+
+  // The gradient of `param_id` for step `step` is complete in its slot. The slot
+  // must not change until the parameter's ParamDone callback. Returns "" or an
+  // error (unknown id, parameter busy, bad hyper-parameters, step already ended).
+  std::string SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp);
+
+  // All gradients of `step` are submitted. StepDone fires once every update of
+  // the step is done (possibly before this returns).
+  std::string StepEnd(uint64_t step);
+
+  // Blocks until every submitted parameter and every ended step is finished.
+  void WaitIdle();
+
+  bool deferred() const { return deferred_; }
+  const EngineOptions& options() const { return options_; }
+
+  // Elements of a registered parameter (0 when unknown).
+  size_t ParamNumel(uint64_t param_id) const;
+
+  // state_dict support; call only while idle. Arrays hold numel floats; `step`
+  // is torch's state['step'] (updates applied to this parameter).
+  std::string ExportState(uint64_t param_id, float* master, float* exp_avg, float* exp_avg_sq,
+                          uint64_t* step) const;
+  // Sets master, moments (bf16 storage: rounded to nearest even) and step, and
+  // rewrites the param slot from the new master.
+  std::string ImportState(uint64_t param_id, const float* master, const float* exp_avg,
+                          const float* exp_avg_sq, uint64_t step);
+
+ private:
+  struct Param;
+  struct Step;
+  void StartNormPhase(Param* p);
+  void NormChunk(Param* p, size_t chunk);
+  void OnNormDone(Param* p);
+  void StartUpdatePhase(Param* p, float grad_scale);
+  void UpdateChunk(Param* p, size_t chunk);
+  void OnParamDone(Param* p, bool updated);
+  void FinishDeferredNorms(uint64_t step);
+  void MaybeFinishStep(uint64_t step, std::unique_lock<std::mutex>& lock);
+
+  WorkerPool* const pool_;
+  const EngineOptions options_;
+  const bool deferred_;
+  ParamDoneCallback param_done_;
+  StepDoneCallback step_done_;
+
+  std::vector<std::unique_ptr<Param>> params_;       // append-only before submissions
+  std::unordered_map<uint64_t, Param*> by_id_;       // ditto
+  std::vector<uint64_t> worker_load_;                // elements assigned per worker
+  size_t initialized_ = 0;                           // params_[0, initialized_) are set up
+
+  mutable std::mutex mu_;
+  std::condition_variable idle_cv_;
+  std::map<uint64_t, std::unique_ptr<Step>> steps_;  // Guarded by mu_: open steps
+  uint64_t in_flight_ = 0;                           // Guarded by mu_: params submitted, not done
+};
+
+}  // namespace trainstream::optimizer

@@ -1,0 +1,249 @@
+// WorkerPool and AdamWEngine: the engine on several threads must give exactly
+// what the scalar kernel gives applied parameter by parameter, in eager and
+// deferred modes, and must leave state untouched for non-finite gradients.
+#include <atomic>
+#include <cmath>
+#include <mutex>
+#include <random>
+#include <vector>
+
+#include "catch_compat.h"
+#include "trainstream/kernels/adamw.h"
+#include "trainstream/optimizer/adamw_engine.h"
+#include "trainstream/optimizer/worker_pool.h"
+
+using namespace trainstream::optimizer;
+using trainstream::kernels::Isa;
+
+TEST_CASE("worker pool runs each task on its worker, in order", "[pool]") {
+  std::vector<std::vector<int>> seen(3);
+  std::atomic<int> wrong{0};
+  {
+    WorkerPool pool(WorkerPoolOptions{3, false});
+    REQUIRE(pool.size() == 3);
+    for (int i = 0; i < 300; ++i) {
+      const unsigned w = static_cast<unsigned>(i % 3);
+      pool.Submit(w, [&, w, i] {
+        if (WorkerPool::CurrentWorker() != static_cast<int>(w)) ++wrong;
+        seen[w].push_back(i);  // only worker w touches seen[w]
+      });
+    }
+  }  // destructor drains the queues
+  CHECK(wrong == 0);
+  for (unsigned w = 0; w < 3; ++w) {
+    REQUIRE(seen[w].size() == 100);
+    for (size_t k = 1; k < seen[w].size(); ++k) CHECK(seen[w][k] > seen[w][k - 1]);
+  }
+  CHECK(WorkerPool::CurrentWorker() == -1);
+  CHECK(!PhysicalCoreCpus().empty());
+}
+
+namespace {
+
+struct Tensor {
+  std::vector<float> master, m, v, grad, slot;
+};
+
+struct Fixture {
+  std::vector<size_t> sizes{1, 7, 4097, 200003};
+  std::vector<Tensor> t;
+  explicit Fixture(uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (size_t n : sizes) {
+      Tensor x;
+      x.master.resize(n);
+      x.m.resize(n);
+      x.v.resize(n);
+      x.grad.resize(n);
+      x.slot.resize(n);
+      for (float& f : x.slot) f = normal(rng);
+      t.push_back(std::move(x));
+    }
+  }
+  void NewGrads(uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (Tensor& x : t) {
+      for (float& f : x.grad) f = normal(rng);
+    }
+  }
+};
+
+AdamWHyperParams Hp(size_t i) {
+  AdamWHyperParams hp;
+  hp.lr = i % 2 ? 1e-2 : 3e-3;  // two "groups"
+  hp.weight_decay = i % 2 ? 0.0 : 0.1;
+  return hp;
+}
+
+// The reference: the scalar kernel on each whole tensor, one thread.
+void ReferenceStep(Fixture& f, uint64_t step, float scale) {
+  for (size_t i = 0; i < f.t.size(); ++i) {
+    Tensor& x = f.t[i];
+    trainstream::kernels::AdamWRange r{x.master.data(), x.m.data(), x.v.data(), x.grad.data(),
+                                       x.slot.data(), x.master.size(), DType::kFloat32,
+                                       DType::kFloat32, DType::kFloat32};
+    trainstream::kernels::AdamWUpdate(
+        r, trainstream::kernels::ComputeAdamWStepScalars(Hp(i), step, scale),
+        trainstream::kernels::RoundingKey{0, i, step, 0}, Isa::kScalar);
+  }
+}
+
+void Bind(AdamWEngine& engine, Fixture& f) {
+  for (size_t i = 0; i < f.t.size(); ++i) {
+    Tensor& x = f.t[i];
+    ParamBinding b;
+    b.param_id = i;
+    b.numel = x.master.size();
+    b.master = x.master.data();
+    b.exp_avg = x.m.data();
+    b.exp_avg_sq = x.v.data();
+    b.grad_slot = x.grad.data();
+    b.param_slot = x.slot.data();
+    REQUIRE(engine.AddParam(b).empty());
+  }
+  REQUIRE(engine.Init().empty());
+}
+
+struct Recorder {
+  std::mutex mu;
+  std::vector<StepResult> steps;
+  int params_done = 0;
+  int params_skipped = 0;
+  void Attach(AdamWEngine& engine) {
+    engine.SetCallbacks(
+        [this](uint64_t, uint64_t, bool updated, uint64_t) {
+          std::lock_guard<std::mutex> lock(mu);
+          ++(updated ? params_done : params_skipped);
+        },
+        [this](const StepResult& r) {
+          std::lock_guard<std::mutex> lock(mu);
+          steps.push_back(r);
+        });
+  }
+};
+
+double GlobalNorm(const Fixture& f) {
+  double s = 0;
+  for (const Tensor& x : f.t) {
+    for (float g : x.grad) s += static_cast<double>(g) * g;
+  }
+  return std::sqrt(s);
+}
+
+}  // namespace
+
+TEST_CASE("eager engine on 3 threads equals the scalar kernel", "[engine]") {
+  WorkerPool pool(WorkerPoolOptions{3, false});
+  Fixture got(1), want(1);
+  EngineOptions opt;
+  opt.chunk_elems = 65536;
+  AdamWEngine engine(&pool, opt);
+  REQUIRE_FALSE(engine.deferred());
+  Recorder rec;
+  rec.Attach(engine);
+  Bind(engine, got);
+  for (size_t i = 0; i < want.t.size(); ++i) {
+    want.t[i].master = want.t[i].slot;  // what Init does
+    CHECK(got.t[i].master == want.t[i].master);
+  }
+  for (uint64_t step = 1; step <= 4; ++step) {
+    got.NewGrads(static_cast<uint32_t>(step));
+    want.NewGrads(static_cast<uint32_t>(step));
+    for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).empty());
+    REQUIRE(engine.StepEnd(step).empty());
+    engine.WaitIdle();
+    ReferenceStep(want, step, 1.0f);
+  }
+  for (size_t i = 0; i < got.t.size(); ++i) {
+    CHECK(got.t[i].master == want.t[i].master);
+    CHECK(got.t[i].m == want.t[i].m);
+    CHECK(got.t[i].v == want.t[i].v);
+    CHECK(got.t[i].slot == want.t[i].slot);
+  }
+  REQUIRE(rec.steps.size() == 4);
+  CHECK(rec.params_done == 16);
+  CHECK(rec.steps.back().params_updated == 4);
+  CHECK(rec.steps.back().grad_norm == Approx(GlobalNorm(want)).epsilon(1e-12));
+
+  // state export/import round trip
+  std::vector<float> ma(4097), ea(4097), eb(4097);
+  uint64_t step = 0;
+  REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).empty());
+  CHECK(step == 4);
+  CHECK(ma == want.t[2].master);
+  CHECK(eb == want.t[2].v);
+  ma[0] = 5.0f;
+  REQUIRE(engine.ImportState(2, ma.data(), ea.data(), eb.data(), 9).empty());
+  CHECK(got.t[2].slot[0] == 5.0f);
+  REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).empty());
+  CHECK(step == 9);
+}
+
+TEST_CASE("deferred engine clips by the global norm like clip_grad_norm_", "[engine]") {
+  WorkerPool pool(WorkerPoolOptions{2, false});
+  Fixture got(2), want(2);
+  EngineOptions opt;
+  opt.max_grad_norm = 1.0;
+  AdamWEngine engine(&pool, opt);
+  REQUIRE(engine.deferred());
+  Recorder rec;
+  rec.Attach(engine);
+  Bind(engine, got);
+  for (auto& x : want.t) x.master = x.slot;
+  for (uint64_t step = 1; step <= 3; ++step) {
+    got.NewGrads(static_cast<uint32_t>(step + 10));
+    want.NewGrads(static_cast<uint32_t>(step + 10));
+    for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).empty());
+    REQUIRE(engine.StepEnd(step).empty());
+    engine.WaitIdle();
+    const float norm = static_cast<float>(GlobalNorm(want));
+    const float coef = (1.0f / (norm + 1e-6f)) * 1.0f;
+    ReferenceStep(want, step, coef < 1.0f ? coef : 1.0f);
+  }
+  for (size_t i = 0; i < got.t.size(); ++i) {
+    for (size_t k = 0; k < got.t[i].master.size(); ++k) {
+      REQUIRE(got.t[i].master[k] == Approx(want.t[i].master[k]).epsilon(1e-6).margin(1e-7));
+    }
+  }
+  REQUIRE(rec.steps.size() == 3);
+  CHECK(rec.steps[0].grad_norm > 1.0);
+}
+
+TEST_CASE("non-finite gradient: eager skips that parameter, deferred skips the step", "[engine]") {
+  for (bool deferred : {false, true}) {
+    INFO("deferred " << deferred);
+    WorkerPool pool(WorkerPoolOptions{2, false});
+    Fixture f(3);
+    EngineOptions opt;
+    opt.skip_nonfinite_step = deferred;
+    AdamWEngine engine(&pool, opt);
+    Recorder rec;
+    rec.Attach(engine);
+    Bind(engine, f);
+    f.NewGrads(5);
+    f.t[3].grad[150000] = NAN;
+    const Fixture before = f;
+    for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, 1, Hp(i)).empty());
+    REQUIRE(engine.StepEnd(1).empty());
+    engine.WaitIdle();
+    REQUIRE(rec.steps.size() == 1);
+    const StepResult& r = rec.steps[0];
+    CHECK(r.skipped_nonfinite);
+    CHECK(r.nonfinite_params == std::vector<uint64_t>{3});
+    CHECK_FALSE(r.error.empty());
+    CHECK(f.t[3].master == before.t[3].master);
+    CHECK(f.t[3].m == before.t[3].m);
+    CHECK(f.t[3].v == before.t[3].v);
+    CHECK(f.t[3].slot == before.t[3].slot);
+    CHECK(r.params_updated == (deferred ? 0u : 3u));
+    CHECK((f.t[0].master == before.t[0].master) == deferred);
+    std::vector<float> a(200003), b(200003), c(200003);
+    uint64_t step = 99;
+    REQUIRE(engine.ExportState(3, a.data(), b.data(), c.data(), &step).empty());
+    CHECK(step == 0);  // the skipped parameter's step count did not advance
+    REQUIRE(engine.ExportState(0, a.data(), b.data(), c.data(), &step).empty());
+    CHECK(step == (deferred ? 0u : 1u));
+  }
+}
