@@ -186,7 +186,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                                                  [s["numel"]], name)
             with torch.no_grad():
                 e.param_slot.copy_(e.param.detach().reshape(-1))
-            self._plane.post_state(True, e.param_id, _FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
+        # Every slot is written before the daemon initialises the masters from them.
+        for s in slots:
+            self._plane.post_state(True, s["param_id"], _FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
         self._sync()
 
     # -------------------------------------------------------------- data plane

@@ -1,0 +1,377 @@
+// OptimizerService: one consumer thread per optimizer session, turning ring
+// commands into AdamW engine calls and engine callbacks into completions.
+//
+// Note [Completions never block a worker]. Engine callbacks run on the shared
+// worker pool. If they waited for room on a session's completion ring, a client
+// that stops polling would stall every other session's updates. So completions
+// that don't fit go to a per-session overflow queue (in daemon memory), which the
+// session's own thread moves into the ring as the client drains it. Once the
+// overflow is non-empty every completion goes through it, so order is kept.
+#include "optimizer_service.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+
+#include "trainstream/optimizer/adamw_engine.h"
+#include "trainstream/optimizer/worker_pool.h"
+
+namespace trainstream::daemon {
+namespace {
+
+using wire::CommandRecord;
+using wire::CompletionRecord;
+using wire::CompletionStatus;
+using wire::Opcode;
+using wire::RingView;
+using wire::StateField;
+
+constexpr int64_t kPollSliceNs = 20'000'000;  // how often an idle session thread looks around
+
+kernels::DType ToKernel(WireDType d) {
+  switch (d) {
+    case WireDType::kBFloat16:
+      return kernels::DType::kBFloat16;
+    case WireDType::kFloat16:
+      return kernels::DType::kFloat16;
+    case WireDType::kFloat32:
+      break;
+  }
+  return kernels::DType::kFloat32;
+}
+
+void SetMessage(CompletionRecord* rec, const std::string& message) {
+  std::strncpy(rec->message, message.c_str(), sizeof(rec->message) - 1);
+  rec->message[sizeof(rec->message) - 1] = '\0';
+}
+
+}  // namespace
+
+// The data plane of one session. Created by StartSession, destroyed by
+// EndSession; between the two the session layer keeps every pointer valid.
+class AdamWSessionPlane {
+ public:
+  AdamWSessionPlane(uint64_t session_id, void* control, RegionResolver resolver,
+                    optimizer::WorkerPool* pool)
+      : session_id_(session_id), resolver_(std::move(resolver)), pool_(pool) {
+    auto* header = static_cast<wire::SessionControlHeader*>(control);
+    auto* base = static_cast<char*>(control);
+    commands_ = RingView(base + header->command_ring_offset);
+    completions_ = RingView(base + header->completion_ring_offset);
+    thread_ = std::thread([this] { Run(); });
+  }
+
+  ~AdamWSessionPlane() {
+    stop_.store(true, std::memory_order_release);
+    commands_.WakeConsumer();
+    thread_.join();
+    engine_.reset();  // waits for in-flight updates: after this no pointer is touched
+  }
+
+  AdamWSessionPlane(const AdamWSessionPlane&) = delete;
+  AdamWSessionPlane& operator=(const AdamWSessionPlane&) = delete;
+
+  // Called on an RPC thread; the session thread applies the parameters before
+  // it handles the next command (the engine's AddParam is not concurrent with
+  // updates).
+  std::string AddParameters(const SessionOptimizerOptions& options, std::vector<ParamBinding> params) {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    if (have_options_) {
+      if (options.moment_dtype != options_.moment_dtype || options.max_grad_norm != options_.max_grad_norm ||
+          options.seed != options_.seed) {
+        return "moment_dtype, max_grad_norm and seed must be the same in every RegisterParameters "
+               "call of a session";
+      }
+    } else {
+      options_ = options;
+      have_options_ = true;
+    }
+    for (auto& p : params) pending_.push_back(std::move(p));
+    return "";
+  }
+
+ private:
+  void Run() {
+    CommandRecord cmd{};
+    while (!stop_.load(std::memory_order_acquire)) {
+      FlushOverflow();
+      if (!commands_.Pop(&cmd, kPollSliceNs)) continue;
+      ApplyPending();
+      Handle(cmd);
+    }
+  }
+
+  void ApplyPending() {
+    std::vector<ParamBinding> adds;
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      adds.swap(pending_);
+      if (!engine_ && have_options_) {
+        optimizer::EngineOptions eo;
+        eo.moment_dtype = ToKernel(options_.moment_dtype);
+        eo.max_grad_norm = options_.max_grad_norm;
+        eo.seed = options_.seed;
+        engine_ = std::make_unique<optimizer::AdamWEngine>(pool_, eo);
+        engine_->SetCallbacks(
+            [this](uint64_t id, uint64_t step, bool updated, uint64_t param_step) {
+              OnParamDone(id, step, updated, param_step);
+            },
+            [this](const optimizer::StepResult& r) { OnStepDone(r); });
+      }
+    }
+    for (auto& b : adds) {
+      optimizer::ParamBinding eb;
+      eb.param_id = b.param_id;
+      eb.numel = b.numel;
+      eb.param_dtype = ToKernel(b.param_dtype);
+      eb.grad_dtype = ToKernel(b.grad_dtype);
+      eb.master = b.master;
+      eb.exp_avg = b.exp_avg;
+      eb.exp_avg_sq = b.exp_avg_sq;
+      eb.grad_slot = b.grad_slot;
+      eb.param_slot = b.param_slot;
+      std::string err = engine_->AddParam(eb);
+      if (!err.empty()) {
+        Reject(Opcode::kError, 0, b.param_id, 0, "param " + std::to_string(b.param_id) + ": " + err);
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(step_mu_);
+      step_counters_[b.param_id] = b.step_counter;
+    }
+    if (!adds.empty()) needs_init_ = true;
+  }
+
+  void Handle(const CommandRecord& cmd) {
+    if (!engine_) {
+      Reject(Opcode::kError, cmd.seq, cmd.param_id, cmd.step,
+             "no parameters are registered in this session");
+      return;
+    }
+    switch (cmd.opcode) {
+      case Opcode::kGradReady: {
+        kernels::AdamWHyperParams hp{cmd.lr, cmd.beta1, cmd.beta2, cmd.eps, cmd.weight_decay};
+        std::string err = engine_->SubmitGrad(cmd.param_id, cmd.step, hp);
+        if (!err.empty()) Reject(Opcode::kError, cmd.seq, cmd.param_id, cmd.step, err);
+        return;
+      }
+      case Opcode::kStepEnd: {
+        std::string err = engine_->StepEnd(cmd.step);
+        if (!err.empty()) Reject(Opcode::kError, cmd.seq, 0, cmd.step, err);
+        return;
+      }
+      case Opcode::kLoadState:
+      case Opcode::kExportState:
+        HandleState(cmd);
+        return;
+      case Opcode::kSync: {
+        engine_->WaitIdle();
+        CompletionRecord rec{};
+        rec.opcode = Opcode::kSyncDone;
+        rec.seq = cmd.seq;
+        Complete(rec);
+        return;
+      }
+      default:
+        Reject(Opcode::kError, cmd.seq, cmd.param_id, cmd.step,
+               "unknown command opcode " + std::to_string(static_cast<uint32_t>(cmd.opcode)));
+    }
+  }
+
+  // State moves run between steps: the engine is idle first, so no update races them.
+  void HandleState(const CommandRecord& cmd) {
+    const bool load = cmd.opcode == Opcode::kLoadState;
+    engine_->WaitIdle();
+    CompletionRecord rec{};
+    rec.opcode = Opcode::kStateDone;
+    rec.seq = cmd.seq;
+    rec.param_id = cmd.param_id;
+    std::string err = MoveState(cmd, load, &rec.step);
+    if (!err.empty()) {
+      rec.status = CompletionStatus::kInvalid;
+      SetMessage(&rec, err);
+    }
+    Complete(rec);
+  }
+
+  std::string MoveState(const CommandRecord& cmd, bool load, uint64_t* step_out) {
+    if (cmd.field == StateField::kParamFromSlot) {
+      if (!load) return "kParamFromSlot can only be loaded";
+      if (engine_->ParamNumel(cmd.param_id) == 0) return "unknown param_id " + std::to_string(cmd.param_id);
+      // Init covers every parameter added since the last Init, so the client
+      // writes all slots first and then posts these; only the first one works.
+      if (needs_init_) {
+        needs_init_ = false;
+        return engine_->Init();
+      }
+      return "";
+    }
+    const size_t n = engine_->ParamNumel(cmd.param_id);
+    if (n == 0) return "unknown param_id " + std::to_string(cmd.param_id);
+    std::vector<float> master(n), m(n), v(n);
+    uint64_t step = 0;
+    std::string err = engine_->ExportState(cmd.param_id, master.data(), m.data(), v.data(), &step);
+    if (!err.empty()) return err;
+    if (cmd.field == StateField::kStep) {
+      if (!load) {
+        *step_out = step;
+        return "";
+      }
+      step = cmd.step;
+    } else {
+      std::vector<float>* target = cmd.field == StateField::kMaster   ? &master
+                                   : cmd.field == StateField::kExpAvg ? &m
+                                   : cmd.field == StateField::kExpAvgSq ? &v
+                                                                        : nullptr;
+      if (target == nullptr) return "unknown state field " + std::to_string(static_cast<uint32_t>(cmd.field));
+      if (cmd.bytes != n * sizeof(float)) {
+        return "state payload is " + std::to_string(cmd.bytes) + " bytes; param " +
+               std::to_string(cmd.param_id) + " needs " + std::to_string(n * sizeof(float));
+      }
+      void* payload = resolver_(cmd.region_id, cmd.region_offset, cmd.bytes);
+      if (payload == nullptr) {
+        return "region " + std::to_string(cmd.region_id) + " [" + std::to_string(cmd.region_offset) +
+               ", +" + std::to_string(cmd.bytes) + ") is not a region of this session";
+      }
+      if (!load) {
+        std::memcpy(payload, target->data(), cmd.bytes);
+        return "";
+      }
+      std::memcpy(target->data(), payload, cmd.bytes);
+    }
+    err = engine_->ImportState(cmd.param_id, master.data(), m.data(), v.data(), step);
+    if (err.empty()) SetStepCounter(cmd.param_id, step);
+    return err;
+  }
+
+  void OnParamDone(uint64_t id, uint64_t step, bool updated, uint64_t param_step) {
+    if (updated) SetStepCounter(id, param_step);
+    CompletionRecord rec{};
+    rec.opcode = Opcode::kParamReady;
+    rec.status = updated ? CompletionStatus::kOk : CompletionStatus::kSkippedNonFinite;
+    rec.param_id = id;
+    rec.step = step;
+    Complete(rec);
+  }
+
+  void OnStepDone(const optimizer::StepResult& r) {
+    CompletionRecord rec{};
+    rec.opcode = Opcode::kStepDone;
+    rec.status = r.skipped_nonfinite ? CompletionStatus::kSkippedNonFinite : CompletionStatus::kOk;
+    rec.step = r.step;
+    rec.grad_norm = r.grad_norm;
+    rec.params_updated = r.params_updated;
+    if (!r.error.empty()) SetMessage(&rec, r.error);
+    Complete(rec);
+  }
+
+  void SetStepCounter(uint64_t id, uint64_t step) {
+    std::lock_guard<std::mutex> lock(step_mu_);
+    auto it = step_counters_.find(id);
+    if (it != step_counters_.end() && it->second != nullptr) *it->second = step;
+  }
+
+  void Reject(Opcode op, uint64_t seq, uint64_t param_id, uint64_t step, const std::string& why) {
+    spdlog::warn("session {}: rejected command: {}", session_id_, why);
+    CompletionRecord rec{};
+    rec.opcode = op;
+    rec.status = CompletionStatus::kInvalid;
+    rec.seq = seq;
+    rec.param_id = param_id;
+    rec.step = step;
+    SetMessage(&rec, why);
+    Complete(rec);
+  }
+
+  // See Note [Completions never block a worker].
+  void Complete(const CompletionRecord& rec) {
+    std::lock_guard<std::mutex> lock(completion_mu_);
+    if (overflow_.empty() && completions_.TryPush(&rec)) return;
+    overflow_.push_back(rec);
+  }
+
+  void FlushOverflow() {
+    std::lock_guard<std::mutex> lock(completion_mu_);
+    while (!overflow_.empty() && completions_.TryPush(&overflow_.front())) overflow_.pop_front();
+  }
+
+  const uint64_t session_id_;
+  const RegionResolver resolver_;
+  optimizer::WorkerPool* const pool_;
+  RingView commands_;     // consumed by thread_ only
+  RingView completions_;  // produced under completion_mu_
+  std::atomic<bool> stop_{false};
+
+  std::mutex pending_mu_;  // guards pending_, options_, have_options_
+  std::vector<ParamBinding> pending_;
+  SessionOptimizerOptions options_;
+  bool have_options_ = false;
+
+  // Owned by thread_ (created there); reset in the destructor after the join.
+  std::unique_ptr<optimizer::AdamWEngine> engine_;
+  bool needs_init_ = false;  // thread_ only
+
+  std::mutex step_mu_;  // guards step_counters_ (the manifest's per-param step)
+  std::unordered_map<uint64_t, uint64_t*> step_counters_;
+
+  std::mutex completion_mu_;  // guards overflow_ and the completion ring's producer side
+  std::deque<CompletionRecord> overflow_;
+
+  std::thread thread_;  // last: started after every member above exists
+};
+
+struct OptimizerService::Impl {
+  explicit Impl(unsigned threads) : pool(optimizer::WorkerPoolOptions{threads, false}) {}
+  optimizer::WorkerPool pool;
+  std::mutex mu;  // guards sessions
+  std::unordered_map<uint64_t, std::unique_ptr<AdamWSessionPlane>> sessions;
+};
+
+OptimizerService::OptimizerService(unsigned threads) : impl_(std::make_unique<Impl>(threads)) {
+  spdlog::info("optimizer: {} AdamW worker threads ({} path)", impl_->pool.size(),
+               kernels::IsaName(kernels::BestIsa()));
+}
+
+OptimizerService::~OptimizerService() {
+  std::unordered_map<uint64_t, std::unique_ptr<AdamWSessionPlane>> sessions;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    sessions.swap(impl_->sessions);
+  }
+  sessions.clear();  // joins each session thread before the pool goes away
+}
+
+void OptimizerService::StartSession(uint64_t session_id, void* control, RegionResolver resolver) {
+  auto plane = std::make_unique<AdamWSessionPlane>(session_id, control, std::move(resolver), &impl_->pool);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->sessions[session_id] = std::move(plane);
+}
+
+std::string OptimizerService::AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
+                                            std::vector<ParamBinding> params) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->sessions.find(session_id);
+  if (it == impl_->sessions.end()) return "session " + std::to_string(session_id) + " has no data plane";
+  return it->second->AddParameters(options, std::move(params));
+}
+
+void OptimizerService::EndSession(uint64_t session_id) {
+  std::unique_ptr<AdamWSessionPlane> plane;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    auto it = impl_->sessions.find(session_id);
+    if (it == impl_->sessions.end()) return;
+    plane = std::move(it->second);
+    impl_->sessions.erase(it);
+  }
+  plane.reset();  // outside the lock: joining can take a step's worth of updates
+}
+
+unsigned OptimizerService::worker_threads() const { return impl_->pool.size(); }
+
+}  // namespace trainstream::daemon
