@@ -1,0 +1,206 @@
+// trainstream-bench-adamw: AdamW engine throughput (parameters updated per second
+// and the DRAM traffic that implies) for given sizes, threads and precisions.
+// Not a test: figures depend on the machine. bench_torch_adamw.py runs this and
+// torch's CPU AdamW on the same sizes and prints the ratios.
+//
+//   trainstream-bench-adamw --params 67108864 --tensor-elems 4194304 --threads 1,2
+//       --grad-dtype fp32,bf16 --moment-dtype fp32,bf16 --param-dtype bf16 --iters 10 --json
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "trainstream/kernels/adamw.h"
+#include "trainstream/kernels/bf16.h"
+#include "trainstream/kernels/cpu_features.h"
+#include "trainstream/optimizer/adamw_engine.h"
+#include "trainstream/optimizer/worker_pool.h"
+
+namespace {
+
+namespace tk = trainstream::kernels;
+namespace to = trainstream::optimizer;
+
+struct Args {
+  size_t params = size_t{1} << 26;
+  size_t tensor_elems = size_t{1} << 22;
+  std::vector<unsigned> threads{0};
+  std::vector<std::string> grad_dtypes{"fp32"}, moment_dtypes{"fp32"}, param_dtypes{"bf16"};
+  std::string isa = "auto";
+  std::string mode = "eager";  // eager | deferred (clipping on)
+  int iters = 10;
+  int warmup = 2;
+  bool json = false;
+};
+
+std::vector<std::string> Split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
+  return out;
+}
+
+[[noreturn]] void Usage(const char* msg) {
+  std::fprintf(stderr,
+               "%s\nusage: trainstream-bench-adamw [--params N] [--tensor-elems N] [--threads "
+               "1,2,...|0=physical cores] [--grad-dtype fp32,bf16,fp16] [--moment-dtype fp32,bf16] "
+               "[--param-dtype fp32,bf16,fp16] [--isa auto|scalar|avx2|avx512] [--mode "
+               "eager|deferred] [--iters N] [--warmup N] [--json]\n",
+               msg);
+  std::exit(2);
+}
+
+Args Parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) Usage(("missing value for " + flag).c_str());
+      return argv[++i];
+    };
+    if (flag == "--params") a.params = std::stoull(value());
+    else if (flag == "--tensor-elems") a.tensor_elems = std::stoull(value());
+    else if (flag == "--threads") {
+      a.threads.clear();
+      for (const auto& t : Split(value())) a.threads.push_back(static_cast<unsigned>(std::stoul(t)));
+    } else if (flag == "--grad-dtype") a.grad_dtypes = Split(value());
+    else if (flag == "--moment-dtype") a.moment_dtypes = Split(value());
+    else if (flag == "--param-dtype") a.param_dtypes = Split(value());
+    else if (flag == "--isa") a.isa = value();
+    else if (flag == "--mode") a.mode = value();
+    else if (flag == "--iters") a.iters = std::stoi(value());
+    else if (flag == "--warmup") a.warmup = std::stoi(value());
+    else if (flag == "--json") a.json = true;
+    else if (flag == "--help" || flag == "-h") Usage("");
+    else Usage(("unknown flag " + flag).c_str());
+  }
+  if (a.mode != "eager" && a.mode != "deferred") Usage("--mode must be eager or deferred");
+  if (a.params == 0 || a.tensor_elems == 0 || a.iters <= 0) Usage("sizes and iters must be > 0");
+  return a;
+}
+
+tk::DType DTypeOrDie(const std::string& s) {
+  tk::DType d;
+  if (!tk::ParseDType(s.c_str(), &d)) Usage(("unknown dtype " + s).c_str());
+  return d;
+}
+
+void* AllocUntouched(size_t bytes) {
+  // Page-aligned and not written here: the engine's Init touches it first.
+  void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  if (!p) {
+    std::fprintf(stderr, "out of memory allocating %zu bytes\n", bytes);
+    std::exit(1);
+  }
+  return p;
+}
+
+void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DType pd, tk::Isa isa) {
+  to::WorkerPool pool(to::WorkerPoolOptions{threads, threads == 0});
+  to::EngineOptions opt;
+  opt.moment_dtype = md;
+  opt.isa = isa;
+  opt.max_grad_norm = a.mode == "deferred" ? 1e9 : 0;  // deferred path, coefficient stays 1
+  to::AdamWEngine engine(&pool, opt);
+
+  std::vector<void*> allocations;
+  size_t left = a.params;
+  uint64_t id = 0;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.f, 1e-3f);
+  while (left > 0) {
+    const size_t n = std::min(left, a.tensor_elems);
+    to::ParamBinding b;
+    b.param_id = id++;
+    b.numel = n;
+    b.param_dtype = pd;
+    b.grad_dtype = gd;
+    b.master = static_cast<float*>(AllocUntouched(n * 4));
+    b.exp_avg = AllocUntouched(n * tk::DTypeSize(md));
+    b.exp_avg_sq = AllocUntouched(n * tk::DTypeSize(md));
+    void* grad = AllocUntouched(n * tk::DTypeSize(gd));
+    b.grad_slot = grad;
+    b.param_slot = AllocUntouched(n * tk::DTypeSize(pd));
+    // Gradients and weights with realistic magnitudes (values do not change speed).
+    std::vector<float> tmp(n);
+    for (float& f : tmp) f = normal(rng);
+    for (size_t i = 0; i < n; ++i) {
+      if (gd == tk::DType::kFloat32) static_cast<float*>(grad)[i] = tmp[i];
+      else if (gd == tk::DType::kBFloat16) static_cast<uint16_t*>(grad)[i] = tk::FloatToBf16Rne(tmp[i]);
+      else static_cast<uint16_t*>(grad)[i] = tk::FloatToFp16Rne(tmp[i]);
+      const float w = tmp[i] * 1000;
+      if (pd == tk::DType::kFloat32) static_cast<float*>(b.param_slot)[i] = w;
+      else if (pd == tk::DType::kBFloat16) static_cast<uint16_t*>(b.param_slot)[i] = tk::FloatToBf16Rne(w);
+      else static_cast<uint16_t*>(b.param_slot)[i] = tk::FloatToFp16Rne(w);
+    }
+    for (void* p : {static_cast<void*>(b.master), b.exp_avg, b.exp_avg_sq, grad, b.param_slot}) {
+      allocations.push_back(p);
+    }
+    if (std::string err = engine.AddParam(b); !err.empty()) Usage(err.c_str());
+    left -= n;
+  }
+  engine.Init();
+
+  tk::AdamWHyperParams hp;
+  auto run_step = [&](uint64_t step) {
+    for (uint64_t p = 0; p < id; ++p) engine.SubmitGrad(p, step, hp);
+    engine.StepEnd(step);
+    engine.WaitIdle();
+  };
+  uint64_t step = 1;
+  for (int i = 0; i < a.warmup; ++i) run_step(step++);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < a.iters; ++i) run_step(step++);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / a.iters;
+
+  // Bytes each parameter moves through DRAM per step: the norm/finite pass reads
+  // the gradient, the update reads master, gradient and moments and writes
+  // master, moments and the weight copy.
+  const double bytes = 4.0 * 2 + 2.0 * tk::DTypeSize(gd) + 4.0 * tk::DTypeSize(md) +
+                       tk::DTypeSize(pd);
+  const double gparams = static_cast<double>(a.params) / seconds / 1e9;
+  if (a.json) {
+    std::printf(
+        "{\"bench\": \"adamw\", \"params\": %zu, \"tensor_elems\": %zu, \"threads\": %u, "
+        "\"grad_dtype\": \"%s\", \"moment_dtype\": \"%s\", \"param_dtype\": \"%s\", \"isa\": "
+        "\"%s\", \"mode\": \"%s\", \"iters\": %d, \"seconds_per_step\": %.6f, "
+        "\"gparams_per_s\": %.4f, \"bytes_per_param\": %.0f, \"gb_per_s\": %.2f}\n",
+        a.params, a.tensor_elems, pool.size(), tk::DTypeName(gd), tk::DTypeName(md),
+        tk::DTypeName(pd), tk::IsaName(isa), a.mode.c_str(), a.iters, seconds, gparams, bytes,
+        gparams * bytes);
+  } else {
+    std::printf(
+        "threads %2u  grad %-4s moments %-4s param %-4s isa %-6s %s: %8.3f ms/step  %6.3f "
+        "Gparam/s  %6.1f GB/s (%.0f B/param)\n",
+        pool.size(), tk::DTypeName(gd), tk::DTypeName(md), tk::DTypeName(pd), tk::IsaName(isa),
+        a.mode.c_str(), seconds * 1e3, gparams, gparams * bytes, bytes);
+  }
+  std::fflush(stdout);
+  for (void* p : allocations) std::free(p);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = Parse(argc, argv);
+  tk::Isa isa = tk::BestIsa();
+  if (a.isa != "auto") {
+    if (!tk::ParseIsa(a.isa, &isa)) Usage(("unknown isa " + a.isa).c_str());
+    if (!tk::IsaSupported(isa)) Usage(("this CPU cannot run isa " + a.isa).c_str());
+  }
+  for (unsigned t : a.threads) {
+    for (const auto& g : a.grad_dtypes) {
+      for (const auto& m : a.moment_dtypes) {
+        for (const auto& p : a.param_dtypes) {
+          RunOne(a, t, DTypeOrDie(g), DTypeOrDie(m), DTypeOrDie(p), isa);
+        }
+      }
+    }
+  }
+  return 0;
+}
