@@ -27,7 +27,7 @@ struct SegmentHeader {
   int32_t local_rank;
   uint64_t manifest_offset;  // state segments: StateManifest location, else 0
   uint64_t manifest_bytes;
-  uint8_t reserved[3920];
+  uint8_t reserved[3960];  // pads the header to exactly kSegmentHeaderBytes
 };
 static_assert(sizeof(SegmentHeader) == kSegmentHeaderBytes, "wire format");
 
