@@ -1,0 +1,82 @@
+// trainstreamctl: the command-line face of trainstreamd (status, ping, shutdown).
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "status_table.h"
+#include "trainstream/client.h"
+
+namespace {
+
+int Fail(const trainstream::Status& s) {
+  std::fprintf(stderr, "trainstreamctl: %s\n", s.ToString().c_str());
+  switch (s.code()) {
+    case trainstream::StatusCode::kUnavailable:
+    case trainstream::StatusCode::kDeadlineExceeded:
+      return 3;
+    case trainstream::StatusCode::kPermissionDenied:
+      return 4;
+    default:
+      return 1;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"trainstreamctl: inspect and control trainstreamd"};
+  app.require_subcommand(1);
+  std::string socket = trainstream::DefaultSocketPath();
+  int timeout_ms = 3000;
+  app.add_option("--socket", socket, "Daemon socket (default: $TRAINSTREAM_SOCKET, the system socket, or the "
+                                     "per-user embedded socket)");
+  app.add_option("--timeout-ms", timeout_ms, "How long to wait for the daemon to answer (default 3000)");
+
+  auto* status_cmd = app.add_subcommand("status", "Sessions, segments, budget, pinned memory and cached bases");
+  bool json = false;
+  status_cmd->add_flag("--json", json, "Print JSON (fields: docs/status-json.md)");
+  auto* ping_cmd = app.add_subcommand("ping", "Check that the daemon answers; prints its version and pid");
+  auto* shutdown_cmd = app.add_subcommand("shutdown", "Stop the daemon (admins only)");
+  bool drain = false;
+  shutdown_cmd->add_flag("--drain", drain, "Refuse new sessions and exit once the last one detaches");
+  CLI11_PARSE(app, argc, argv);
+
+  std::unique_ptr<trainstream::Client> client;
+  trainstream::Status s = trainstream::Client::Connect(socket, timeout_ms, &client);
+  if (!s.ok()) return Fail(s);
+
+  if (ping_cmd->parsed()) {
+    trainstream::PingResult r;
+    s = client->Ping(&r);
+    if (!s.ok()) return Fail(s);
+    std::printf("trainstreamd %s (protocol %u) pid %lld, up %.1f s, at %s\n", r.version.c_str(), r.protocol_version,
+                static_cast<long long>(r.pid), r.uptime_s, socket.c_str());
+    return 0;
+  }
+  if (status_cmd->parsed()) {
+    std::string doc;
+    s = client->StatusJson(&doc);
+    if (!s.ok()) return Fail(s);
+    if (json) {
+      std::printf("%s\n", doc.c_str());
+    } else {
+      std::printf("%s", trainstream::ctl::RenderStatusTable(nlohmann::json::parse(doc)).c_str());
+    }
+    return 0;
+  }
+  if (shutdown_cmd->parsed()) {
+    uint32_t sessions = 0;
+    s = client->Shutdown(drain, &sessions);
+    if (!s.ok()) return Fail(s);
+    if (drain) {
+      std::printf("trainstreamd is draining: %u session(s) attached; it exits when the last one detaches\n", sessions);
+    } else {
+      std::printf("trainstreamd is shutting down (%u session(s) were attached)\n", sessions);
+    }
+    return 0;
+  }
+  return 0;
+}

@@ -1,0 +1,13 @@
+// The human-readable `trainstreamctl status` view of the status JSON document.
+#pragma once
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace trainstream::ctl {
+
+std::string RenderStatusTable(const nlohmann::json& status);
+std::string HumanBytes(uint64_t bytes);
+
+}  // namespace trainstream::ctl

@@ -1,0 +1,264 @@
+#include "trainstream/client.h"
+
+#include <unistd.h>
+
+#include <chrono>
+
+#include "client_impl.h"
+#include "grpc_status.h"
+#include "status_json.h"
+
+namespace trainstream {
+namespace {
+
+using internal::FromGrpc;
+
+// Control-plane calls are quick, except segment creation, which faults in and
+// possibly locks gigabytes.
+constexpr int kUnaryTimeoutS = 120;
+
+void SetDeadline(grpc::ClientContext* ctx, int seconds) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+}
+
+RegionInfo ToInfo(const v1::Region& r) {
+  RegionInfo info;
+  info.region_id = r.region_id();
+  info.segment_name = r.segment_name();
+  info.offset = r.offset();
+  info.length = r.length();
+  info.segment_size = r.segment_size();
+  info.kind = static_cast<SegmentKind>(r.kind());
+  info.read_only = r.read_only();
+  return info;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Client
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+Status Client::Connect(const std::string& socket_path, int timeout_ms, std::unique_ptr<Client>* out) {
+  if (socket_path.empty()) return Status(StatusCode::kInvalidArgument, "socket_path: empty");
+  auto impl = std::make_unique<Impl>();
+  impl->socket_path = socket_path;
+  grpc::ChannelArguments args;
+  // One connection per client; sessions multiplex over it.
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+  impl->channel = grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms);
+  if (!impl->channel->WaitForConnected(deadline)) {
+    std::string hint = access(socket_path.c_str(), F_OK) == 0
+                           ? "nothing answers on it (stale socket, or no permission to connect)"
+                           : "the socket does not exist (is trainstreamd running? start it with `trainstreamd`)";
+    return Status(StatusCode::kUnavailable, "cannot reach trainstreamd at " + socket_path + " within " +
+                                                std::to_string(timeout_ms) + " ms: " + hint);
+  }
+  impl->stub = v1::Control::NewStub(impl->channel);
+  out->reset(new Client(std::move(impl)));
+  return Status::Ok();
+}
+
+const std::string& Client::socket_path() const { return impl_->socket_path; }
+
+Status Client::Ping(PingResult* out) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, 10);
+  v1::PingRequest req;
+  v1::PingResponse resp;
+  Status s = FromGrpc(impl_->stub->Ping(&ctx, req, &resp), impl_->socket_path);
+  if (!s.ok()) return s;
+  out->version = resp.version();
+  out->protocol_version = resp.protocol_version();
+  out->pid = resp.pid();
+  out->uptime_s = resp.uptime_s();
+  return Status::Ok();
+}
+
+Status Client::StatusJson(std::string* out) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, 10);
+  v1::StatusRequest req;
+  v1::StatusResponse resp;
+  Status s = FromGrpc(impl_->stub->Status(&ctx, req, &resp), impl_->socket_path);
+  if (!s.ok()) return s;
+  *out = internal::StatusToJson(resp, 2);
+  return Status::Ok();
+}
+
+Status Client::Shutdown(bool drain, uint32_t* sessions_attached) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, 10);
+  v1::ShutdownRequest req;
+  req.set_drain(drain);
+  v1::ShutdownResponse resp;
+  Status s = FromGrpc(impl_->stub->Shutdown(&ctx, req, &resp), impl_->socket_path);
+  if (s.ok() && sessions_attached != nullptr) *sessions_attached = resp.sessions();
+  return s;
+}
+
+Status Client::Attach(const AttachOptions& options, std::unique_ptr<Session>* out) {
+  auto impl = std::make_unique<Session::Impl>();
+  impl->socket_path = impl_->socket_path;
+  impl->channel = impl_->channel;
+  impl->stub = v1::Control::NewStub(impl->channel);
+  impl->stream = impl->stub->Attach(&impl->stream_context);
+  v1::SessionMessage msg;
+  auto* a = msg.mutable_attach();
+  a->set_protocol_version(1);
+  a->set_pid(getpid());
+  a->set_job(options.job);
+  a->set_rank(options.rank);
+  a->set_local_rank(options.local_rank);
+  a->set_control_bytes(options.control_bytes);
+  v1::SessionEvent event;
+  if (!impl->stream->Write(msg) || !impl->stream->Read(&event)) {
+    return FromGrpc(impl->stream->Finish(), impl->socket_path);
+  }
+  if (event.body_case() != v1::SessionEvent::kAttached) {
+    impl->stream_context.TryCancel();
+    impl->stream->Finish();
+    return Status(StatusCode::kInternal, "trainstreamd answered Attach without an Attached event");
+  }
+  const v1::Attached& att = event.attached();
+  impl->id = att.session_id();
+  impl->token = att.session_token();
+  impl->shm_dir = att.shm_dir();
+  Status s = MappedRegion::Map(impl->shm_dir, ToInfo(att.control()), &impl->control);
+  if (!s.ok()) {
+    impl->stream_context.TryCancel();
+    impl->stream->Finish();
+    return s;
+  }
+  Session::Impl* raw = impl.get();
+  impl->reader = std::thread([raw] { raw->ReadEvents(); });
+  out->reset(new Session(std::move(impl)));
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// Session
+
+void Session::Impl::ReadEvents() {
+  v1::SessionEvent event;
+  while (stream->Read(&event)) {
+    if (event.body_case() != v1::SessionEvent::kNotice) continue;
+    const auto& n = event.notice();
+    std::lock_guard<std::mutex> lock(mu);
+    why = n.message();
+    if (n.kind() == v1::DaemonNotice::KIND_SHUTDOWN) {
+      alive = false;
+      // Close our side so the daemon's handler finishes promptly.
+      stream_context.TryCancel();
+    }
+  }
+  grpc::Status st = stream->Finish();
+  std::lock_guard<std::mutex> lock(mu);
+  if (alive) {
+    alive = false;
+    if (!detached) {
+      why = st.ok() ? "the daemon closed the session stream"
+                    : "session stream ended: " + st.error_message();
+    } else {
+      why = "detached";
+    }
+  }
+}
+
+Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Session::~Session() { Detach(); }
+
+void Session::Detach() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->detached) return;
+    impl_->detached = true;
+  }
+  // Cancelling the stream ends the session on the daemon side at once.
+  impl_->stream_context.TryCancel();
+  if (impl_->reader.joinable()) impl_->reader.join();
+  impl_->control.reset();
+}
+
+uint64_t Session::id() const { return impl_->id; }
+const std::string& Session::shm_dir() const { return impl_->shm_dir; }
+MappedRegion& Session::control() { return *impl_->control; }
+
+bool Session::alive(std::string* why) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (why != nullptr) *why = impl_->why;
+  return impl_->alive;
+}
+
+Status Session::RegisterParameters(const RegisterOptions& options, const std::vector<ParameterSpec>& params,
+                                   Registration* out) {
+  v1::RegisterParametersRequest req;
+  req.set_session_id(impl_->id);
+  req.set_session_token(impl_->token);
+  for (const auto& g : options.groups) {
+    auto* h = req.add_groups();
+    h->set_lr(g.lr);
+    h->set_beta1(g.beta1);
+    h->set_beta2(g.beta2);
+    h->set_eps(g.eps);
+    h->set_weight_decay(g.weight_decay);
+  }
+  for (const auto& p : params) {
+    auto* spec = req.add_params();
+    spec->set_param_id(p.param_id);
+    spec->set_name(p.name);
+    for (int64_t d : p.shape) spec->add_shape(d);
+    spec->set_dtype(static_cast<v1::DType>(p.dtype));
+    spec->set_grad_dtype(static_cast<v1::DType>(p.grad_dtype));
+    spec->set_group(p.group);
+  }
+  req.set_moment_dtype(static_cast<v1::DType>(options.moment_dtype));
+  req.set_max_grad_norm(options.max_grad_norm);
+  req.set_seed(options.seed);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, kUnaryTimeoutS);
+  v1::RegisterParametersResponse resp;
+  Status s = FromGrpc(impl_->stub->RegisterParameters(&ctx, req, &resp), impl_->socket_path);
+  if (!s.ok()) return s;
+  s = MappedRegion::Map(impl_->shm_dir, ToInfo(resp.staging()), &out->staging);
+  if (!s.ok()) return s;
+  out->slots.clear();
+  for (const auto& sl : resp.slots()) {
+    out->slots.push_back(ParameterSlots{sl.param_id(), sl.grad_offset(), sl.param_offset(), sl.numel()});
+  }
+  return Status::Ok();
+}
+
+Status Session::AllocateRegion(uint64_t bytes, const std::string& label, std::unique_ptr<MappedRegion>* out) {
+  v1::AllocateRegionRequest req;
+  req.set_session_id(impl_->id);
+  req.set_session_token(impl_->token);
+  req.set_bytes(bytes);
+  req.set_kind(v1::SEGMENT_KIND_SESSION);
+  req.set_label(label);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, kUnaryTimeoutS);
+  v1::AllocateRegionResponse resp;
+  Status s = FromGrpc(impl_->stub->AllocateRegion(&ctx, req, &resp), impl_->socket_path);
+  if (!s.ok()) return s;
+  return MappedRegion::Map(impl_->shm_dir, ToInfo(resp.region()), out);
+}
+
+Status Session::FreeRegion(uint64_t region_id, uint64_t* bytes_freed) {
+  v1::FreeRegionRequest req;
+  req.set_session_id(impl_->id);
+  req.set_session_token(impl_->token);
+  req.set_region_id(region_id);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, kUnaryTimeoutS);
+  v1::FreeRegionResponse resp;
+  Status s = FromGrpc(impl_->stub->FreeRegion(&ctx, req, &resp), impl_->socket_path);
+  if (s.ok() && bytes_freed != nullptr) *bytes_freed = resp.bytes_freed();
+  return s;
+}
+
+}  // namespace trainstream

@@ -1,0 +1,44 @@
+// Internal state behind Client and Session (not part of the public API).
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "trainstream/client.h"
+#include "trainstream/v1/control.grpc.pb.h"
+
+namespace trainstream {
+
+struct Client::Impl {
+  std::string socket_path;
+  std::shared_ptr<grpc::Channel> channel;  // shared with every Session of this client
+  std::unique_ptr<v1::Control::Stub> stub;
+};
+
+struct Session::Impl {
+  std::string socket_path;
+  std::shared_ptr<grpc::Channel> channel;  // keeps the connection up while the session lives
+  std::unique_ptr<v1::Control::Stub> stub;
+  grpc::ClientContext stream_context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionMessage, v1::SessionEvent>> stream;
+
+  uint64_t id = 0;
+  std::string token;
+  std::string shm_dir;
+  std::unique_ptr<MappedRegion> control;
+
+  std::thread reader;  // reads daemon events until the stream ends
+  mutable std::mutex mu;
+  bool alive = true;    // Guarded by mu.
+  std::string why;      // Guarded by mu: why the session ended (or a drain notice)
+  bool detached = false;  // Guarded by mu.
+
+  void ReadEvents();
+};
+
+}  // namespace trainstream

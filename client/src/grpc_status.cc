@@ -1,0 +1,36 @@
+#include "grpc_status.h"
+
+namespace trainstream::internal {
+
+Status FromGrpc(const grpc::Status& s, const std::string& socket_path) {
+  using G = grpc::StatusCode;
+  switch (s.error_code()) {
+    case G::OK:
+      return Status::Ok();
+    case G::INVALID_ARGUMENT:
+    case G::OUT_OF_RANGE:
+      return Status(StatusCode::kInvalidArgument, s.error_message());
+    case G::NOT_FOUND:
+      return Status(StatusCode::kNotFound, s.error_message());
+    case G::ALREADY_EXISTS:
+      return Status(StatusCode::kAlreadyExists, s.error_message());
+    case G::PERMISSION_DENIED:
+    case G::UNAUTHENTICATED:
+      return Status(StatusCode::kPermissionDenied, s.error_message());
+    case G::RESOURCE_EXHAUSTED:
+      return Status(StatusCode::kResourceExhausted, s.error_message());
+    case G::FAILED_PRECONDITION:
+      return Status(StatusCode::kFailedPrecondition, s.error_message());
+    case G::UNAVAILABLE:
+    case G::CANCELLED:
+      return Status(StatusCode::kUnavailable,
+                    "trainstreamd at " + socket_path + " is unavailable: " + s.error_message());
+    case G::DEADLINE_EXCEEDED:
+      return Status(StatusCode::kDeadlineExceeded,
+                    "trainstreamd at " + socket_path + " did not answer in time: " + s.error_message());
+    default:
+      return Status(StatusCode::kInternal, s.error_message());
+  }
+}
+
+}  // namespace trainstream::internal

@@ -1,0 +1,57 @@
+#include "budget.h"
+
+#include <cassert>
+#include <cstdio>
+
+namespace trainstream::daemon {
+
+grpc::Status Budget::Reserve(uint64_t bytes, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t available = limit_ - used_;
+  if (bytes > available) {
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        "memory budget exhausted: asked " + std::to_string(bytes) + " bytes (" + HumanBytes(bytes) +
+            ") for " + what + ", " + std::to_string(available) + " bytes (" +
+            HumanBytes(available) + ") free of the " + std::to_string(limit_) + "-byte (" +
+            HumanBytes(limit_) +
+            ") limit; free regions, end other sessions, or raise the daemon's --budget");
+  }
+  used_ += bytes;
+  return grpc::Status::OK;
+}
+
+void Budget::Release(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  assert(bytes <= used_ && "released more than reserved");
+  used_ = bytes > used_ ? 0 : used_ - bytes;
+}
+
+uint64_t Budget::used() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return used_;
+}
+
+uint64_t Budget::free() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return limit_ - used_;
+}
+
+std::string HumanBytes(uint64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(bytes);
+  int unit = 0;
+  while (v >= 1024 && unit < 5) {
+    v /= 1024;
+    ++unit;
+  }
+  char buf[32];
+  if (unit == 0) {
+    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(bytes));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
+  }
+  return buf;
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,40 @@
+// Budget: the machine-wide limit on shared (and pinned) memory the daemon hands
+// out. Every segment reserves its full size before it is created and releases
+// it when it is unmapped. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include <grpcpp/support/status.h>
+
+namespace trainstream::daemon {
+
+class Budget {
+ public:
+  explicit Budget(uint64_t limit) : limit_(limit) {}
+  Budget(const Budget&) = delete;
+  Budget& operator=(const Budget&) = delete;
+
+  // Takes `bytes` from the budget, or fails with RESOURCE_EXHAUSTED naming the
+  // bytes asked, the bytes free and the limit (`what` says what they were for).
+  grpc::Status Reserve(uint64_t bytes, const std::string& what);
+  // Returns bytes taken by Reserve. Returning more than is in use is a bug; it
+  // clamps at zero (and asserts in debug builds).
+  void Release(uint64_t bytes);
+
+  uint64_t limit() const { return limit_; }
+  uint64_t used() const;
+  uint64_t free() const;
+
+ private:
+  const uint64_t limit_;
+  mutable std::mutex mu_;
+  uint64_t used_ = 0;  // Guarded by mu_.
+};
+
+// "1.50 GiB" style rendering for messages.
+std::string HumanBytes(uint64_t bytes);
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,52 @@
+// ControlService: the gRPC handlers of trainstream.v1.Control. One dispatch
+// point per RPC: authorise the caller from its connection's credentials, hand
+// the request to one SessionRegistry method, answer. Bad input is answered with
+// INVALID_ARGUMENT naming the field; no client input can crash the daemon.
+#pragma once
+
+#include <string>
+
+#include "budget.h"
+#include "config.h"
+#include "daemon_state.h"
+#include "peer_credentials.h"
+#include "session_registry.h"
+#include "trainstream/v1/control.grpc.pb.h"
+
+namespace trainstream::daemon {
+
+inline constexpr const char* kDaemonVersion = "0.1.0";
+inline constexpr uint32_t kProtocolVersion = 1;
+
+class ControlService final : public v1::Control::Service {
+ public:
+  // Every pointer must outlive the service (and the gRPC server using it).
+  ControlService(const DaemonConfig& config, const AccessPolicy* policy, PeerTable* peers,
+                 SessionRegistry* registry, Budget* budget, DaemonState* state)
+      : config_(config), policy_(policy), peers_(peers), registry_(registry), budget_(budget), state_(state) {}
+
+  grpc::Status Ping(grpc::ServerContext* ctx, const v1::PingRequest* req, v1::PingResponse* resp) override;
+  grpc::Status Attach(grpc::ServerContext* ctx, SessionStream* stream) override;
+  grpc::Status RegisterParameters(grpc::ServerContext* ctx, const v1::RegisterParametersRequest* req,
+                                  v1::RegisterParametersResponse* resp) override;
+  grpc::Status AllocateRegion(grpc::ServerContext* ctx, const v1::AllocateRegionRequest* req,
+                              v1::AllocateRegionResponse* resp) override;
+  grpc::Status FreeRegion(grpc::ServerContext* ctx, const v1::FreeRegionRequest* req,
+                          v1::FreeRegionResponse* resp) override;
+  grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::StatusResponse* resp) override;
+  grpc::Status Shutdown(grpc::ServerContext* ctx, const v1::ShutdownRequest* req,
+                        v1::ShutdownResponse* resp) override;
+
+ private:
+  // The caller's credentials, or PERMISSION_DENIED saying who may connect.
+  grpc::Status Authorize(grpc::ServerContext* ctx, PeerCredentials* creds);
+
+  const DaemonConfig config_;
+  const AccessPolicy* policy_;
+  PeerTable* peers_;
+  SessionRegistry* registry_;
+  Budget* budget_;
+  DaemonState* state_;
+};
+
+}  // namespace trainstream::daemon

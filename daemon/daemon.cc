@@ -1,0 +1,174 @@
+// trainstreamd's process model (DESIGN.md, "Process model"):
+//
+//   main thread     startup checks, then polls a signalfd and a wake eventfd;
+//                   it alone decides when to stop, and runs the shutdown sequence
+//   accept thread   UnixListener: accept(), SO_PEERCRED, hand the fd to gRPC
+//   gRPC threads    the synchronous server's handlers (ControlService); each
+//                   attached session holds one in Attach() for its lifetime
+//   pid watcher     pidfd poll: a dead client's session ends at once
+//   optimizer       OptimizerService's threads (when built in)
+//
+// No signal handler runs code: SIGTERM/SIGINT arrive through the signalfd.
+#include "daemon.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <memory>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+
+#include "budget.h"
+#include "control_service.h"
+#include "daemon_state.h"
+#include "peer_credentials.h"
+#include "pid_watcher.h"
+#include "session_registry.h"
+#include "startup_checks.h"
+#include "unix_listener.h"
+
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+#include "optimizer_service.h"
+#endif
+
+namespace trainstream::daemon {
+
+int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const char* error)) {
+  DaemonConfig config = cfg_in;
+  auto refuse = [&](const std::string& msg) {
+    spdlog::critical("{}", msg);
+    ready(msg.c_str());
+    return 1;
+  };
+  if (config.socket_path.empty()) config.socket_path = DefaultDaemonSocket();
+  while (config.shm_dir.size() > 1 && config.shm_dir.back() == '/') config.shm_dir.pop_back();
+
+  uint64_t budget_bytes = 0;
+  if (auto s = ParseBudget(config.budget, PhysicalRamBytes(), &budget_bytes); !s.ok()) {
+    return refuse(s.error_message());
+  }
+  AccessPolicy policy;
+  if (std::string err; !policy.Resolve(config.allow_group, config.admin_group, &err)) return refuse(err);
+
+  StartupReport report = CheckStartup(GatherStartupFacts(config.shm_dir, budget_bytes, config.lock_memory));
+  if (!report.error.empty()) return refuse(report.error);
+  for (const auto& w : report.warnings) spdlog::warn("{}", w);
+
+  std::unique_ptr<UnixListener> listener;
+  const gid_t socket_gid = policy.has_allow_group() && geteuid() == 0 ? policy.allow_gid() : static_cast<gid_t>(-1);
+  if (auto s = UnixListener::Bind(config.socket_path, 0660, socket_gid, &listener); !s.ok()) {
+    return refuse(s.error_message());
+  }
+
+  DaemonState state;
+  state.socket_path = config.socket_path;
+  state.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  state.Touch();
+  Budget budget(budget_bytes);
+
+  OptimizerService* optimizer_ptr = nullptr;
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+  auto optimizer = std::make_unique<OptimizerService>(config.threads);
+  optimizer_ptr = optimizer.get();
+  state.worker_threads = optimizer->worker_threads();
+#else
+  state.worker_threads = config.threads != 0 ? config.threads : std::thread::hardware_concurrency();
+#endif
+
+  auto registry = std::make_unique<SessionRegistry>(config, &budget, optimizer_ptr);
+  SessionRegistry* reg = registry.get();
+  auto watcher = std::make_unique<PidWatcher>([reg, &state](uint64_t id) {
+    reg->End(id, "client process exited", true);
+    state.Touch();
+    state.WakeMainLoop();
+  });
+  PidWatcher* w = watcher.get();
+  registry->SetPidHooks([w](uint64_t id, pid_t pid) { return w->Watch(id, pid); },
+                        [w](uint64_t id) { w->Unwatch(id); });
+
+  PeerTable peers;
+  ControlService service(config, &policy, &peers, registry.get(), &budget, &state);
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) return refuse("cannot start the gRPC server");
+
+  listener->Start(server.get(), [&policy, &peers](int fd, const PeerCredentials& raw) {
+    PeerCredentials creds = raw;
+    policy.Apply(&creds);
+    // Refused peers still get a channel: their every call is answered with
+    // PERMISSION_DENIED (ControlService::Authorize), which tells them why.
+    if (!creds.allowed) spdlog::warn("connection from uid {} pid {}: not allowed", creds.uid, creds.pid);
+    peers.Set(fd, creds);
+    return true;
+  });
+  spdlog::info("trainstreamd {} ready: socket={} shm_dir={} budget={} ({} bytes) workers={} pid={}",
+               kDaemonVersion, config.socket_path, config.shm_dir, HumanBytes(budget_bytes), budget_bytes,
+               state.worker_threads, getpid());
+  ready(nullptr);
+
+  std::string why = "shutdown requested";
+  for (;;) {
+    pollfd fds[2] = {{signal_fd, POLLIN, 0}, {state.wake_fd, POLLIN, 0}};
+    int n = poll(fds, 2, 500);
+    if (n < 0 && errno != EINTR) break;
+    if (fds[0].revents & POLLIN) {
+      signalfd_siginfo si{};
+      if (read(signal_fd, &si, sizeof(si)) == sizeof(si)) {
+        if (si.ssi_signo == SIGHUP) {
+          spdlog::info("SIGHUP: nothing to reload (restart the daemon to apply config changes)");
+          continue;
+        }
+        why = std::string("signal ") + strsignal(static_cast<int>(si.ssi_signo));
+        break;
+      }
+    }
+    if (fds[1].revents & POLLIN) {
+      uint64_t v;
+      ssize_t ignored = read(state.wake_fd, &v, sizeof(v));
+      (void)ignored;
+    }
+    if (state.shutdown_requested.load() && !state.draining.load()) break;
+    if (state.draining.load() && registry->size() == 0) {
+      why = "drained";
+      break;
+    }
+    if (config.idle_exit_s > 0 && registry->size() == 0) {
+      const int64_t idle_ns = std::chrono::steady_clock::now().time_since_epoch().count() -
+                              state.last_activity_ns.load();
+      if (idle_ns >= static_cast<int64_t>(config.idle_exit_s) * 1000000000LL) {
+        why = "idle for " + std::to_string(config.idle_exit_s) + " s";
+        break;
+      }
+    }
+  }
+
+  // Shutdown: stop accepting, tell the sessions, free everything, exit 0.
+  spdlog::info("shutting down ({}): {} sessions attached", why, registry->size());
+  state.shutting_down.store(true);
+  listener->Stop();
+  v1::DaemonNotice notice;
+  notice.set_kind(v1::DaemonNotice::KIND_SHUTDOWN);
+  notice.set_message("daemon shut down: " + why);
+  registry->NotifyAll(notice);
+  registry->EndAll("daemon shutting down: " + why);
+  // Clients that got the notice close their streams; the rest are cancelled.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  server->Wait();
+  watcher.reset();
+  registry.reset();
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+  optimizer.reset();
+#endif
+  listener->RemoveFiles();
+  close(state.wake_fd);
+  spdlog::info("trainstreamd stopped");
+  return 0;
+}
+
+}  // namespace trainstream::daemon

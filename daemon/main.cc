@@ -1,0 +1,146 @@
+// trainstreamd: command line, logging and daemonisation; the daemon itself is
+// RunDaemon (daemon.cc).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "config.h"
+#include "daemon.h"
+
+namespace {
+
+int g_ready_fd = -1;  // write end of the pipe the waiting parent reads (background mode)
+
+void ReportReady(const char* error) {
+  if (g_ready_fd < 0) return;
+  std::string msg = error == nullptr ? std::string("ok") : std::string(error);
+  ssize_t ignored = write(g_ready_fd, msg.data(), msg.size());
+  (void)ignored;
+  close(g_ready_fd);
+  g_ready_fd = -1;
+  if (error == nullptr) {
+    // Detach from the terminal now that the parent has the result.
+    int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (devnull >= 0) {
+      dup2(devnull, STDIN_FILENO);
+      dup2(devnull, STDOUT_FILENO);
+      dup2(devnull, STDERR_FILENO);
+      close(devnull);
+    }
+  }
+}
+
+// Background mode: fork before any thread exists; the parent waits for the
+// child to report readiness (or its error) and exits with the result.
+bool Daemonize(int* exit_code) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return false;
+  pid_t pid = fork();
+  if (pid < 0) return false;
+  if (pid > 0) {
+    close(fds[1]);
+    std::string msg;
+    char buf[512];
+    ssize_t n;
+    while ((n = read(fds[0], buf, sizeof(buf))) > 0) msg.append(buf, static_cast<size_t>(n));
+    if (msg == "ok") {
+      *exit_code = 0;
+    } else {
+      std::fprintf(stderr, "trainstreamd: %s\n", msg.empty() ? "exited during startup" : msg.c_str());
+      *exit_code = 1;
+    }
+    return true;
+  }
+  close(fds[0]);
+  setsid();
+  g_ready_fd = fds[1];
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using trainstream::daemon::DaemonConfig;
+  CLI::App app{"trainstreamd: the TrainStream per-machine memory and optimizer daemon (docs/daemon.md)"};
+  std::string config_path, socket, budget, log_level, shm_dir, allow_group, admin_group, log_file;
+  unsigned threads = 0;
+  uint64_t idle_exit = 0;
+  bool foreground = false;
+  app.add_option("--config", config_path, "Config file (key = value lines; docs/daemon.md)");
+  app.add_option("--socket", socket, "Unix socket to serve (default: /run/trainstream/trainstreamd.sock for root, "
+                                     "else the per-user embedded socket; $TRAINSTREAM_SOCKET overrides)");
+  app.add_flag("--foreground,-f", foreground, "Stay in the foreground and log to stderr");
+  app.add_option("--budget", budget, "Machine-wide memory budget: bytes, K/M/G/T suffix, or NN% of RAM (default 50%)");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical or off (default info)");
+  app.add_option("--log-file", log_file, "Also append logs to this file");
+  app.add_option("--shm-dir", shm_dir, "Directory for segments (default /dev/shm)");
+  app.add_option("--threads", threads, "Optimizer worker threads (default: one per core)");
+  app.add_option("--idle-exit", idle_exit, "Exit after this many seconds with no session and no request (embedded mode)");
+  app.add_option("--allow-group", allow_group, "Members of this group may use the daemon");
+  app.add_option("--admin-group", admin_group, "Members of this group may also shut the daemon down");
+  CLI11_PARSE(app, argc, argv);
+
+  DaemonConfig config;
+  if (!config_path.empty()) {
+    grpc::Status s = trainstream::daemon::LoadConfigFile(config_path, &config);
+    if (!s.ok()) {
+      std::fprintf(stderr, "trainstreamd: %s\n", s.error_message().c_str());
+      return 2;
+    }
+  }
+  if (!socket.empty()) config.socket_path = socket;
+  if (!budget.empty()) config.budget = budget;
+  if (!log_level.empty()) config.log_level = log_level;
+  if (!shm_dir.empty()) config.shm_dir = shm_dir;
+  if (app.count("--threads") != 0) config.threads = threads;
+  if (app.count("--idle-exit") != 0) config.idle_exit_s = idle_exit;
+  if (!allow_group.empty()) config.allow_group = allow_group;
+  if (!admin_group.empty()) config.admin_group = admin_group;
+  config.foreground = foreground;
+  {
+    // Check the merged values once more so a bad flag is reported like a bad file.
+    DaemonConfig check = config;
+    std::string text = "budget = " + config.budget + "\nlog_level = " + config.log_level + "\n";
+    grpc::Status s = trainstream::daemon::ParseConfigText(text, "command line", &check);
+    if (!s.ok()) {
+      std::fprintf(stderr, "trainstreamd: %s\n", s.error_message().c_str());
+      return 2;
+    }
+  }
+
+  int exit_code = 0;
+  if (!config.foreground && Daemonize(&exit_code)) return exit_code;
+
+  // Signals arrive through a signalfd; block them before any thread starts so
+  // every thread inherits the mask.
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &mask, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  int sfd = signalfd(-1, &mask, SFD_CLOEXEC);
+
+  std::vector<spdlog::sink_ptr> sinks;
+  sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+  if (!log_file.empty()) sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_file));
+  auto logger = std::make_shared<spdlog::logger>("trainstreamd", sinks.begin(), sinks.end());
+  logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ trainstreamd[%P]: %v");
+  logger->set_level(spdlog::level::from_str(config.log_level));
+  logger->flush_on(spdlog::level::info);
+  spdlog::set_default_logger(logger);
+
+  return trainstream::daemon::RunDaemon(config, sfd, ReportReady);
+}

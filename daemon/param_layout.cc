@@ -1,0 +1,147 @@
+#include "param_layout.h"
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "trainstream/wire/segment_header.h"
+
+namespace trainstream::daemon {
+namespace {
+
+grpc::Status Invalid(const std::string& field, const std::string& what) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, field + ": " + what);
+}
+
+std::string Num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
+int MomentDType(const v1::RegisterParametersRequest& req) {
+  return req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype();
+}
+
+int GradDType(const v1::ParameterSpec& p) {
+  return p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype() : p.grad_dtype();
+}
+
+}  // namespace
+
+size_t DTypeBytes(int dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      return 4;
+    case v1::DTYPE_BFLOAT16:
+    case v1::DTYPE_FLOAT16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
+                                  const std::set<uint64_t>& registered) {
+  if (req.groups_size() == 0) return Invalid("groups", "at least one parameter group is required");
+  if (static_cast<size_t>(req.groups_size()) > kMaxGroups) {
+    return Invalid("groups", std::to_string(req.groups_size()) + " groups (at most " +
+                                 std::to_string(kMaxGroups) + ")");
+  }
+  for (int g = 0; g < req.groups_size(); ++g) {
+    const auto& h = req.groups(g);
+    const std::string f = "groups[" + std::to_string(g) + "].";
+    if (!std::isfinite(h.lr()) || h.lr() < 0) return Invalid(f + "lr", Num(h.lr()) + " must be finite and >= 0");
+    if (!(h.beta1() >= 0 && h.beta1() < 1)) return Invalid(f + "beta1", Num(h.beta1()) + " must be in [0, 1)");
+    if (!(h.beta2() >= 0 && h.beta2() < 1)) return Invalid(f + "beta2", Num(h.beta2()) + " must be in [0, 1)");
+    if (!std::isfinite(h.eps()) || !(h.eps() > 0)) return Invalid(f + "eps", Num(h.eps()) + " must be finite and > 0");
+    if (!std::isfinite(h.weight_decay()) || h.weight_decay() < 0) {
+      return Invalid(f + "weight_decay", Num(h.weight_decay()) + " must be finite and >= 0");
+    }
+  }
+  const int moment = MomentDType(req);
+  if (moment != v1::DTYPE_FLOAT32 && moment != v1::DTYPE_BFLOAT16) {
+    return Invalid("moment_dtype", std::to_string(req.moment_dtype()) +
+                                       " is not supported (DTYPE_FLOAT32 or DTYPE_BFLOAT16)");
+  }
+  if (!std::isfinite(req.max_grad_norm()) || req.max_grad_norm() < 0) {
+    return Invalid("max_grad_norm", Num(req.max_grad_norm()) + " must be finite and >= 0 (0 disables clipping)");
+  }
+  if (req.params_size() == 0) return Invalid("params", "no parameters to register");
+  if (static_cast<size_t>(req.params_size()) > kMaxParamsPerRequest) {
+    return Invalid("params", std::to_string(req.params_size()) + " parameters in one request (at most " +
+                                 std::to_string(kMaxParamsPerRequest) + ")");
+  }
+  std::set<uint64_t> seen;
+  for (int i = 0; i < req.params_size(); ++i) {
+    const auto& p = req.params(i);
+    const std::string f = "params[" + std::to_string(i) + "].";
+    if (registered.count(p.param_id()) != 0) {
+      return Invalid(f + "param_id", std::to_string(p.param_id()) + " is already registered in this session");
+    }
+    if (!seen.insert(p.param_id()).second) {
+      return Invalid(f + "param_id", std::to_string(p.param_id()) + " appears twice in this request");
+    }
+    if (p.shape_size() > kMaxParamDims) {
+      return Invalid(f + "shape", std::to_string(p.shape_size()) + " dimensions (at most " +
+                                      std::to_string(kMaxParamDims) + ")");
+    }
+    uint64_t numel = 1;
+    for (int d = 0; d < p.shape_size(); ++d) {
+      const int64_t dim = p.shape(d);
+      if (dim <= 0) {
+        return Invalid(f + "shape[" + std::to_string(d) + "]", std::to_string(dim) + " must be > 0");
+      }
+      if (static_cast<uint64_t>(dim) > kMaxParamNumel || numel > kMaxParamNumel / static_cast<uint64_t>(dim)) {
+        return Invalid(f + "shape", "more than " + std::to_string(kMaxParamNumel) + " elements");
+      }
+      numel *= static_cast<uint64_t>(dim);
+    }
+    if (DTypeBytes(p.dtype()) == 0) {
+      return Invalid(f + "dtype", std::to_string(p.dtype()) + " is not a known dtype (float32, bfloat16, float16)");
+    }
+    if (p.grad_dtype() != v1::DTYPE_UNSPECIFIED && DTypeBytes(p.grad_dtype()) == 0) {
+      return Invalid(f + "grad_dtype", std::to_string(p.grad_dtype()) + " is not a known dtype");
+    }
+    if (p.group() >= static_cast<uint32_t>(req.groups_size())) {
+      return Invalid(f + "group", std::to_string(p.group()) + " is out of range (" +
+                                      std::to_string(req.groups_size()) + " groups)");
+    }
+  }
+  return grpc::Status::OK;
+}
+
+RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest& req) {
+  constexpr uint64_t kSlotAlign = 64;
+  constexpr uint64_t kPage = 4096;
+  RegistrationLayout layout;
+  layout.params.resize(static_cast<size_t>(req.params_size()));
+  const uint64_t moment_bytes = DTypeBytes(MomentDType(req));
+
+  layout.manifest_offset = wire::kSegmentHeaderBytes;
+  layout.manifest_bytes = sizeof(wire::StateManifest) +
+                          static_cast<uint64_t>(req.params_size()) * sizeof(wire::StateManifestEntry);
+  uint64_t staging = wire::kSegmentHeaderBytes;
+  uint64_t state = AlignUp(layout.manifest_offset + layout.manifest_bytes, kPage);
+  for (int i = 0; i < req.params_size(); ++i) {
+    const auto& p = req.params(i);
+    ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
+    pl.numel = 1;
+    for (int64_t d : p.shape()) pl.numel *= static_cast<uint64_t>(d);
+    pl.grad_offset = AlignUp(staging, kSlotAlign);
+    staging = pl.grad_offset + pl.numel * DTypeBytes(GradDType(p));
+    pl.param_offset = AlignUp(staging, kSlotAlign);
+    staging = pl.param_offset + pl.numel * DTypeBytes(p.dtype());
+    pl.master_offset = AlignUp(state, kSlotAlign);
+    state = pl.master_offset + pl.numel * 4;
+    pl.exp_avg_offset = AlignUp(state, kSlotAlign);
+    state = pl.exp_avg_offset + pl.numel * moment_bytes;
+    pl.exp_avg_sq_offset = AlignUp(state, kSlotAlign);
+    state = pl.exp_avg_sq_offset + pl.numel * moment_bytes;
+  }
+  layout.staging_bytes = AlignUp(staging, kPage);
+  layout.state_bytes = AlignUp(state, kPage);
+  return layout;
+}
+
+}  // namespace trainstream::daemon

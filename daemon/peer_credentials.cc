@@ -1,0 +1,99 @@
+#include "peer_credentials.h"
+
+#include <grp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+
+namespace trainstream::daemon {
+
+bool ReadPeerCredentials(int fd, PeerCredentials* out) {
+  struct ucred cred {};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return false;
+  out->pid = cred.pid;
+  out->uid = cred.uid;
+  out->gid = cred.gid;
+  out->groups.clear();
+#ifdef SO_PEERGROUPS
+  std::vector<gid_t> groups(64);
+  socklen_t glen = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen) != 0 && errno == ERANGE) {
+    groups.resize(glen / sizeof(gid_t) + 1);
+    glen = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen) != 0) glen = 0;
+  }
+  groups.resize(glen / sizeof(gid_t));
+  out->groups = std::move(groups);
+#endif
+  return true;
+}
+
+namespace {
+bool ResolveGroup(const std::string& name, gid_t* gid, std::string* error) {
+  struct group gr {};
+  struct group* result = nullptr;
+  std::vector<char> buf(16384);
+  if (getgrnam_r(name.c_str(), &gr, buf.data(), buf.size(), &result) == 0 && result != nullptr) {
+    *gid = result->gr_gid;
+    return true;
+  }
+  // A numeric gid is accepted too.
+  char* end = nullptr;
+  unsigned long v = std::strtoul(name.c_str(), &end, 10);
+  if (!name.empty() && end != nullptr && *end == '\0') {
+    *gid = static_cast<gid_t>(v);
+    return true;
+  }
+  *error = "unknown group '" + name + "' (create it with `groupadd " + name + "` or fix the setting)";
+  return false;
+}
+}  // namespace
+
+bool AccessPolicy::Resolve(const std::string& allow_group, const std::string& admin_group,
+                           std::string* error) {
+  daemon_uid_ = geteuid();
+  if (!allow_group.empty()) {
+    if (!ResolveGroup(allow_group, &allow_gid_, error)) return false;
+    allow_gid_set_ = true;
+  }
+  if (!admin_group.empty()) {
+    if (!ResolveGroup(admin_group, &admin_gid_, error)) return false;
+    admin_gid_set_ = true;
+  }
+  return true;
+}
+
+bool AccessPolicy::InGroup(const PeerCredentials& c, gid_t g) {
+  return c.gid == g || std::find(c.groups.begin(), c.groups.end(), g) != c.groups.end();
+}
+
+void AccessPolicy::Apply(PeerCredentials* c) const {
+  const bool owner = c->uid == 0 || c->uid == daemon_uid_;
+  c->admin = owner || (admin_gid_set_ && InGroup(*c, admin_gid_));
+  c->allowed = c->admin || (allow_gid_set_ && InGroup(*c, allow_gid_));
+}
+
+void PeerTable::Set(int fd, const PeerCredentials& creds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  by_fd_[fd] = creds;
+}
+
+bool PeerTable::Lookup(const std::string& peer, PeerCredentials* out) const {
+  // "fd:12" (see Note [Peer credentials for fd channels]).
+  size_t colon = peer.rfind(':');
+  if (colon == std::string::npos || peer.compare(0, 3, "fd:") != 0) return false;
+  char* end = nullptr;
+  long fd = std::strtol(peer.c_str() + colon + 1, &end, 10);
+  if (end == peer.c_str() + colon + 1 || *end != '\0') return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_fd_.find(static_cast<int>(fd));
+  if (it == by_fd_.end()) return false;
+  *out = it->second;
+  return true;
+}
+
+}  // namespace trainstream::daemon

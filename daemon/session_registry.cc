@@ -1,0 +1,513 @@
+#include "session_registry.h"
+
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "param_layout.h"
+#include "token.h"
+#include "trainstream/wire/segment_header.h"
+#include "trainstream/wire/session_control.h"
+
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+#include "optimizer_service.h"
+#endif
+
+namespace trainstream::daemon {
+namespace {
+
+constexpr uint64_t kPage = 4096;
+
+grpc::Status Invalid(const std::string& msg) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
+}
+
+uint64_t RingOffsetAfter(uint64_t offset, uint64_t bytes) { return AlignUp(offset + bytes, 64); }
+
+}  // namespace
+
+uint64_t MinControlBytes() {
+  const uint64_t cmd = wire::RingBytes(kRingCapacity, sizeof(wire::CommandRecord));
+  const uint64_t cpl = wire::RingBytes(kRingCapacity, sizeof(wire::CompletionRecord));
+  return AlignUp(RingOffsetAfter(RingOffsetAfter(sizeof(wire::SessionControlHeader), cmd), cpl), kPage);
+}
+
+bool Session::Send(const v1::SessionEvent& event) {
+  std::lock_guard<std::mutex> lock(stream_mu);
+  if (stream == nullptr) return false;
+  return stream->Write(event);
+}
+
+uint64_t Session::BytesHeld() {
+  std::lock_guard<std::mutex> lock(regions_mu);
+  uint64_t total = 0;
+  for (auto& [id, r] : regions) total += r.segment->size();
+  return total;
+}
+
+SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget, OptimizerService* optimizer)
+    : config_(config), budget_(budget), optimizer_(optimizer) {}
+
+SessionRegistry::~SessionRegistry() { EndAll("daemon exiting"); }
+
+void SessionRegistry::SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
+                                  std::function<void(uint64_t)> unwatch) {
+  watch_pid_ = std::move(watch);
+  unwatch_pid_ = std::move(unwatch);
+}
+
+grpc::Status SessionRegistry::CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes,
+                                            const std::string& what, std::unique_ptr<ShmSegment>* out) {
+  grpc::Status st = budget_->Reserve(total_bytes, what);
+  if (!st.ok()) return st;
+  SegmentOwner owner;
+  owner.session_id = s.id;
+  owner.uid = s.creds.uid;
+  owner.job = s.job;
+  owner.rank = s.rank;
+  owner.local_rank = s.local_rank;
+  st = ShmSegment::Create(config_.shm_dir, kind, total_bytes, owner, config_.lock_memory, out);
+  if (!st.ok()) {
+    budget_->Release(total_bytes);
+    return st;
+  }
+  if ((*out)->locked()) pinned_bytes_.fetch_add(total_bytes);
+  return grpc::Status::OK;
+}
+
+void SessionRegistry::DropSegment(std::unique_ptr<ShmSegment> seg) {
+  if (!seg) return;
+  const uint64_t bytes = seg->size();
+  if (seg->locked()) pinned_bytes_.fetch_sub(bytes);
+  seg.reset();  // unmaps and unlinks
+  budget_->Release(bytes);
+}
+
+uint64_t SessionRegistry::AddRegion(Session& s, std::unique_ptr<ShmSegment> seg, const std::string& label,
+                                    uint64_t length, bool client_freeable) {
+  SessionRegion r;
+  r.region_id = next_region_id_.fetch_add(1);
+  r.segment = std::move(seg);
+  r.label = label;
+  r.offset = wire::kSegmentHeaderBytes;
+  r.length = length;
+  r.client_freeable = client_freeable;
+  const uint64_t id = r.region_id;
+  std::lock_guard<std::mutex> lock(s.regions_mu);
+  s.regions.emplace(id, std::move(r));
+  return id;
+}
+
+void SessionRegistry::FillRegion(const SessionRegion& r, v1::Region* out) const {
+  out->set_region_id(r.region_id);
+  out->set_segment_name(r.segment->name());
+  out->set_offset(r.offset);
+  out->set_length(r.length);
+  out->set_segment_size(r.segment->size());
+  out->set_kind(static_cast<v1::SegmentKind>(r.segment->kind()));
+  out->set_read_only(r.segment->kind() == v1::SEGMENT_KIND_BASE);
+}
+
+grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachRequest& req,
+                                     grpc::ServerContext* context, SessionStream* stream,
+                                     std::shared_ptr<Session>* out, v1::Attached* attached) {
+  if (req.protocol_version() > 1) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "attach.protocol_version: " + std::to_string(req.protocol_version()) +
+                            " is newer than this daemon speaks (1); upgrade trainstreamd");
+  }
+  if (req.job().size() >= sizeof(wire::SegmentHeader::job)) {
+    return Invalid("attach.job: " + std::to_string(req.job().size()) + " bytes (at most " +
+                   std::to_string(sizeof(wire::SegmentHeader::job) - 1) + ")");
+  }
+  uint64_t control_bytes = MinControlBytes();
+  if (req.control_bytes() != 0) {
+    if (req.control_bytes() < control_bytes || req.control_bytes() > kMaxControlBytes) {
+      return Invalid("attach.control_bytes: " + std::to_string(req.control_bytes()) +
+                     " is out of range [" + std::to_string(control_bytes) + ", " +
+                     std::to_string(kMaxControlBytes) + "] (0 takes the default)");
+    }
+    control_bytes = AlignUp(req.control_bytes(), kPage);
+  }
+  if (req.pid() != 0 && req.pid() != creds.pid) {
+    spdlog::warn("attach: client says pid {}, SO_PEERCRED says {} (pid namespaces?); using {}", req.pid(),
+                 creds.pid, creds.pid);
+  }
+
+  auto s = std::make_shared<Session>();
+  s->token = RandomHex(16);
+  s->creds = creds;
+  s->job = req.job();
+  s->rank = req.rank();
+  s->local_rank = req.local_rank();
+  s->started = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s->id = next_session_id_++;
+  }
+
+  std::unique_ptr<ShmSegment> seg;
+  grpc::Status st = CreateSegment(*s, v1::SEGMENT_KIND_SESSION, wire::kSegmentHeaderBytes + control_bytes,
+                                  "the session control region", &seg);
+  if (!st.ok()) return st;
+  // SessionControlHeader, then the command ring, then the completion ring.
+  char* base = seg->base() + wire::kSegmentHeaderBytes;
+  auto* h = new (base) wire::SessionControlHeader();
+  h->magic = wire::kSessionControlMagic;
+  h->version = wire::kSessionControlVersion;
+  h->session_id = s->id;
+  h->command_ring_offset = AlignUp(sizeof(wire::SessionControlHeader), 64);
+  h->completion_ring_offset = RingOffsetAfter(
+      h->command_ring_offset, wire::RingBytes(kRingCapacity, sizeof(wire::CommandRecord)));
+  h->total_bytes = control_bytes;
+  h->closing.store(0);
+  wire::RingView::Initialize(base + h->command_ring_offset, kRingCapacity, sizeof(wire::CommandRecord));
+  wire::RingView::Initialize(base + h->completion_ring_offset, kRingCapacity,
+                             sizeof(wire::CompletionRecord));
+
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->control_region_id = AddRegion(*s, std::move(seg), "control", control_bytes, false);
+  }
+  {
+    std::lock_guard<std::mutex> lock(s->stream_mu);
+    s->context = context;
+    s->stream = stream;
+  }
+  attached->set_session_id(s->id);
+  attached->set_session_token(s->token);
+  attached->set_shm_dir(config_.shm_dir);
+  {
+    std::lock_guard<std::mutex> lock(s->regions_mu);
+    FillRegion(s->regions.at(s->control_region_id), attached->mutable_control());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_[s->id] = s;
+  }
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+  if (optimizer_ != nullptr) {
+    std::weak_ptr<Session> weak = s;
+    RegionResolver resolver = [weak](uint64_t region_id, uint64_t offset, uint64_t bytes) -> void* {
+      auto sp = weak.lock();
+      if (!sp) return nullptr;
+      std::lock_guard<std::mutex> lock(sp->regions_mu);
+      auto it = sp->regions.find(region_id);
+      if (it == sp->regions.end() || it->second.segment->kind() != v1::SEGMENT_KIND_SESSION) return nullptr;
+      const SessionRegion& r = it->second;
+      if (offset > r.length || bytes > r.length - offset) return nullptr;
+      return r.segment->base() + r.offset + offset;
+    };
+    std::lock_guard<std::mutex> lock(s->mu);
+    void* control = s->regions.at(s->control_region_id).segment->base() + wire::kSegmentHeaderBytes;
+    optimizer_->StartSession(s->id, control, std::move(resolver));
+    s->optimizer_started = true;
+  }
+#endif
+  // A client that died before this point is noticed here (the pidfd cannot be
+  // opened) and its session ends at once.
+  if (watch_pid_ && !watch_pid_(s->id, creds.pid)) {
+    End(s->id, "client process " + std::to_string(creds.pid) + " is gone", true);
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "client process exited during attach");
+  }
+  spdlog::info("session {} attached: pid={} uid={} job='{}' rank={} control={}", s->id, creds.pid,
+               creds.uid, s->job, s->rank, attached->control().segment_name());
+  *out = std::move(s);
+  return grpc::Status::OK;
+}
+
+grpc::Status SessionRegistry::Find(uint64_t session_id, const std::string& token,
+                                   const PeerCredentials& caller, std::shared_ptr<Session>* out) {
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it != sessions_.end()) s = it->second;
+  }
+  if (!s) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        "session_id: no session " + std::to_string(session_id) +
+                            " (it ended or never existed; attach first)");
+  }
+  if (!ConstantTimeEquals(token, s->token)) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        "session_token: does not match session " + std::to_string(session_id));
+  }
+  if (caller.uid != s->creds.uid && caller.uid != 0) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        "session " + std::to_string(session_id) + " belongs to uid " +
+                            std::to_string(s->creds.uid) + ", not to uid " + std::to_string(caller.uid));
+  }
+  *out = std::move(s);
+  return grpc::Status::OK;
+}
+
+void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool cancel_stream) {
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return;
+    s = std::move(it->second);
+    sessions_.erase(it);
+  }
+  if (unwatch_pid_) unwatch_pid_(session_id);
+  {
+    std::lock_guard<std::mutex> lock(s->stream_mu);
+    if (cancel_stream && s->context != nullptr) s->context->TryCancel();
+    s->context = nullptr;
+    s->stream = nullptr;
+  }
+  uint64_t freed = 0;
+  std::lock_guard<std::mutex> lock(s->mu);
+  s->closed = true;
+  {
+    // Tell a client blocked on its completion ring (and the optimizer's
+    // consumer of the command ring) that the session is going away.
+    std::lock_guard<std::mutex> rlock(s->regions_mu);
+    auto it = s->regions.find(s->control_region_id);
+    if (it != s->regions.end()) {
+      char* base = it->second.segment->base() + wire::kSegmentHeaderBytes;
+      auto* h = reinterpret_cast<wire::SessionControlHeader*>(base);
+      h->closing.store(1, std::memory_order_release);
+      wire::RingView(base + h->command_ring_offset).WakeConsumer();
+      wire::RingView(base + h->completion_ring_offset).WakeConsumer();
+    }
+  }
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+  // Before any of the session's memory is unmapped (optimizer_service.h).
+  if (optimizer_ != nullptr && s->optimizer_started) optimizer_->EndSession(session_id);
+#endif
+  std::map<uint64_t, SessionRegion> regions;
+  {
+    std::lock_guard<std::mutex> rlock(s->regions_mu);
+    regions.swap(s->regions);
+  }
+  for (auto& [id, r] : regions) {
+    freed += r.segment->size();
+    DropSegment(std::move(r.segment));
+  }
+  for (auto& r : s->retired) {
+    freed += r.segment->size();
+    DropSegment(std::move(r.segment));
+  }
+  s->retired.clear();
+  spdlog::info("session {} ended ({}): pid={} uid={} freed {} bytes", session_id, reason, s->creds.pid,
+               s->creds.uid, freed);
+}
+
+void SessionRegistry::EndAll(const std::string& reason) {
+  std::vector<uint64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : sessions_) ids.push_back(id);
+  }
+  for (uint64_t id : ids) End(id, reason, false);
+}
+
+void SessionRegistry::NotifyAll(const v1::DaemonNotice& notice) {
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : sessions_) all.push_back(s);
+  }
+  v1::SessionEvent event;
+  *event.mutable_notice() = notice;
+  for (auto& s : all) s->Send(event);
+}
+
+size_t SessionRegistry::size() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sessions_.size();
+}
+
+uint64_t SessionRegistry::pinned_bytes() const { return pinned_bytes_.load(); }
+
+grpc::Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParametersRequest& req,
+                                                 v1::RegisterParametersResponse* resp) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.closed) return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+  grpc::Status st = ValidateRegistration(req, s.param_ids);
+  if (!st.ok()) return st;
+  const RegistrationLayout layout = ComputeRegistrationLayout(req);
+
+  std::unique_ptr<ShmSegment> state, staging;
+  st = CreateSegment(s, v1::SEGMENT_KIND_STATE, layout.state_bytes,
+                     "optimizer state of " + std::to_string(req.params_size()) + " parameters", &state);
+  if (!st.ok()) return st;
+  st = CreateSegment(s, v1::SEGMENT_KIND_SESSION, layout.staging_bytes,
+                     "staging slots of " + std::to_string(req.params_size()) + " parameters", &staging);
+  if (!st.ok()) {
+    DropSegment(std::move(state));
+    return st;
+  }
+
+  const int moment = req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype();
+  state->header()->manifest_offset = layout.manifest_offset;
+  state->header()->manifest_bytes = layout.manifest_bytes;
+  auto* manifest = reinterpret_cast<wire::StateManifest*>(state->base() + layout.manifest_offset);
+  manifest->magic = wire::kSegmentMagic;
+  manifest->entries = static_cast<uint32_t>(req.params_size());
+  manifest->moment_dtype = static_cast<uint32_t>(moment);
+  manifest->step = 0;
+  manifest->seed = req.seed();
+  auto* entries = reinterpret_cast<wire::StateManifestEntry*>(manifest + 1);
+
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+  std::vector<ParamBinding> bindings;
+#endif
+  for (int i = 0; i < req.params_size(); ++i) {
+    const auto& p = req.params(i);
+    const ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
+    wire::StateManifestEntry& e = entries[i];
+    std::memset(static_cast<void*>(&e), 0, sizeof(e));
+    e.param_id = p.param_id();
+    e.numel = pl.numel;
+    e.dtype = static_cast<uint32_t>(p.dtype());
+    e.group = p.group();
+    e.master_offset = pl.master_offset;
+    e.exp_avg_offset = pl.exp_avg_offset;
+    e.exp_avg_sq_offset = pl.exp_avg_sq_offset;
+    std::strncpy(e.name, p.name().c_str(), sizeof(e.name) - 1);
+
+    auto* slot = resp->add_slots();
+    slot->set_param_id(p.param_id());
+    slot->set_grad_offset(pl.grad_offset);
+    slot->set_param_offset(pl.param_offset);
+    slot->set_numel(pl.numel);
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+    ParamBinding b;
+    b.param_id = p.param_id();
+    b.name = p.name();
+    b.numel = pl.numel;
+    b.group = p.group();
+    b.param_dtype = static_cast<WireDType>(p.dtype());
+    b.grad_dtype = static_cast<WireDType>(p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype() : p.grad_dtype());
+    b.master = reinterpret_cast<float*>(state->base() + pl.master_offset);
+    b.exp_avg = state->base() + pl.exp_avg_offset;
+    b.exp_avg_sq = state->base() + pl.exp_avg_sq_offset;
+    b.grad_slot = staging->base() + pl.grad_offset;
+    b.param_slot = staging->base() + pl.param_offset;
+    b.step_counter = &e.step;
+    bindings.push_back(std::move(b));
+#endif
+  }
+
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+  if (optimizer_ != nullptr) {
+    SessionOptimizerOptions options;
+    options.moment_dtype = static_cast<WireDType>(moment);
+    options.max_grad_norm = req.max_grad_norm();
+    options.seed = req.seed();
+    std::string error = optimizer_->AddParameters(s.id, options, std::move(bindings));
+    if (!error.empty()) {
+      DropSegment(std::move(staging));
+      DropSegment(std::move(state));
+      return Invalid(error);
+    }
+  }
+#endif
+  const uint64_t staging_length = layout.staging_bytes - wire::kSegmentHeaderBytes;
+  AddRegion(s, std::move(state), "optimizer-state", layout.state_bytes - wire::kSegmentHeaderBytes, false);
+  const uint64_t staging_id = AddRegion(s, std::move(staging), "staging", staging_length, false);
+  {
+    std::lock_guard<std::mutex> rlock(s.regions_mu);
+    FillRegion(s.regions.at(staging_id), resp->mutable_staging());
+  }
+  for (const auto& p : req.params()) s.param_ids.insert(p.param_id());
+  spdlog::info("session {}: registered {} parameters (staging {} bytes, state {} bytes)", s.id,
+               req.params_size(), layout.staging_bytes, layout.state_bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegionRequest& req, v1::Region* out) {
+  if (req.kind() != v1::SEGMENT_KIND_SESSION && req.kind() != v1::SEGMENT_KIND_UNSPECIFIED) {
+    return Invalid("kind: clients may only allocate SEGMENT_KIND_SESSION regions (got " +
+                   std::to_string(req.kind()) + ")");
+  }
+  if (req.bytes() == 0) return Invalid("bytes: must be > 0");
+  if (req.bytes() > config_.max_region_bytes) {
+    return Invalid("bytes: " + std::to_string(req.bytes()) + " exceeds the per-region limit of " +
+                   std::to_string(config_.max_region_bytes) + " bytes (max_region_bytes)");
+  }
+  if (req.label().size() > 256) return Invalid("label: longer than 256 bytes");
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.closed) return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+  const uint64_t total = wire::kSegmentHeaderBytes + AlignUp(req.bytes(), kPage);
+  std::unique_ptr<ShmSegment> seg;
+  grpc::Status st = CreateSegment(s, v1::SEGMENT_KIND_SESSION, total,
+                                  "region '" + req.label() + "' of session " + std::to_string(s.id), &seg);
+  if (!st.ok()) return st;
+  const uint64_t id = AddRegion(s, std::move(seg), req.label(), req.bytes(), true);
+  std::lock_guard<std::mutex> rlock(s.regions_mu);
+  FillRegion(s.regions.at(id), out);
+  return grpc::Status::OK;
+}
+
+grpc::Status SessionRegistry::FreeRegion(Session& s, const v1::FreeRegionRequest& req, uint64_t* bytes_freed) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.closed) return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+  SessionRegion region;
+  {
+    std::lock_guard<std::mutex> rlock(s.regions_mu);
+    auto it = s.regions.find(req.region_id());
+    if (it == s.regions.end()) {
+      return Invalid("region_id: " + std::to_string(req.region_id()) + " is not a region of session " +
+                     std::to_string(s.id));
+    }
+    if (!it->second.client_freeable) {
+      return Invalid("region_id: " + std::to_string(req.region_id()) + " is the session's " + it->second.label +
+                     " region; it lives as long as the session");
+    }
+    region = std::move(it->second);
+    s.regions.erase(it);
+  }
+  *bytes_freed = region.segment->size();
+  if (s.optimizer_started) {
+    // The optimizer may still be copying from it (a kLoadState in flight):
+    // remove the name now, keep the mapping (and its budget) until teardown.
+    region.segment->Unlink();
+    s.retired.push_back(std::move(region));
+    *bytes_freed = 0;
+  } else {
+    DropSegment(std::move(region.segment));
+  }
+  return grpc::Status::OK;
+}
+
+void SessionRegistry::FillStatus(v1::StatusResponse* out) {
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : sessions_) all.push_back(s);
+  }
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& s : all) {
+    auto* ss = out->add_sessions();
+    ss->set_session_id(s->id);
+    ss->set_pid(s->creds.pid);
+    ss->set_uid(s->creds.uid);
+    ss->set_job(s->job);
+    ss->set_rank(s->rank);
+    ss->set_local_rank(s->local_rank);
+    ss->set_age_s(std::chrono::duration<double>(now - s->started).count());
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      ss->set_params(s->param_ids.size());
+    }
+    uint64_t held = 0;
+    std::lock_guard<std::mutex> rlock(s->regions_mu);
+    for (auto& [id, r] : s->regions) {
+      held += r.segment->size();
+      auto* seg = out->add_segments();
+      seg->set_name(r.segment->name());
+      seg->set_kind(static_cast<v1::SegmentKind>(r.segment->kind()));
+      seg->set_bytes(r.segment->size());
+      seg->set_session_id(s->id);
+      seg->set_label(r.label);
+    }
+    ss->set_bytes_held(held);
+  }
+}
+
+}  // namespace trainstream::daemon

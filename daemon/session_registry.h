@@ -1,0 +1,150 @@
+// SessionRegistry: every attached session and the memory it holds. The RPC
+// handlers (control_service.cc) call one method per request; teardown (stream
+// closed, client process dead, daemon shutting down) goes through End().
+//
+// Locking (acquire in this order, never the reverse):
+//   SessionRegistry::mu_  guards the id -> session map and the id counters
+//   Session::mu           guards the session's segments, params and `closed`
+//   Session::regions_mu   guards the region table (read by the optimizer's
+//                         RegionResolver on its own threads, which never take mu)
+//   Session::stream_mu    guards the stream/context pointers (notices, cancel)
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "budget.h"
+#include "config.h"
+#include "peer_credentials.h"
+#include "shm_segment.h"
+#include "trainstream/v1/control.grpc.pb.h"
+
+namespace trainstream::daemon {
+
+class OptimizerService;
+
+using SessionStream = grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionMessage>;
+
+// Ring geometry of a session's control region (session_control.h).
+inline constexpr uint64_t kRingCapacity = 4096;
+inline constexpr uint64_t kMaxControlBytes = 64ull << 20;
+uint64_t MinControlBytes();
+
+// One region of a session: a whole segment handed out as (segment, offset, length).
+struct SessionRegion {
+  uint64_t region_id = 0;
+  std::unique_ptr<ShmSegment> segment;
+  std::string label;    // "control", "staging", "optimizer-state" or the client's label
+  uint64_t offset = 0;  // kSegmentHeaderBytes: data starts after the header
+  uint64_t length = 0;
+  bool client_freeable = false;  // AllocateRegion regions only
+};
+
+class Session {
+ public:
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+  Session() = default;
+
+  // Set once at creation, then read-only.
+  uint64_t id = 0;
+  std::string token;
+  PeerCredentials creds;
+  std::string job;
+  int32_t rank = -1, local_rank = -1;
+  std::chrono::steady_clock::time_point started;
+  uint64_t control_region_id = 0;
+
+  std::mutex mu;
+  bool closed = false;                  // Guarded by mu.
+  std::set<uint64_t> param_ids;         // Guarded by mu.
+  bool optimizer_started = false;       // Guarded by mu.
+
+  std::mutex regions_mu;
+  std::map<uint64_t, SessionRegion> regions;  // Guarded by regions_mu (writes also hold mu).
+  // Regions freed by the client while the optimizer may still hold pointers
+  // into them: unlinked at once, unmapped at teardown. Guarded by mu.
+  std::vector<SessionRegion> retired;
+
+  std::mutex stream_mu;
+  grpc::ServerContext* context = nullptr;  // Guarded by stream_mu; null once ended.
+  SessionStream* stream = nullptr;         // Guarded by stream_mu; null once ended.
+
+  // Sends an event on the session stream if it is still open.
+  bool Send(const v1::SessionEvent& event);
+  // Regions and bytes, for status.
+  uint64_t BytesHeld();
+};
+
+class SessionRegistry {
+ public:
+  // `budget` and `optimizer` (may be null) must outlive the registry.
+  // `on_session_start(id, pid)` / `on_session_end(id)` let the daemon watch pids.
+  SessionRegistry(const DaemonConfig& config, Budget* budget, OptimizerService* optimizer);
+  SessionRegistry(const SessionRegistry&) = delete;
+  SessionRegistry& operator=(const SessionRegistry&) = delete;
+  ~SessionRegistry();
+
+  void SetPidHooks(std::function<bool(uint64_t, pid_t)> watch, std::function<void(uint64_t)> unwatch);
+
+  // Attach: creates the session and its control segment, registers the stream.
+  grpc::Status Create(const PeerCredentials& creds, const v1::AttachRequest& req,
+                      grpc::ServerContext* context, SessionStream* stream,
+                      std::shared_ptr<Session>* out, v1::Attached* attached);
+
+  // Finds the session for a unary RPC: NOT_FOUND for an unknown id,
+  // PERMISSION_DENIED for a wrong token or another user's session.
+  grpc::Status Find(uint64_t session_id, const std::string& token, const PeerCredentials& caller,
+                    std::shared_ptr<Session>* out);
+
+  // Ends a session: marks it closing, stops its optimizer plane, unmaps and
+  // unlinks its segments, returns its budget. With `cancel_stream`, also cancels
+  // the session stream (the handler then returns). Idempotent.
+  void End(uint64_t session_id, const std::string& reason, bool cancel_stream);
+  // Ends every session (daemon shutdown), without cancelling streams.
+  void EndAll(const std::string& reason);
+
+  grpc::Status RegisterParameters(Session& s, const v1::RegisterParametersRequest& req,
+                                  v1::RegisterParametersResponse* resp);
+  grpc::Status AllocateRegion(Session& s, const v1::AllocateRegionRequest& req, v1::Region* out);
+  grpc::Status FreeRegion(Session& s, const v1::FreeRegionRequest& req, uint64_t* bytes_freed);
+
+  // Sends `notice` to every attached session.
+  void NotifyAll(const v1::DaemonNotice& notice);
+  size_t size();
+  void FillStatus(v1::StatusResponse* out);
+  uint64_t pinned_bytes() const;
+
+ private:
+  grpc::Status CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes, const std::string& what,
+                             std::unique_ptr<ShmSegment>* out);
+  uint64_t AddRegion(Session& s, std::unique_ptr<ShmSegment> seg, const std::string& label,
+                     uint64_t length, bool client_freeable);
+  void DropSegment(std::unique_ptr<ShmSegment> seg);
+  void FillRegion(const SessionRegion& r, v1::Region* out) const;
+
+  const DaemonConfig config_;
+  Budget* const budget_;
+  OptimizerService* const optimizer_;  // null when the optimizer service is not built in
+  std::function<bool(uint64_t, pid_t)> watch_pid_;
+  std::function<void(uint64_t)> unwatch_pid_;
+
+  std::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // Guarded by mu_.
+  uint64_t next_session_id_ = 1;                            // Guarded by mu_.
+  std::atomic<uint64_t> next_region_id_{1};
+  std::atomic<uint64_t> pinned_bytes_{0};
+};
+
+}  // namespace trainstream::daemon

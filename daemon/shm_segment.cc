@@ -1,0 +1,115 @@
+#include "shm_segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <new>
+
+#include "budget.h"
+#include "token.h"
+
+namespace trainstream::daemon {
+
+bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* total_bytes) {
+  struct statvfs st {};
+  if (statvfs(dir.c_str(), &st) != 0) return false;
+  *free_bytes = static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
+  *total_bytes = static_cast<uint64_t>(st.f_blocks) * st.f_frsize;
+  return true;
+}
+
+grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
+                                const SegmentOwner& owner, bool lock,
+                                std::unique_ptr<ShmSegment>* out) {
+  if (total_bytes < wire::kSegmentHeaderBytes) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, "segment smaller than its header");
+  }
+  std::unique_ptr<ShmSegment> seg(new ShmSegment());
+  seg->name_ = "trainstream-" + RandomHex(16);
+  const std::string path = dir + "/" + seg->name_;
+  seg->size_ = total_bytes;
+  seg->kind_ = kind;
+
+  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    auto code = err == EACCES || err == EPERM ? grpc::StatusCode::PERMISSION_DENIED
+                                              : grpc::StatusCode::INTERNAL;
+    return grpc::Status(code, "cannot create segment " + path + ": " + std::strerror(err));
+  }
+  // The file is ours now: from here on, destroying `seg` unlinks it.
+  seg->path_ = path;
+  auto fail = [&](grpc::Status s) {
+    close(fd);
+    return s;
+  };
+  if (geteuid() == 0 && owner.uid != 0 && fchown(fd, owner.uid, static_cast<gid_t>(-1)) != 0) {
+    return fail(grpc::Status(grpc::StatusCode::INTERNAL,
+                             "fchown " + seg->path_ + " to uid " + std::to_string(owner.uid) +
+                                 ": " + std::strerror(errno)));
+  }
+  int rc = posix_fallocate(fd, 0, static_cast<off_t>(total_bytes));
+  if (rc != 0) {
+    uint64_t free_bytes = 0, fs_total = 0;
+    FilesystemSpace(dir, &free_bytes, &fs_total);
+    std::string msg = "cannot allocate " + std::to_string(total_bytes) + " bytes (" +
+                      HumanBytes(total_bytes) + ") in " + dir + ": posix_fallocate: " +
+                      std::strerror(rc) + "; " + dir + " has " + std::to_string(free_bytes) +
+                      " bytes (" + HumanBytes(free_bytes) + ") free of " + HumanBytes(fs_total);
+    if (rc == ENOSPC) {
+      msg += "; enlarge it (e.g. `mount -o remount,size=<bytes> " + dir +
+             "`) or lower the daemon's --budget";
+      return fail(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, msg));
+    }
+    return fail(grpc::Status(grpc::StatusCode::INTERNAL, msg));
+  }
+  void* base = mmap(nullptr, total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  const int map_err = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    return grpc::Status(grpc::StatusCode::INTERNAL,
+                        "mmap " + seg->path_ + ": " + std::strerror(map_err));
+  }
+  seg->base_ = base;
+  if (lock) seg->locked_ = mlock(base, total_bytes) == 0;
+
+  auto* h = new (base) wire::SegmentHeader();
+  std::memset(static_cast<void*>(h), 0, sizeof(*h));
+  h->magic = wire::kSegmentMagic;
+  h->version = wire::kSegmentVersion;
+  h->kind = kind;
+  h->total_bytes = total_bytes;
+  h->session_id = owner.session_id;
+  h->owner_uid = owner.uid;
+  h->created_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
+  std::strncpy(h->job, owner.job.c_str(), sizeof(h->job) - 1);
+  h->rank = owner.rank;
+  h->local_rank = owner.local_rank;
+  *out = std::move(seg);
+  return grpc::Status::OK;
+}
+
+void ShmSegment::Unlink() {
+  if (unlinked_ || path_.empty()) return;
+  unlink(path_.c_str());
+  unlinked_ = true;
+}
+
+ShmSegment::~ShmSegment() {
+  // A segment whose creation failed before mmap still has a file to remove.
+  Unlink();
+  if (base_ != nullptr) {
+    if (locked_) munlock(base_, size_);
+    munmap(base_, size_);
+  }
+}
+
+}  // namespace trainstream::daemon

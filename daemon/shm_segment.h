@@ -1,0 +1,73 @@
+// ShmSegment: one file the daemon creates in the shm directory (DESIGN.md,
+// "Memory ownership"): an unguessable name "trainstream-<32 hex>", O_EXCL, mode
+// 0600, owned by the attaching user when the daemon runs as root, sized with
+// posix_fallocate (so a full /dev/shm fails here, not with SIGBUS later), a
+// SegmentHeader at offset 0 and data after kSegmentHeaderBytes. The daemon maps
+// it MAP_SHARED (prefaulted) for its whole life.
+//
+// Ownership: the ShmSegment owns the file and the mapping; destroying it unmaps
+// and unlinks. It does not touch the budget: callers reserve before Create and
+// release after destruction.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/support/status.h>
+
+#include "trainstream/wire/segment_header.h"
+
+namespace trainstream::daemon {
+
+struct SegmentOwner {
+  uint64_t session_id = 0;  // 0: the daemon (bases)
+  uid_t uid = 0;            // file owner when the daemon runs as root
+  std::string job;
+  int32_t rank = -1;
+  int32_t local_rank = -1;
+};
+
+class ShmSegment {
+ public:
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment();
+
+  // Creates a segment of `total_bytes` (>= kSegmentHeaderBytes) in `dir`.
+  // `kind` is a trainstream.v1.SegmentKind value. With `lock`, tries mlock();
+  // a failure is not an error (locked() says whether it worked).
+  // Errors: RESOURCE_EXHAUSTED when the directory is full (names it, its free
+  // space and the fix), INTERNAL/PERMISSION_DENIED for other failures.
+  static grpc::Status Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
+                             const SegmentOwner& owner, bool lock,
+                             std::unique_ptr<ShmSegment>* out);
+
+  // Removes the file now (the mapping stays until destruction). Idempotent.
+  void Unlink();
+
+  const std::string& name() const { return name_; }
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return size_; }
+  uint32_t kind() const { return kind_; }
+  bool locked() const { return locked_; }
+  char* base() const { return static_cast<char*>(base_); }
+  wire::SegmentHeader* header() const { return static_cast<wire::SegmentHeader*>(base_); }
+
+ private:
+  ShmSegment() = default;
+  std::string name_;
+  std::string path_;
+  uint64_t size_ = 0;
+  uint32_t kind_ = 0;
+  void* base_ = nullptr;
+  bool locked_ = false;
+  bool unlinked_ = false;
+};
+
+// Free and total bytes of the filesystem holding `dir` (statvfs); false on error.
+bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* total_bytes);
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,81 @@
+#include "startup_checks.h"
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "budget.h"
+#include "config.h"
+#include "shm_segment.h"
+
+namespace trainstream::daemon {
+namespace {
+std::string CeilGiB(uint64_t bytes) { return std::to_string((bytes + (1ull << 30) - 1) >> 30) + "G"; }
+}  // namespace
+
+StartupFacts GatherStartupFacts(const std::string& shm_dir, uint64_t budget, bool lock_memory) {
+  StartupFacts f;
+  f.shm_dir = shm_dir;
+  f.budget = budget;
+  f.lock_memory = lock_memory;
+  f.privileged = geteuid() == 0;
+  struct rlimit rl {};
+  if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
+    f.memlock_limit = rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);
+  }
+  f.ram_bytes = PhysicalRamBytes();
+  return f;
+}
+
+StartupReport CheckStartup(const StartupFacts& f) {
+  StartupReport r;
+  struct stat st {};
+  if (stat(f.shm_dir.c_str(), &st) != 0) {
+    r.error = "shm directory " + f.shm_dir + ": " + std::strerror(errno) +
+              " (create it, or choose another with --shm-dir / shm_dir)";
+    return r;
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    r.error = "shm directory " + f.shm_dir + " is not a directory";
+    return r;
+  }
+  if (access(f.shm_dir.c_str(), W_OK | X_OK) != 0) {
+    r.error = "shm directory " + f.shm_dir + " is not writable by uid " + std::to_string(geteuid()) + ": " +
+              std::strerror(errno);
+    return r;
+  }
+  if (f.budget == 0) {
+    r.error = "the memory budget is 0 bytes; set --budget (e.g. 50% or 64G)";
+    return r;
+  }
+  uint64_t free_bytes = 0, total_bytes = 0;
+  if (FilesystemSpace(f.shm_dir, &free_bytes, &total_bytes)) {
+    if (total_bytes < f.budget) {
+      r.warnings.push_back("shm directory " + f.shm_dir + " holds " + HumanBytes(total_bytes) +
+                           ", less than the budget of " + HumanBytes(f.budget) +
+                           ": allocations will fail before the budget is reached. Fix: `mount -o remount,size=" +
+                           CeilGiB(f.budget) + " " + f.shm_dir + "` (and the size= option in /etc/fstab), or lower --budget");
+    } else if (free_bytes < f.budget) {
+      r.warnings.push_back("shm directory " + f.shm_dir + " has only " + HumanBytes(free_bytes) + " free of " +
+                           HumanBytes(total_bytes) + " (budget " + HumanBytes(f.budget) +
+                           "): other files use it; remove stale ones or lower --budget");
+    }
+  }
+  if (f.ram_bytes != 0 && f.budget > f.ram_bytes) {
+    r.warnings.push_back("the budget of " + HumanBytes(f.budget) + " exceeds physical RAM (" + HumanBytes(f.ram_bytes) +
+                         "): the machine will swap or OOM; lower --budget (e.g. 50%)");
+  }
+  if (f.lock_memory && !f.privileged && f.memlock_limit < f.budget) {
+    r.warnings.push_back("RLIMIT_MEMLOCK is " + HumanBytes(f.memlock_limit) + ", below the budget of " +
+                         HumanBytes(f.budget) +
+                         ": segments beyond it stay unpinned. Fix: `LimitMEMLOCK=infinity` in the systemd unit, "
+                         "`ulimit -l unlimited` before starting the daemon, or `<user> - memlock unlimited` in "
+                         "/etc/security/limits.conf");
+  }
+  return r;
+}
+
+}  // namespace trainstream::daemon

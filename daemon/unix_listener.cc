@@ -1,0 +1,197 @@
+#include "unix_listener.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <grpcpp/server.h>
+#include <grpcpp/server_posix.h>
+#include <spdlog/spdlog.h>
+
+#include "peer_credentials.h"
+
+namespace trainstream::daemon {
+namespace {
+
+grpc::Status Fail(grpc::StatusCode code, const std::string& msg) { return grpc::Status(code, msg); }
+
+bool MakeAddress(const std::string& path, sockaddr_un* addr) {
+  std::memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr->sun_path)) return false;
+  std::memcpy(addr->sun_path, path.c_str(), path.size());
+  return true;
+}
+
+// mkdir -p of the socket's directory. New directories get 0755 (the socket's own
+// mode is what restricts access).
+bool MakeParentDirs(const std::string& path, std::string* error) {
+  for (size_t pos = 1; (pos = path.find('/', pos)) != std::string::npos; ++pos) {
+    std::string dir = path.substr(0, pos);
+    if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      *error = "cannot create " + dir + ": " + std::strerror(errno);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Is a daemon answering on `path`? Sets *pid to its pid when it is.
+bool SomeoneListens(const std::string& path, pid_t* pid) {
+  sockaddr_un addr;
+  if (!MakeAddress(path, &addr)) return false;
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  bool live = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  if (live) {
+    struct ucred cred {};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) *pid = cred.pid;
+  }
+  close(fd);
+  return live;
+}
+
+}  // namespace
+
+grpc::Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
+                                std::unique_ptr<UnixListener>* out) {
+  std::unique_ptr<UnixListener> l(new UnixListener());
+  sockaddr_un addr;
+  if (!MakeAddress(path, &addr)) {
+    return Fail(grpc::StatusCode::INVALID_ARGUMENT,
+                "socket path too long (" + std::to_string(path.size()) + " bytes, max 107): " + path);
+  }
+  std::string error;
+  if (!MakeParentDirs(path, &error)) return Fail(grpc::StatusCode::PERMISSION_DENIED, error);
+
+  // The lock file serialises two daemons starting at the same moment; the
+  // connect() probe below catches a live daemon that lost its lock file.
+  const std::string lock_path = path + ".lock";
+  l->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (l->lock_fd_ < 0) {
+    return Fail(grpc::StatusCode::PERMISSION_DENIED,
+                "cannot open " + lock_path + ": " + std::strerror(errno));
+  }
+  pid_t other = 0;
+  if (flock(l->lock_fd_, LOCK_EX | LOCK_NB) != 0 || SomeoneListens(path, &other)) {
+    std::string who = other > 0 ? " (pid " + std::to_string(other) + ")" : "";
+    close(l->lock_fd_);
+    l->lock_fd_ = -1;
+    return Fail(grpc::StatusCode::FAILED_PRECONDITION,
+                "another trainstreamd" + who + " is already serving " + path +
+                    "; stop it first (`trainstreamctl --socket " + path +
+                    " shutdown`) or choose another --socket");
+  }
+  struct stat st {};
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      close(l->lock_fd_);
+      l->lock_fd_ = -1;
+      return Fail(grpc::StatusCode::FAILED_PRECONDITION,
+                  path + " exists and is not a socket; refusing to replace it");
+    }
+    spdlog::warn("replacing stale socket {} (nothing listens on it)", path);
+    unlink(path.c_str());
+  }
+  l->path_ = path;
+
+  l->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (l->listen_fd_ < 0) return Fail(grpc::StatusCode::INTERNAL, std::string("socket: ") + std::strerror(errno));
+  // Bind under a restrictive umask so there is no window with a wider mode.
+  mode_t old_umask = umask(0177);
+  int rc = bind(l->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  int bind_errno = errno;
+  umask(old_umask);
+  if (rc != 0) {
+    return Fail(grpc::StatusCode::PERMISSION_DENIED,
+                "cannot bind " + path + ": " + std::strerror(bind_errno));
+  }
+  if (gid != static_cast<gid_t>(-1) && chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0) {
+    spdlog::warn("cannot give {} to gid {}: {}", path, gid, std::strerror(errno));
+  }
+  if (chmod(path.c_str(), mode) != 0) {
+    return Fail(grpc::StatusCode::INTERNAL, "chmod " + path + ": " + std::strerror(errno));
+  }
+  if (listen(l->listen_fd_, 128) != 0) {
+    return Fail(grpc::StatusCode::INTERNAL, "listen " + path + ": " + std::strerror(errno));
+  }
+  l->stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  *out = std::move(l);
+  return grpc::Status::OK;
+}
+
+void UnixListener::Start(grpc::Server* server, OnAccept on_accept) {
+  thread_ = std::thread([this, server, on_accept] { AcceptLoop(server, on_accept); });
+}
+
+void UnixListener::AcceptLoop(grpc::Server* server, OnAccept on_accept) {
+  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+  for (;;) {
+    int n = poll(fds, 2, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("accept loop: poll: {}", std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+        spdlog::warn("accept on {}: {}", path_, std::strerror(errno));
+      }
+      continue;
+    }
+    PeerCredentials creds;
+    if (!ReadPeerCredentials(fd, &creds)) {
+      spdlog::warn("SO_PEERCRED failed on a new connection: {}; closing it", std::strerror(errno));
+      close(fd);
+      continue;
+    }
+    if (!on_accept(fd, creds)) {
+      close(fd);
+      continue;
+    }
+    accepted_.fetch_add(1);
+    // gRPC owns the fd from here and closes it when the connection ends.
+    grpc::AddInsecureChannelFromFd(server, fd);
+  }
+}
+
+void UnixListener::Stop() {
+  if (thread_.joinable()) {
+    uint64_t one = 1;
+    ssize_t ignored = write(stop_fd_, &one, sizeof(one));
+    (void)ignored;
+    thread_.join();
+  }
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    listen_fd_ = -1;
+  }
+}
+
+void UnixListener::RemoveFiles() {
+  if (files_removed_ || path_.empty()) return;
+  files_removed_ = true;
+  unlink(path_.c_str());
+  unlink((path_ + ".lock").c_str());
+}
+
+UnixListener::~UnixListener() {
+  Stop();
+  RemoveFiles();
+  if (stop_fd_ >= 0) close(stop_fd_);
+  if (lock_fd_ >= 0) close(lock_fd_);
+}
+
+}  // namespace trainstream::daemon
