@@ -89,6 +89,8 @@ int main(int argc, char** argv) {
   app.add_option("--idle-exit", idle_exit, "Exit after this many seconds with no session and no request (embedded mode)");
   app.add_option("--allow-group", allow_group, "Members of this group may use the daemon");
   app.add_option("--admin-group", admin_group, "Members of this group may also shut the daemon down");
+  // A flag given twice takes the last value (wrappers append overrides).
+  for (CLI::Option* opt : app.get_options()) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   CLI11_PARSE(app, argc, argv);
 
   DaemonConfig config;

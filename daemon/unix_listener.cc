@@ -82,7 +82,9 @@ grpc::Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
                 "cannot open " + lock_path + ": " + std::strerror(errno));
   }
   pid_t other = 0;
-  if (flock(l->lock_fd_, LOCK_EX | LOCK_NB) != 0 || SomeoneListens(path, &other)) {
+  const bool locked = flock(l->lock_fd_, LOCK_EX | LOCK_NB) == 0;
+  const bool live = SomeoneListens(path, &other);
+  if (!locked || live) {
     std::string who = other > 0 ? " (pid " + std::to_string(other) + ")" : "";
     close(l->lock_fd_);
     l->lock_fd_ = -1;

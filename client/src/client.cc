@@ -185,6 +185,7 @@ void Session::Detach() {
 }
 
 uint64_t Session::id() const { return impl_->id; }
+const std::string& Session::token() const { return impl_->token; }
 const std::string& Session::shm_dir() const { return impl_->shm_dir; }
 MappedRegion& Session::control() { return *impl_->control; }
 

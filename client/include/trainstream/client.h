@@ -152,6 +152,9 @@ class Session {
   ~Session();
 
   uint64_t id() const;
+  // The session's secret (sent with every unary RPC). Only for code in this
+  // process that must speak the protocol itself (e.g. the Python bindings).
+  const std::string& token() const;
   const std::string& shm_dir() const;
   // The control region (rings), mapped read-write.
   MappedRegion& control();

@@ -1,0 +1,266 @@
+// trainstream-test-client: a scriptable client for the integration tests
+// (tests/python/test_daemon_*.py). It reads one command per line on stdin (or
+// takes one command from argv) and prints one JSON object per command:
+// {"ok": true, ...} or {"ok": false, "code": "INVALID_ARGUMENT", "message": ...}.
+//
+// Commands:
+//   ping | status | shutdown [drain]
+//   attach [job] [rank]              opens a session (held until detach/quit)
+//   alloc <bytes> [label]            AllocateRegion through the client library
+//   free <region_id>
+//   register <json>                  {"groups":[{lr,beta1,beta2,eps,weight_decay}],
+//                                     "params":[{id,name,shape,dtype,grad_dtype,group}],
+//                                     "moment_dtype":1}
+//   raw_alloc <bytes> <kind> [session_id] [token]   crafted AllocateRegion (raw gRPC)
+//   raw_free <region_id> [session_id] [token]
+//   fill <region_id> <byte>          memset a region this client allocated
+//   alive | wait_dead <timeout_ms> | detach | quit
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
+
+#include "trainstream/client.h"
+#include "trainstream/v1/control.grpc.pb.h"
+
+using nlohmann::json;
+
+namespace {
+
+json Error(const trainstream::Status& s) {
+  return {{"ok", false}, {"code", trainstream::StatusCodeName(s.code())}, {"message", s.message()}};
+}
+json GrpcError(const grpc::Status& s) {
+  static const std::map<grpc::StatusCode, const char*> kNames = {
+      {grpc::StatusCode::INVALID_ARGUMENT, "INVALID_ARGUMENT"},
+      {grpc::StatusCode::NOT_FOUND, "NOT_FOUND"},
+      {grpc::StatusCode::PERMISSION_DENIED, "PERMISSION_DENIED"},
+      {grpc::StatusCode::RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"},
+      {grpc::StatusCode::UNAVAILABLE, "UNAVAILABLE"},
+      {grpc::StatusCode::FAILED_PRECONDITION, "FAILED_PRECONDITION"}};
+  auto it = kNames.find(s.error_code());
+  return {{"ok", false}, {"code", it == kNames.end() ? "OTHER" : it->second}, {"message", s.error_message()}};
+}
+
+struct State {
+  std::string socket;
+  std::unique_ptr<trainstream::Client> client;
+  std::unique_ptr<trainstream::Session> session;
+  uint64_t session_id = 0;
+  std::string token;  // read from the raw stream only for raw_* commands
+  std::map<uint64_t, std::unique_ptr<trainstream::MappedRegion>> regions;
+  std::vector<trainstream::Registration> registrations;
+  std::unique_ptr<trainstream::v1::Control::Stub> raw;
+};
+
+json Run(State& st, const std::string& line) {
+  std::istringstream in(line);
+  std::string cmd;
+  in >> cmd;
+  trainstream::Status s;
+  if (cmd == "ping") {
+    trainstream::PingResult r;
+    s = st.client->Ping(&r);
+    if (!s.ok()) return Error(s);
+    return {{"ok", true}, {"pid", r.pid}, {"version", r.version}};
+  }
+  if (cmd == "status") {
+    std::string doc;
+    s = st.client->StatusJson(&doc);
+    if (!s.ok()) return Error(s);
+    return {{"ok", true}, {"status", json::parse(doc)}};
+  }
+  if (cmd == "shutdown") {
+    std::string drain;
+    in >> drain;
+    uint32_t n = 0;
+    s = st.client->Shutdown(drain == "drain", &n);
+    if (!s.ok()) return Error(s);
+    return {{"ok", true}, {"sessions", n}};
+  }
+  if (cmd == "attach") {
+    trainstream::AttachOptions o;
+    o.job = "test";
+    in >> o.job >> o.rank;
+    s = st.client->Attach(o, &st.session);
+    if (!s.ok()) return Error(s);
+    st.session_id = st.session->id();
+    const auto& c = st.session->control().info();
+    return {{"ok", true}, {"session_id", st.session_id}, {"shm_dir", st.session->shm_dir()},
+            {"control", {{"segment", c.segment_name}, {"region_id", c.region_id}, {"offset", c.offset}, {"length", c.length}}},
+            {"pid", getpid()}};
+  }
+  if (!st.session && cmd != "raw_alloc" && cmd != "raw_free" && cmd != "quit") {
+    return {{"ok", false}, {"code", "CLIENT"}, {"message", "not attached"}};
+  }
+  if (cmd == "alloc") {
+    uint64_t bytes = 0;
+    std::string label = "test";
+    in >> bytes >> label;
+    std::unique_ptr<trainstream::MappedRegion> r;
+    s = st.session->AllocateRegion(bytes, label, &r);
+    if (!s.ok()) return Error(s);
+    json out = {{"ok", true}, {"region_id", r->info().region_id}, {"segment", r->info().segment_name},
+                {"offset", r->info().offset}, {"length", r->info().length},
+                {"segment_size", r->info().segment_size}};
+    st.regions[r->info().region_id] = std::move(r);
+    return out;
+  }
+  if (cmd == "free") {
+    uint64_t id = 0, freed = 0;
+    in >> id;
+    s = st.session->FreeRegion(id, &freed);
+    if (!s.ok()) return Error(s);
+    st.regions.erase(id);
+    return {{"ok", true}, {"bytes_freed", freed}};
+  }
+  if (cmd == "fill") {
+    uint64_t id = 0;
+    int byte = 0;
+    in >> id >> byte;
+    auto it = st.regions.find(id);
+    if (it == st.regions.end()) return {{"ok", false}, {"code", "CLIENT"}, {"message", "unknown region"}};
+    std::memset(it->second->data(), byte, it->second->size());
+    return {{"ok", true}};
+  }
+  if (cmd == "register") {
+    std::string rest;
+    std::getline(in, rest);
+    json spec = json::parse(rest);
+    trainstream::RegisterOptions o;
+    for (const auto& g : spec.value("groups", json::array())) {
+      trainstream::AdamWHyperParams h;
+      h.lr = g.value("lr", h.lr);
+      h.beta1 = g.value("beta1", h.beta1);
+      h.beta2 = g.value("beta2", h.beta2);
+      h.eps = g.value("eps", h.eps);
+      h.weight_decay = g.value("weight_decay", h.weight_decay);
+      o.groups.push_back(h);
+    }
+    o.moment_dtype = static_cast<trainstream::DType>(spec.value("moment_dtype", 1));
+    std::vector<trainstream::ParameterSpec> params;
+    for (const auto& p : spec.value("params", json::array())) {
+      trainstream::ParameterSpec ps;
+      ps.param_id = p.value("id", 0ull);
+      ps.name = p.value("name", std::string("p"));
+      ps.shape = p.value("shape", std::vector<int64_t>{});
+      ps.dtype = static_cast<trainstream::DType>(p.value("dtype", 1));
+      ps.grad_dtype = static_cast<trainstream::DType>(p.value("grad_dtype", p.value("dtype", 1)));
+      ps.group = p.value("group", 0u);
+      params.push_back(ps);
+    }
+    trainstream::Registration reg;
+    s = st.session->RegisterParameters(o, params, &reg);
+    if (!s.ok()) return Error(s);
+    json slots = json::array();
+    for (const auto& sl : reg.slots) {
+      slots.push_back({{"param_id", sl.param_id}, {"grad_offset", sl.grad_offset},
+                       {"param_offset", sl.param_offset}, {"numel", sl.numel}});
+    }
+    json out = {{"ok", true}, {"staging", reg.staging->info().segment_name},
+                {"staging_size", reg.staging->info().segment_size}, {"slots", slots}};
+    st.registrations.push_back(std::move(reg));
+    return out;
+  }
+  if (cmd == "raw_alloc" || cmd == "raw_free") {
+    uint64_t a = 0, sid = st.session_id;
+    int kind = 2;
+    std::string token = st.session ? st.session->token() : std::string("0");
+    in >> a;
+    if (cmd == "raw_alloc") in >> kind;
+    in >> sid >> token;
+    grpc::ClientContext ctx;
+    grpc::Status gs;
+    if (cmd == "raw_alloc") {
+      trainstream::v1::AllocateRegionRequest req;
+      req.set_session_id(sid);
+      req.set_session_token(token);
+      req.set_bytes(a);
+      req.set_kind(static_cast<trainstream::v1::SegmentKind>(kind));
+      trainstream::v1::AllocateRegionResponse resp;
+      gs = st.raw->AllocateRegion(&ctx, req, &resp);
+    } else {
+      trainstream::v1::FreeRegionRequest req;
+      req.set_session_id(sid);
+      req.set_session_token(token);
+      req.set_region_id(a);
+      trainstream::v1::FreeRegionResponse resp;
+      gs = st.raw->FreeRegion(&ctx, req, &resp);
+    }
+    if (!gs.ok()) return GrpcError(gs);
+    return {{"ok", true}};
+  }
+  if (cmd == "alive") {
+    std::string why;
+    bool alive = st.session->alive(&why);
+    return {{"ok", true}, {"alive", alive}, {"why", why}};
+  }
+  if (cmd == "wait_dead") {
+    int timeout_ms = 5000;
+    in >> timeout_ms;
+    auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    std::string why;
+    while (st.session->alive(&why) && std::chrono::steady_clock::now() < end) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    bool alive = st.session->alive(&why);
+    return {{"ok", !alive}, {"alive", alive}, {"why", why}};
+  }
+  if (cmd == "detach") {
+    st.regions.clear();
+    st.registrations.clear();
+    st.session.reset();
+    return {{"ok", true}};
+  }
+  return {{"ok", false}, {"code", "CLIENT"}, {"message", "unknown command '" + cmd + "'"}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  State st;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.size() >= 2 && args[0] == "--socket") {
+    st.socket = args[1];
+    args.erase(args.begin(), args.begin() + 2);
+  } else {
+    st.socket = trainstream::DefaultSocketPath();
+  }
+  trainstream::Status s = trainstream::Client::Connect(st.socket, 5000, &st.client);
+  if (!s.ok()) {
+    std::cout << Error(s).dump() << std::endl;
+    return 3;
+  }
+  st.raw = trainstream::v1::Control::NewStub(
+      grpc::CreateChannel("unix:" + st.socket, grpc::InsecureChannelCredentials()));
+  if (!args.empty()) {
+    std::string line;
+    for (const auto& a : args) line += (line.empty() ? "" : " ") + a;
+    json out = Run(st, line);
+    std::cout << out.dump() << std::endl;
+    return out.value("ok", false) ? 0 : 1;
+  }
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    if (line == "quit") break;
+    if (line.empty()) continue;
+    json out;
+    try {
+      out = Run(st, line);
+    } catch (const std::exception& e) {
+      out = {{"ok", false}, {"code", "CLIENT"}, {"message", e.what()}};
+    }
+    std::cout << out.dump() << std::endl;
+  }
+  return 0;
+}

@@ -1,0 +1,189 @@
+"""Shared pytest helpers: start the real trainstreamd on a temporary socket.
+
+Fixtures (usable from any test in tests/python):
+
+  daemon           a running daemon with default options (budget 1G, a fresh
+                   shm dir under /dev/shm). Yields a `Daemon`: .socket, .proc,
+                   .bin_dir, .shm_dir, .log_path, .ctl(*args), .client(),
+                   .stop(). Teardown SIGTERMs it and asserts exit code 0 and
+                   that no segment file is left in its shm dir.
+  daemon_factory   call it with extra trainstreamd flags to start more
+                   (e.g. daemon_factory("--budget", "64M")); each is torn down
+                   like `daemon`.
+  build_dir        Path of $TRAINSTREAM_BUILD_DIR (default: <repo>/build).
+
+Readiness is detected by polling `trainstreamctl ping`, never by sleeping.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _build_dir() -> Path:
+    return Path(os.environ.get("TRAINSTREAM_BUILD_DIR", REPO / "build")).resolve()
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.01, what: str = "condition"):
+    """Polls `predicate` until it returns a truthy value; fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class TestClient:
+    """Drives build/bin/trainstream-test-client: one command per line, one JSON reply."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, bin_dir: Path, socket: str, preexec_fn=None):
+        self.proc = subprocess.Popen(
+            [str(bin_dir / "trainstream-test-client"), "--socket", socket],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, bufsize=1, preexec_fn=preexec_fn)
+
+    def send(self, command: str, timeout: float = 30.0) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise AssertionError(f"test client did not answer {command!r} within {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"test client exited on {command!r}: {self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            f.close()
+
+
+class Daemon:
+    def __init__(self, bin_dir: Path, extra_args=(), socket: str | None = None,
+                 shm_dir: str | None = None):
+        self.bin_dir = bin_dir
+        self.tmp = tempfile.mkdtemp(prefix="tsd-")
+        os.chmod(self.tmp, 0o755)  # so a client under another uid can reach the socket
+        self.socket = socket or os.path.join(self.tmp, "trainstreamd.sock")
+        self._own_shm = shm_dir is None
+        self.shm_dir = shm_dir or tempfile.mkdtemp(prefix="tsd-shm-", dir="/dev/shm")
+        self.log_path = os.path.join(self.tmp, "trainstreamd.log")
+        self.args = [str(bin_dir / "trainstreamd"), "--foreground", "--socket", self.socket,
+                     "--shm-dir", self.shm_dir, "--budget", "1G", "--log-level", "debug",
+                     *extra_args]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.clients: list[TestClient] = []
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def ctl(self, *args, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.bin_dir / "trainstreamctl"), "--socket", self.socket, *args],
+                              capture_output=True, text=True, timeout=timeout, **kw)
+
+    def wait_ready(self, timeout: float = 30.0):
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"trainstreamd exited with {self.proc.returncode}:\n{self.log()}")
+            return self.ctl("--timeout-ms", "200", "ping").returncode == 0
+        wait_until(ready, timeout, interval=0.02, what="trainstreamd to answer ping")
+        return self
+
+    def client(self, preexec_fn=None) -> TestClient:
+        c = TestClient(self.bin_dir, self.socket, preexec_fn)
+        self.clients.append(c)
+        return c
+
+    def status(self) -> dict:
+        r = self.ctl("status", "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def segment_files(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.shm_dir) if n.startswith("trainstream-"))
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"trainstreamd ignored SIGTERM for {timeout} s:\n{self.log()}")
+
+    def cleanup(self):
+        for c in self.clients:
+            c.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        if self._own_shm:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def build_dir() -> Path:
+    d = _build_dir()
+    if not (d / "bin" / "trainstreamd").exists():
+        pytest.fail(f"{d}/bin/trainstreamd is missing: build first (make build) or set TRAINSTREAM_BUILD_DIR")
+    return d
+
+
+@pytest.fixture
+def daemon_factory(build_dir):
+    started: list[Daemon] = []
+
+    def start(*extra_args, wait: bool = True, socket: str | None = None, shm_dir: str | None = None):
+        d = Daemon(build_dir / "bin", extra_args, socket=socket, shm_dir=shm_dir)
+        started.append(d)
+        if wait:
+            d.wait_ready()
+        return d
+
+    yield start
+    failures = []
+    for d in started:
+        try:
+            was_running = d.proc.poll() is None
+            code = d.stop()
+            if was_running and code != 0:
+                failures.append(f"trainstreamd exited with {code} on SIGTERM:\n{d.log()}")
+            if was_running and d._own_shm and d.segment_files():
+                failures.append(f"segments left in {d.shm_dir}: {d.segment_files()}")
+        finally:
+            d.cleanup()
+    assert not failures, "\n".join(failures)
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> Daemon:
+    return daemon_factory()

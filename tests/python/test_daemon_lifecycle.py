@@ -1,0 +1,162 @@
+"""Lifecycle of the real trainstreamd: dead clients, signals, a second daemon,
+stale sockets, drain, idle exit and bad configuration."""
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from conftest import Daemon, wait_until
+
+MIB = 1 << 20
+
+
+def test_sigkilled_client_is_reclaimed_within_2s(daemon):
+    c = daemon.client()
+    a = c.send("attach victim 0")
+    assert a["ok"]
+    assert c.send(f"alloc {4 * MIB}")["ok"]
+    assert c.send("register " + '{"groups":[{}],"params":[{"id":1,"shape":[1024]}]}')["ok"]
+    assert len(daemon.segment_files()) == 4  # control, region, state, staging
+    other = daemon.client()
+    assert other.send("attach survivor 1")["ok"]
+    before = set(daemon.segment_files())
+
+    c.proc.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    c.proc.wait()
+    wait_until(lambda: len(daemon.segment_files()) == 1, 2.0, interval=0.005,
+               what="the killed client's segments to be unlinked")
+    assert time.monotonic() - killed_at < 2.0
+    remaining = set(daemon.segment_files())
+    assert remaining < before
+    s = daemon.status()
+    assert [x["job"] for x in s["sessions"]] == ["survivor"]
+    assert a["pid"] not in [x["pid"] for x in s["sessions"]]
+    assert s["budget"]["used"] == s["sessions"][0]["bytes_held"]
+    assert other.send(f"alloc {MIB}")["ok"]
+
+
+def test_sigterm_tells_clients_and_leaves_nothing(daemon_factory):
+    d = daemon_factory()
+    c = d.client()
+    assert c.send("attach term 0")["ok"]
+    assert c.send(f"alloc {2 * MIB}")["ok"]
+    assert c.send("register " + '{"groups":[{}],"params":[{"id":1,"shape":[64]}]}')["ok"]
+    assert d.segment_files()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=15) == 0, d.log()
+    assert d.segment_files() == []
+    assert not os.path.exists(d.socket)
+    dead = c.send("wait_dead 5000")
+    assert dead["ok"] and not dead["alive"], dead
+    assert "shut down" in dead["why"], dead
+
+
+def test_sigint_exits_zero(daemon_factory):
+    d = daemon_factory()
+    d.proc.send_signal(signal.SIGINT)
+    assert d.proc.wait(timeout=15) == 0
+
+
+def test_second_daemon_on_a_live_socket_is_refused(daemon, build_dir):
+    r = subprocess.run([str(build_dir / "bin" / "trainstreamd"), "--foreground", "--socket", daemon.socket,
+                        "--shm-dir", daemon.shm_dir], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert "already serving" in r.stderr and daemon.socket in r.stderr, r.stderr
+    assert f"pid {daemon.proc.pid}" in r.stderr, r.stderr
+    assert daemon.ctl("ping").returncode == 0  # the first one is untouched
+
+
+def test_background_mode_reports_refusal_on_the_terminal(daemon, build_dir):
+    r = subprocess.run([str(build_dir / "bin" / "trainstreamd"), "--socket", daemon.socket,
+                        "--shm-dir", daemon.shm_dir], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "already serving" in r.stderr, r.stderr
+
+
+def test_stale_socket_is_replaced(daemon_factory, tmp_path):
+    path = str(tmp_path / "stale.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.close()  # the file stays, nobody listens: what a crashed daemon leaves
+    assert os.path.exists(path)
+    d = daemon_factory(socket=path)
+    assert d.ctl("ping").returncode == 0
+    assert "replacing stale socket" in d.log()
+
+
+def test_refuses_to_replace_a_non_socket(daemon_factory, tmp_path):
+    path = tmp_path / "not-a-socket"
+    path.write_text("precious")
+    d = daemon_factory(socket=str(path), wait=False)
+    assert d.proc.wait(timeout=30) == 1
+    assert "is not a socket" in d.log()
+    assert path.read_text() == "precious"
+
+
+def test_drain_refuses_new_sessions_and_exits_after_the_last(daemon_factory):
+    d = daemon_factory()
+    c = d.client()
+    assert c.send("attach drainer 0")["ok"]
+    r = d.ctl("shutdown", "--drain")
+    assert r.returncode == 0 and "1 session" in r.stdout, r
+    assert d.status()["draining"] is True
+    late = d.client().send("attach late 0")
+    assert not late["ok"] and late["code"] == "UNAVAILABLE" and "draining" in late["message"]
+    assert c.send(f"alloc {MIB}")["ok"]  # existing sessions continue
+    assert d.proc.poll() is None
+    assert c.send("detach")["ok"]
+    assert d.proc.wait(timeout=15) == 0
+    assert d.segment_files() == []
+
+
+def test_shutdown_rpc_stops_the_daemon(daemon_factory):
+    d = daemon_factory()
+    c = d.client()
+    assert c.send("attach x 0")["ok"]
+    assert d.ctl("shutdown").returncode == 0
+    assert d.proc.wait(timeout=15) == 0
+    assert d.segment_files() == []
+    assert not c.send("wait_dead 5000")["alive"]
+
+
+def test_idle_exit(daemon_factory):
+    d = daemon_factory("--idle-exit", "1")
+    c = d.client()
+    assert c.send("attach idle 0")["ok"]
+    start = time.monotonic()
+    # An attached session keeps it alive past the idle timeout.
+    wait_until(lambda: time.monotonic() - start > 1.5, 3, what="time to pass")
+    assert d.proc.poll() is None
+    assert c.send("detach")["ok"]
+    assert d.proc.wait(timeout=10) == 0
+
+
+def test_bad_config_names_file_and_line(build_dir, tmp_path):
+    cfg = tmp_path / "trainstreamd.conf"
+    cfg.write_text("# comment\nbudget = 2G\nbudjet = 3G\n")
+    r = subprocess.run([str(build_dir / "bin" / "trainstreamd"), "--foreground", "--config", str(cfg),
+                        "--socket", str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert f"{cfg}:3" in r.stderr and "budjet" in r.stderr, r.stderr
+
+
+def test_config_file_values_apply(daemon_factory, tmp_path):
+    cfg = tmp_path / "trainstreamd.conf"
+    cfg.write_text("budget = 96M   # flags win over the file\nmax_region_bytes = 2M\nlock_memory = false\n")
+    d = daemon_factory("--config", str(cfg))
+    assert d.status()["budget"]["limit"] == 1 << 30  # the fixture's --budget 1G
+    c = d.client()
+    assert c.send("attach cfg 0")["ok"]
+    r = c.send(f"alloc {3 * MIB}")
+    assert r["code"] == "INVALID_ARGUMENT" and "2097152" in r["message"], r
+    assert c.send(f"alloc {2 * MIB}")["ok"]
+    assert d.status()["pinned_bytes"] == 0  # lock_memory = false
+
+
+def test_missing_shm_dir_is_refused(daemon_factory, tmp_path):
+    d = daemon_factory(shm_dir=str(tmp_path / "nope"), wait=False)
+    assert d.proc.wait(timeout=30) == 1
+    assert "nope" in d.log() and "shm directory" in d.log()
