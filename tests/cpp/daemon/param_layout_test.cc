@@ -1,0 +1,82 @@
+#include "catch_compat.h"
+#include "param_layout.h"
+
+using namespace trainstream::daemon;
+namespace v1 = trainstream::v1;
+
+namespace {
+v1::RegisterParametersRequest Request() {
+  v1::RegisterParametersRequest r;
+  auto* g = r.add_groups();
+  g->set_lr(1e-3);
+  g->set_beta1(0.9);
+  g->set_beta2(0.999);
+  g->set_eps(1e-8);
+  auto* p = r.add_params();
+  p->set_param_id(1);
+  p->add_shape(3);
+  p->add_shape(5);
+  p->set_dtype(v1::DTYPE_BFLOAT16);
+  p->set_grad_dtype(v1::DTYPE_FLOAT32);
+  auto* q = r.add_params();
+  q->set_param_id(2);
+  q->add_shape(7);
+  q->set_dtype(v1::DTYPE_FLOAT32);
+  return r;
+}
+std::string Field(const grpc::Status& s) { return s.error_message().substr(0, s.error_message().find(':')); }
+}  // namespace
+
+TEST_CASE("Valid registrations pass; each bad field is named", "[params]") {
+  CHECK(ValidateRegistration(Request(), {}).ok());
+  auto r = Request();
+  r.mutable_params(1)->set_shape(0, 0);
+  CHECK(Field(ValidateRegistration(r, {})) == "params[1].shape[0]");
+  r = Request();
+  r.mutable_params(1)->set_param_id(1);
+  CHECK(Field(ValidateRegistration(r, {})) == "params[1].param_id");
+  CHECK(Field(ValidateRegistration(Request(), {2})) == "params[1].param_id");
+  r = Request();
+  r.mutable_params(0)->set_dtype(static_cast<v1::DType>(7));
+  CHECK(Field(ValidateRegistration(r, {})) == "params[0].dtype");
+  r = Request();
+  r.mutable_params(0)->set_group(1);
+  CHECK(Field(ValidateRegistration(r, {})) == "params[0].group");
+  r = Request();
+  r.mutable_groups(0)->set_beta2(1.0);
+  CHECK(Field(ValidateRegistration(r, {})) == "groups[0].beta2");
+  r = Request();
+  r.mutable_groups(0)->set_lr(std::numeric_limits<double>::quiet_NaN());
+  CHECK(Field(ValidateRegistration(r, {})) == "groups[0].lr");
+  r = Request();
+  r.set_max_grad_norm(-1);
+  CHECK(Field(ValidateRegistration(r, {})) == "max_grad_norm");
+  r = Request();
+  for (int i = 0; i < 3; ++i) r.mutable_params(0)->add_shape(1 << 20);
+  CHECK(Field(ValidateRegistration(r, {})) == "params[0].shape");
+  for (auto code : {ValidateRegistration(r, {}).error_code()}) CHECK(code == grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_CASE("Layout: aligned, disjoint slots; manifest then state tensors", "[params]") {
+  auto r = Request();
+  r.set_moment_dtype(v1::DTYPE_BFLOAT16);
+  RegistrationLayout l = ComputeRegistrationLayout(r);
+  REQUIRE(l.params.size() == 2);
+  const auto& a = l.params[0];
+  const auto& b = l.params[1];
+  CHECK(a.numel == 15);
+  CHECK(b.numel == 7);
+  CHECK(a.grad_offset == 4096);
+  CHECK(a.param_offset == 4096 + 64);     // 15 fp32 grads = 60 bytes, aligned up
+  CHECK(b.grad_offset == 4096 + 128);     // 15 bf16 params = 30 bytes
+  CHECK(b.param_offset == 4096 + 192);
+  CHECK(l.staging_bytes == 8192);
+  CHECK(l.manifest_offset == 4096);
+  CHECK(l.manifest_bytes == 32 + 2 * 176);
+  CHECK(a.master_offset == 8192);
+  CHECK(a.exp_avg_offset == 8192 + 64);
+  CHECK(a.exp_avg_sq_offset == 8192 + 128);
+  CHECK(b.master_offset == 8192 + 192);
+  CHECK(l.state_bytes % 4096 == 0);
+  CHECK(b.exp_avg_sq_offset + 2 * 7 <= l.state_bytes);
+}
