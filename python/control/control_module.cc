@@ -2,6 +2,7 @@
 // libtrainstream_client. No torch here (DESIGN.md): mapped regions are handed to
 // Python as integer addresses, which trainstream._C turns into tensors.
 #include <pybind11/pybind11.h>
+#include <pybind11/eval.h>
 #include <pybind11/stl.h>
 
 #include <memory>

@@ -23,7 +23,11 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        # No bias here: a key bias gets a gradient that is zero in exact arithmetic
+        # (softmax ignores a constant shift), i.e. pure rounding noise, which Adam
+        # scales up to lr-sized steps. Two correct optimizers that differ by one ulp
+        # would then drift apart by ~lr, hiding real differences in comparisons.
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x):
