@@ -26,6 +26,11 @@ class TrainStreamSession:
     def steps(self) -> int:
         return self.optimizer._step_id if self.optimizer is not None else 0
 
+    def __deepcopy__(self, memo):
+        # A copy of a wrapped model (an EMA copy, a checkpoint clone) is a plain
+        # model: the daemon session belongs to the original only.
+        return None
+
     def event(self, kind: str, **details) -> None:
         self.events.append({"time": time.time(), "kind": kind, **details})
         if self.config.get("verbose"):
@@ -44,7 +49,7 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if hasattr(model, _SESSION_ATTR):
+    if getattr(model, _SESSION_ATTR, None) is not None:
         raise ValueError("this model is already wrapped; call trainstream.unwrap(model) first")
     config = validate(options)
     if config["device"] is not None:
@@ -114,6 +119,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     """Detaches ``model`` from the daemon (its optimizer's state there is freed)."""
     session = getattr(model, _SESSION_ATTR, None)
     if session is None:
+        if hasattr(model, _SESSION_ATTR):
+            delattr(model, _SESSION_ATTR)
         return model
     if session.optimizer is not None:
         session.optimizer.detach()

@@ -138,7 +138,7 @@ def test_state_dict_matches_torch_and_round_trips(daemon):
         assert o["master_weight"].dtype == torch.float32
     # Our state dict loads into plain torch AdamW, which then continues in step.
     fresh = copy.deepcopy(ours)
-    trainstream.unwrap(fresh) if hasattr(fresh, "_trainstream_session") else None
+    assert fresh._trainstream_session is None, "a copy of a wrapped model is not attached"
     torch_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, foreach=False)
     torch_opt.load_state_dict(our_sd)
     ref_losses = _train(ref, ref_opt, batches[3:])
