@@ -29,11 +29,16 @@ if [[ $STAGES == *test* ]]; then
   grep -E "passed|failed|error|Tests? .*(passed|failed)|tests passed" "$OUT/test.log" | tail -8
 fi
 if [[ $STAGES == *bench* ]]; then
-  for b in benchmarks/*/gpu_bench.sh; do
-    [ -x "$b" ] || continue
-    name=$(basename "$(dirname "$b")")
-    BUILD_DIR=$PWD/build-gpu "$b" > "$OUT/bench-$name.log" 2>&1 || { rc=1; echo "bench $name failed"; }
-    tail -25 "$OUT/bench-$name.log"
-  done
+  export PYTHONPATH=$PWD/build-gpu/python
+  bench() {  # name, command...
+    local name=$1; shift
+    echo "== $name: $*" | tee -a "$OUT/bench.log"
+    "$@" > "$OUT/bench-$name.log" 2>&1 || { rc=1; echo "bench $name failed (rc $?)"; }
+    tail -30 "$OUT/bench-$name.log" | tee -a "$OUT/bench.log"
+  }
+  bench control build-gpu/bin/trainstream-bench-control --json
+  bench adamw python3 benchmarks/adamw/bench_torch_adamw.py --bench build-gpu/bin/trainstream-bench-adamw \
+    --params 67108864 --threads 1,4,8,16 --iters 10
+  bench quant python3 benchmarks/quant/bench_quant.py --json "$OUT/quant_bench.json"
 fi
 exit $rc
