@@ -9,7 +9,7 @@ from typing import Optional
 
 from .errors import DaemonError
 
-_EMBEDDED_IDLE_EXIT_S = 300
+_EMBEDDED_IDLE_EXIT_S = 300  # TRAINSTREAM_IDLE_EXIT_S overrides
 
 
 def _control():
@@ -69,7 +69,8 @@ def _spawn_embedded(c, path: str, timeout_s: float):
     log_path = os.path.join(os.path.dirname(path), "trainstreamd.log")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [binary, "--foreground", "--socket", path, "--idle-exit", str(_EMBEDDED_IDLE_EXIT_S)],
+            [binary, "--foreground", "--socket", path, "--idle-exit",
+             os.environ.get("TRAINSTREAM_IDLE_EXIT_S", str(_EMBEDDED_IDLE_EXIT_S))],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     delay = 0.005
