@@ -126,6 +126,37 @@ at::Tensor Dequantize(const at::Tensor& data, const at::Tensor& scales,
 #endif
 }
 
+// (q float8_e4m3fn [rows, cols], scale float32 [rows, 1]) for a CUDA tensor of rows
+// (2-D, float32 / bfloat16 / float16): QuantLinear's FP8 activations, in one kernel.
+std::tuple<at::Tensor, at::Tensor> QuantizeRowsE4m3(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "quantize_rows_e4m3: x must be 2-D, got ", x.dim(), " dims");
+  TORCH_CHECK(x.size(1) > 0, "quantize_rows_e4m3: rows must not be empty");
+#ifdef TRAINSTREAM_WITH_CUDA
+  TORCH_CHECK(x.is_cuda(), "quantize_rows_e4m3: x must be a CUDA tensor, got ", x.device());
+  tk::RowElemType type;
+  switch (x.scalar_type()) {
+    case at::kFloat: type = tk::RowElemType::kFloat32; break;
+    case at::kBFloat16: type = tk::RowElemType::kBFloat16; break;
+    case at::kHalf: type = tk::RowElemType::kFloat16; break;
+    default:
+      TORCH_CHECK(false, "quantize_rows_e4m3: x must be float32, bfloat16 or float16, got ",
+                  x.scalar_type());
+  }
+  const at::Tensor src = x.contiguous();
+  const c10::cuda::CUDAGuard guard(src.device());
+  at::Tensor q = at::empty({src.size(0), src.size(1)}, src.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scale = at::empty({src.size(0), 1}, src.options().dtype(at::kFloat));
+  const cudaError_t err = tk::QuantizeRowsE4m3Cuda(
+      type, src.data_ptr(), src.size(0), src.size(1), static_cast<uint8_t*>(q.data_ptr()),
+      scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
+  TORCH_CHECK(err == cudaSuccess, "trainstream quantize_rows_e4m3 on CUDA failed: ",
+              cudaGetErrorString(err));
+  return {q, scale};
+#else
+  TORCH_CHECK(false, "quantize_rows_e4m3: trainstream._C was built without CUDA");
+#endif
+}
+
 }  // namespace
 
 void RegisterQuantBindings(pybind11::module_& m) {
@@ -153,6 +184,10 @@ void RegisterQuantBindings(pybind11::module_& m) {
         return d;
       },
       pybind11::arg("format"), pybind11::arg("numel"), pybind11::arg("block_size") = 64);
+  q.def("quantize_rows_e4m3", &QuantizeRowsE4m3, pybind11::arg("x"),
+        "Per-row e4m3 quantization of a 2-D CUDA tensor for torch._scaled_mm's row-wise "
+        "mode: returns (q float8_e4m3fn [rows, cols], scale float32 [rows, 1]) with "
+        "scale = max(row_amax * fp32(1/448), 1e-30) and q = e4m3(x / scale), in one kernel.");
   q.def("best_isa", [] { return std::string(tk::IsaName(tk::BestIsa())); });
   q.def("isa_supported", [](const std::string& isa) {
     tk::Isa i;

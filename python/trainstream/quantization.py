@@ -200,6 +200,18 @@ def _pow2_at_least(r: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(r), exponent)
 
 
+_ROW_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _quantize_rows_e4m3_eager(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 activations in plain PyTorch: the fallback of, and the same values
+    as, the fused kernel ``_C.quant.quantize_rows_e4m3``. Scale amax * fp32(1/448) per
+    row (what ``/ 448.0`` computes on CUDA), so |x / scale| <= 448 up to roundings, which
+    e4m3's round-to-nearest keeps at 448."""
+    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() * (1.0 / 448.0)).clamp_min(1e-30)
+    return (x2.float() / x_scale).to(torch.float8_e4m3fn), x_scale
+
+
 class _QuantLinearFunction(torch.autograd.Function):
     """y = x W^T + b with W dequantized on the fly in forward and again in backward (only the
     quantized bytes are kept between the two). W is frozen: no weight gradient."""
@@ -250,6 +262,12 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad) \
             if bias is not None else None
         self._fp8_cache: Optional[Tuple[torch.device, torch.Tensor, torch.Tensor]] = None
+        # Set by _prepare at the first forward on a device (the hot path reads only these).
+        self._plan_device: Optional[torch.device] = None
+        self._plan_fp8 = False
+        self._fp8_wt: Optional[torch.Tensor] = None        # fp8 weight, transposed view
+        self._fp8_w_scale: Optional[torch.Tensor] = None   # [1, out_features] fp32
+        self._rows_e4m3 = None                             # activation quantizer
         self.matmul_path = "dequantize-bf16"
         self.matmul_note = "not run yet"
 
@@ -296,29 +314,64 @@ class QuantLinear(nn.Module):
         self.matmul_note = why
         return ok
 
-    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self._use_fp8(x):
-            self.matmul_path = "fp8-scaled-mm-rowwise"
+    def _prepare(self, x: torch.Tensor) -> None:
+        """First forward on a device: choose the matmul path once and precompute what it
+        needs (the fp8 weight with row scales, its transposed view, the activation
+        quantizer), so later calls do no checks, no host syncs and no re-derivation."""
+        use_fp8 = self._use_fp8(x)
+        if use_fp8:
             w_fp8, w_scale = self._fp8_weight(x.device)
-            x2 = x.reshape(-1, self.in_features)
-            # Per-row activation scale amax/448: |x / scale| <= 448 up to one rounding,
-            # which e4m3's round-to-nearest keeps at 448, so no clamp pass is needed.
-            x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp_min(1e-30)
-            x_fp8 = (x2 / x_scale).to(torch.float8_e4m3fn)
-            out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-            b = bias.to(out_dtype) if bias is not None else None
-            y = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, bias=b,
-                                 out_dtype=out_dtype)
-            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        self.matmul_path = "dequantize-bf16"
+            self._fp8_wt, self._fp8_w_scale = w_fp8.t(), w_scale
+            kernel = getattr(_kernels(), "quantize_rows_e4m3", None)
+            self._rows_e4m3 = kernel if kernel is not None else _quantize_rows_e4m3_eager
+            self.matmul_path = "fp8-scaled-mm-rowwise"
+        else:
+            self._fp8_wt = self._fp8_w_scale = self._rows_e4m3 = None
+            self.matmul_path = "dequantize-bf16"
+        self._plan_fp8 = use_fp8
+        self._plan_device = x.device
+
+    def _fp8_matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype in _ROW_KERNEL_DTYPES:
+            # One kernel: per-row amax, scale amax/448, e4m3 codes (quant_rows_fp8.cu).
+            x_fp8, x_scale = self._rows_e4m3(x2)
+        else:
+            x_fp8, x_scale = _quantize_rows_e4m3_eager(x2)
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        if bias is not None and bias.dtype != out_dtype:
+            bias = bias.to(out_dtype)
+        y = torch._scaled_mm(x_fp8, self._fp8_wt, scale_a=x_scale, scale_b=self._fp8_w_scale,
+                             bias=bias, out_dtype=out_dtype)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self._plan_device != x.device:
+            self._prepare(x)
+        if self._plan_fp8:
+            return self._fp8_matmul(x, bias)
         return F.linear(x, self._weight(x.dtype, x.device),
                         bias.to(x.dtype) if bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        with torch.autocast(x.device.type, enabled=False):
-            return _QuantLinearFunction.apply(x, self.bias, self)
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            x = x.to(torch.get_autocast_dtype(device_type))
+        if self._plan_device != x.device:
+            self._prepare(x)
+        bias = self.bias
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or (bias is not None and bias.requires_grad))
+        if self._plan_fp8 and not needs_grad:
+            # Hot path (inference, or no gradient wanted): no autograd node, no autocast
+            # context; _scaled_mm and the row kernel are not autocast ops.
+            return self._fp8_matmul(x, bias)
+        with torch.autocast(device_type, enabled=False):
+            if not needs_grad:
+                return self._matmul(x, bias)
+            return _QuantLinearFunction.apply(x, bias, self)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

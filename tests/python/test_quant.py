@@ -145,6 +145,21 @@ def test_quant_linear_matches_dequantized_f_linear(fmt, dtype):
     assert ql.matmul_path == "dequantize-bf16"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_linear_no_grad_fast_path_equals_autograd_forward(fmt):
+    # forward skips the autograd Function when no gradient is wanted; same values.
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(64, 48).requires_grad_(False)
+    ql = QuantLinear.from_linear(lin, fmt)
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        fast = ql(x)
+    slow = ql(x.clone().requires_grad_(True))
+    assert slow.requires_grad and not fast.requires_grad
+    assert torch.equal(fast, slow.detach())
+    assert ql.matmul_path == "dequantize-bf16" and ql.matmul_note != "not run yet"
+
+
 def _frozen_model(seed=0):
     torch.manual_seed(seed)
     model = TinyTransformer()

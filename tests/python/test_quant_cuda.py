@@ -3,6 +3,11 @@ and adversarial tensors; CUDA dequantize equals CPU dequantize; QuantLinear on t
 (the FP8 tensor-core path where torch accepts it). Run on the GPU host:
     PYTHONPATH=<build>/python python -m pytest tests/python/test_quant_cuda.py -v
 """
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -87,6 +92,99 @@ def test_quant_linear_on_cuda(fmt):
     y.backward(torch.ones_like(y))
     torch.testing.assert_close(x.grad.float(), torch.ones_like(y).float() @ w.float(),
                                rtol=2e-2, atol=2e-2)
+
+
+def _rows_reference(x):
+    """The plain PyTorch expression the fused kernel replaces (QuantLinear's old code, with
+    the `/ 448.0` it had spelled as the product by fp32(1/448) that torch computes for it
+    on CUDA)."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() * (1.0 / 448.0)).clamp_min(1e-30)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def _rows_cases(dtype):
+    g = torch.Generator().manual_seed(11)
+    yield "512x5120 gaussian", torch.randn(512, 5120, generator=g) * 3
+    yield "odd width 37", torch.randn(9, 37, generator=g)
+    yield "one element", torch.tensor([[-2.5]])
+    yield "wide 3 x 40000", torch.randn(3, 40000, generator=g)  # beyond the register cache
+    x = torch.randn(6, 64, generator=g)
+    x[0] = 0.0                                   # all-zero row: scale 1e-30, codes 0
+    x[1] = -0.0                                  # negative zeros keep their sign
+    x[2, 5] = 1e4                                # one huge outlier
+    x[3] = torch.ldexp(torch.ones(64), torch.arange(-32, 32) // 2)  # 2^-16 .. 2^15
+    # ties and e4m3 subnormals relative to a row amax of 448 (scale exactly 1)
+    x[4, :8] = torch.tensor([448.0, 2.0 ** -10, 3 * 2.0 ** -10, -(2.0 ** -10), 0.0017,
+                             17.0, 19.0, -240.0])
+    x[5] = x[5] * 1e-30                          # tiny rows (amax/448 below the clamp)
+    yield "adversarial", x
+    if dtype == torch.float16:
+        return
+    yield "large values", torch.randn(4, 48, generator=g) * 1e30
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_rows_e4m3_matches_pytorch_reference(dtype):
+    for name, t in _rows_cases(dtype):
+        x = t.to(dtype).cuda()
+        ref_q, ref_s = _rows_reference(x)
+        # contiguous (vectorized kernel) and misaligned by one element (generic kernel)
+        buf = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(x.shape)
+        buf.copy_(x)
+        for what, inp in (("aligned", x), ("misaligned", buf)):
+            q, s = _C.quant.quantize_rows_e4m3(inp)
+            assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape, (name, what)
+            assert s.dtype == torch.float32 and s.shape == (x.shape[0], 1), (name, what)
+            assert torch.equal(s, ref_s), f"{dtype} {name} {what}: scales differ"
+            qb, rb = q.view(torch.uint8), ref_q.view(torch.uint8)
+            if not torch.equal(qb, rb):
+                bad = (qb != rb).nonzero()[:5].tolist()
+                pytest.fail(f"{dtype} {name} {what}: codes differ at {bad}")
+
+
+def test_quantize_rows_e4m3_rejects_bad_input():
+    # In a child process: on the H200 run of 2026-11-30 this check crashed the pytest
+    # process (SIGSEGV) instead of raising; isolated, a crash fails only this test.
+    code = textwrap.dedent("""
+        import torch
+        from trainstream import _C
+        cases = [(torch.ones(4, device="cuda"), "2-D"),
+                 (torch.ones(2, 4), "CUDA"),
+                 (torch.ones(2, 4, dtype=torch.float64, device="cuda"),
+                  "float32, bfloat16 or float16")]
+        for x, match in cases:
+            try:
+                _C.quant.quantize_rows_e4m3(x)
+            except RuntimeError as e:
+                assert match in str(e), (match, str(e))
+            else:
+                raise AssertionError("no error for " + match)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), \
+        f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="the fp8 tensor-core path needs sm_89 or newer")
+def test_fp8_forward_uses_fused_rows_kernel_and_matches_eager():
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(256, 128, device="cuda").requires_grad_(False)
+    ql = QuantLinear.from_linear(lin, "fp8")
+    x = torch.randn(4, 8, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = ql(x)
+    assert ql.matmul_path == "fp8-scaled-mm-rowwise", ql.matmul_note
+    assert ql._rows_e4m3 is _C.quant.quantize_rows_e4m3
+    xq, xs = _rows_reference(x.reshape(-1, 256))
+    ref = torch._scaled_mm(xq, ql._fp8_wt, scale_a=xs, scale_b=ql._fp8_w_scale,
+                           bias=ql.bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
+    assert y.shape == (4, 8, 128) and torch.equal(y, ref.view(4, 8, 128))
+    # the autograd path (gradient wanted) gives the same forward values
+    y2 = ql(x.clone().requires_grad_(True))
+    assert torch.equal(y2.detach(), y)
 
 
 def test_quantize_model_on_cuda():

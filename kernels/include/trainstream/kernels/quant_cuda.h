@@ -27,4 +27,19 @@ cudaError_t DequantizeCuda(QuantFormat fmt, const QuantLayout& layout, const uin
                            const void* scales, const float* tensor_scale,
                            QuantElemType dst_type, void* dst, cudaStream_t stream);
 
+// Element types of QuantizeRowsE4m3Cuda's input (activations may be fp16 too).
+enum class RowElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Activations for FP8 matmuls with row-wise scales (torch._scaled_mm on Hopper): for
+// each of `rows` rows of `cols` (> 0) elements of `src` (device, row-major,
+// contiguous), in one kernel,
+//   scales[r] = max(amax_r * fp32(1/448), 1e-30f)       (fp32, correctly rounded)
+//   q[r * cols + k] = E4m3Encode(src[r][k] / scales[r])  (fp32 division, RNE)
+// q: rows * cols bytes (e4m3fn, row-major); scales: rows floats. Bit for bit the
+// eager torch expression (x.abs().amax(1).float() * (1 / 448)).clamp_min(1e-30) and
+// (x.float() / scale).to(torch.float8_e4m3fn) for finite inputs (on CUDA torch also
+// evaluates `/ 448.0` as that product).
+cudaError_t QuantizeRowsE4m3Cuda(RowElemType src_type, const void* src, int64_t rows,
+                                 int64_t cols, uint8_t* q, float* scales, cudaStream_t stream);
+
 }  // namespace trainstream::kernels
