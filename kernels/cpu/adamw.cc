@@ -51,6 +51,9 @@ AdamWStepScalars ComputeAdamWStepScalars(const AdamWHyperParams& hp, uint64_t st
   s.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
   s.eps = static_cast<float>(hp.eps);
   s.neg_step_size = static_cast<float>(-step_size);
+  const double bc2_sqrt = std::pow(bias_correction2, 0.5);
+  s.eps_scaled = static_cast<float>(hp.eps * bc2_sqrt);
+  s.neg_step_scaled = static_cast<float>(-step_size * bc2_sqrt);
   return s;
 }
 

@@ -57,41 +57,56 @@ __m256i LowBias32(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
+// What the kernel writes besides master and moments.
+enum class Out { kNone, kF32, kBf16, kF16 };
+
 struct Pointers {
   float* master;
   void* exp_avg;
   void* exp_avg_sq;
   const void* grad;
-  void* param_out;  // null: no separate output
+  void* param_out;  // kNone: unused
 };
 
-// One vector of elements [i, i + 8). `stream` stores param_out non-temporally:
-// it is write-only here, so streaming saves the read-for-ownership of its lines.
-inline void Step8(const Pointers& ptr, const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
-                  uint32_t index, size_t i, bool stream) {
-  __m256 g = Load(ptr.grad, r.grad_dtype, i);
-  __m256 m = Load(ptr.exp_avg, r.moment_dtype, i);
-  __m256 v = Load(ptr.exp_avg_sq, r.moment_dtype, i);
+// Scalars broadcast once per call, not once per vector.
+struct Consts {
+  __m256 grad_scale, decay, lerp_coeff, beta2, one_minus_beta2, eps_scaled, neg_step_scaled;
+  __m256i k0;
+  explicit Consts(const AdamWStepScalars& s, RngKey key)
+      : grad_scale(_mm256_set1_ps(s.grad_scale)),
+        decay(_mm256_set1_ps(s.decay)),
+        lerp_coeff(_mm256_set1_ps(s.lerp_coeff)),
+        beta2(_mm256_set1_ps(s.beta2)),
+        one_minus_beta2(_mm256_set1_ps(s.one_minus_beta2)),
+        eps_scaled(_mm256_set1_ps(s.eps_scaled)),
+        neg_step_scaled(_mm256_set1_ps(s.neg_step_scaled)),
+        k0(_mm256_set1_epi32(static_cast<int>(key.k0))) {}
+};
+
+// One vector of elements [i, i + 8), specialised for its dtypes (no per-vector
+// branches). `stream` stores param_out non-temporally: it is write-only here, so
+// streaming saves the read-for-ownership of its lines.
+template <DType kG, DType kM, Out kOut, bool kFromEnd>
+inline void Step8(const Pointers& ptr, const Consts& c, uint32_t index, size_t i, bool stream) {
+  __m256 g = Load(ptr.grad, kG, i);
+  __m256 m = Load(ptr.exp_avg, kM, i);
+  __m256 v = Load(ptr.exp_avg_sq, kM, i);
   __m256 p = _mm256_loadu_ps(ptr.master + i);
 
-  g = _mm256_mul_ps(g, _mm256_set1_ps(s.grad_scale));
-  p = _mm256_mul_ps(p, _mm256_set1_ps(s.decay));
+  g = _mm256_mul_ps(g, c.grad_scale);
+  p = _mm256_mul_ps(p, c.decay);
   const __m256 diff = _mm256_sub_ps(g, m);
-  m = _mm256_fmadd_ps(_mm256_set1_ps(s.lerp_coeff), diff, s.lerp_from_end ? g : m);
-  v = _mm256_mul_ps(v, _mm256_set1_ps(s.beta2));
-  v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(s.one_minus_beta2), g), g));
-  const __m256 denom = _mm256_add_ps(
-      _mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(s.bias_correction2_sqrt)),
-      _mm256_set1_ps(s.eps));
-  p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(s.neg_step_size), m), denom));
+  m = _mm256_fmadd_ps(c.lerp_coeff, diff, kFromEnd ? g : m);
+  v = _mm256_mul_ps(v, c.beta2);
+  v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_mul_ps(c.one_minus_beta2, g), g));
+  const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), c.eps_scaled);
+  p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.neg_step_scaled, m), denom));
 
   _mm256_storeu_ps(ptr.master + i, p);
-  if (r.moment_dtype == DType::kBFloat16) {
+  if constexpr (kM == DType::kBFloat16) {
     const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index + i)),
                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i k0 = _mm256_set1_epi32(static_cast<int>(key.k0));
-    const __m256i k1 = _mm256_set1_epi32(static_cast<int>(key.k1));
-    const __m256i bits = LowBias32(_mm256_xor_si256(LowBias32(_mm256_xor_si256(idx, k0)), k1));
+    const __m256i bits = LowBias32(_mm256_xor_si256(idx, c.k0));
     const __m256i lo = _mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF));
     const __m256i hi = _mm256_srli_epi32(bits, 16);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(ptr.exp_avg) + i),
@@ -102,32 +117,58 @@ inline void Step8(const Pointers& ptr, const AdamWRange& r, const AdamWStepScala
     _mm256_storeu_ps(static_cast<float*>(ptr.exp_avg) + i, m);
     _mm256_storeu_ps(static_cast<float*>(ptr.exp_avg_sq) + i, v);
   }
-  if (ptr.param_out == nullptr) return;
-  if (r.param_dtype == DType::kFloat32) {
+  if constexpr (kOut == Out::kNone) {
+    return;
+  } else if constexpr (kOut == Out::kF32) {
     float* out = static_cast<float*>(ptr.param_out) + i;
     if (stream) _mm256_stream_ps(out, p);
     else _mm256_storeu_ps(out, p);
-    return;
+  } else {
+    const __m128i h = kOut == Out::kBf16
+                          ? ToBf16Rne(p)
+                          : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    auto* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(ptr.param_out) + i);
+    if (stream) _mm_stream_si128(out, h);
+    else _mm_storeu_si128(out, h);
   }
-  const __m128i h = r.param_dtype == DType::kBFloat16
-                        ? ToBf16Rne(p)
-                        : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  auto* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(ptr.param_out) + i);
-  if (stream) _mm_stream_si128(out, h);
-  else _mm_storeu_si128(out, h);
 }
 
-}  // namespace
+// Software prefetch distance in bytes of fp32 master (the other streams follow
+// proportionally). The hardware prefetchers stop at 4 KiB page boundaries; with
+// five or six concurrent streams per core a software prefetch ~1 KiB ahead keeps
+// the line fill buffers busy across them.
+constexpr size_t kPrefetchElems = 256;
 
-void AdamWUpdateAvx2(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
-                     uint32_t index_lo) {
-  const bool out_is_master = r.param_out == static_cast<void*>(r.master);
-  Pointers ptr{r.master, r.exp_avg, r.exp_avg_sq, r.grad, out_is_master ? nullptr : r.param_out};
-  const size_t out_bytes = kLanes * DTypeSize(r.param_dtype);
+template <DType kG, DType kM, Out kOut, bool kFromEnd>
+void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
+  Pointers ptr{r.master, r.exp_avg, r.exp_avg_sq, r.grad,
+               kOut == Out::kNone ? nullptr : r.param_out};
+  const Consts c(s, key);
+  constexpr size_t kOutBytes = kLanes * (kOut == Out::kF32 ? 4 : 2);
   const bool stream =
-      ptr.param_out != nullptr && reinterpret_cast<uintptr_t>(ptr.param_out) % out_bytes == 0;
+      kOut != Out::kNone && reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
   const size_t full = r.numel - r.numel % kLanes;
-  for (size_t i = 0; i < full; i += kLanes) Step8(ptr, r, s, key, index_lo, i, stream);
+  constexpr size_t kGB = kG == DType::kFloat32 ? 4 : 2;
+  constexpr size_t kMB = kM == DType::kFloat32 ? 4 : 2;
+  size_t i = 0;
+  // Two vectors (one 64-byte line of fp32 master) per iteration, prefetching
+  // the lines kPrefetchElems ahead of each read stream.
+  for (; i + 2 * kLanes <= full; i += 2 * kLanes) {
+    if (i + kPrefetchElems < r.numel) {
+      const size_t j = i + kPrefetchElems;
+      _mm_prefetch(reinterpret_cast<const char*>(ptr.master + j), _MM_HINT_T0);
+      if (kMB == 4 || j % 32 == 0) {
+        _mm_prefetch(static_cast<const char*>(ptr.exp_avg) + j * kMB, _MM_HINT_T0);
+        _mm_prefetch(static_cast<const char*>(ptr.exp_avg_sq) + j * kMB, _MM_HINT_T0);
+      }
+      if (kGB == 4 || j % 32 == 0) {
+        _mm_prefetch(static_cast<const char*>(ptr.grad) + j * kGB, _MM_HINT_T0);
+      }
+    }
+    Step8<kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i, stream);
+    Step8<kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i + kLanes, stream);
+  }
+  for (; i < full; i += kLanes) Step8<kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i, stream);
   if (stream) _mm_sfence();  // order the streamed stores before completion is signalled
 
   const size_t tail = r.numel - full;
@@ -135,19 +176,61 @@ void AdamWUpdateAvx2(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
   // The last < 8 elements go through the same vector code on zero-padded copies.
   alignas(32) float master[kLanes] = {};
   alignas(32) float m[kLanes] = {}, v[kLanes] = {}, g[kLanes] = {}, out[kLanes] = {};
-  const size_t ms = DTypeSize(r.moment_dtype), gs = DTypeSize(r.grad_dtype),
-               ps = DTypeSize(r.param_dtype);
+  const size_t ps = kOut == Out::kF32 ? 4 : 2;
   std::memcpy(master, r.master + full, tail * 4);
-  std::memcpy(m, static_cast<char*>(r.exp_avg) + full * ms, tail * ms);
-  std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * ms, tail * ms);
-  std::memcpy(g, static_cast<const char*>(r.grad) + full * gs, tail * gs);
-  Pointers local{master, m, v, g, ptr.param_out != nullptr ? out : nullptr};
-  Step8(local, r, s, key, index_lo + static_cast<uint32_t>(full), 0, false);
+  std::memcpy(m, static_cast<char*>(r.exp_avg) + full * kMB, tail * kMB);
+  std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * kMB, tail * kMB);
+  std::memcpy(g, static_cast<const char*>(r.grad) + full * kGB, tail * kGB);
+  Pointers local{master, m, v, g, out};
+  Step8<kG, kM, kOut, kFromEnd>(local, c, index_lo + static_cast<uint32_t>(full), 0, false);
   std::memcpy(r.master + full, master, tail * 4);
-  std::memcpy(static_cast<char*>(r.exp_avg) + full * ms, m, tail * ms);
-  std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * ms, v, tail * ms);
-  if (ptr.param_out != nullptr) {
+  std::memcpy(static_cast<char*>(r.exp_avg) + full * kMB, m, tail * kMB);
+  std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * kMB, v, tail * kMB);
+  if constexpr (kOut != Out::kNone) {
     std::memcpy(static_cast<char*>(ptr.param_out) + full * ps, out, tail * ps);
+  }
+}
+
+template <DType kG, DType kM, Out kOut>
+void DispatchLerp(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
+  if (s.lerp_from_end) Update<kG, kM, kOut, true>(r, s, key, index_lo);
+  else Update<kG, kM, kOut, false>(r, s, key, index_lo);
+}
+
+template <DType kG, DType kM>
+void DispatchOut(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
+  if (r.param_out == nullptr || r.param_out == static_cast<void*>(r.master)) {
+    DispatchLerp<kG, kM, Out::kNone>(r, s, key, index_lo);
+    return;
+  }
+  switch (r.param_dtype) {
+    case DType::kFloat32:
+      return DispatchLerp<kG, kM, Out::kF32>(r, s, key, index_lo);
+    case DType::kBFloat16:
+      return DispatchLerp<kG, kM, Out::kBf16>(r, s, key, index_lo);
+    case DType::kFloat16:
+      return DispatchLerp<kG, kM, Out::kF16>(r, s, key, index_lo);
+  }
+}
+
+template <DType kG>
+void DispatchMoments(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
+                     uint32_t index_lo) {
+  if (r.moment_dtype == DType::kBFloat16) DispatchOut<kG, DType::kBFloat16>(r, s, key, index_lo);
+  else DispatchOut<kG, DType::kFloat32>(r, s, key, index_lo);
+}
+
+}  // namespace
+
+void AdamWUpdateAvx2(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
+                     uint32_t index_lo) {
+  switch (r.grad_dtype) {
+    case DType::kFloat32:
+      return DispatchMoments<DType::kFloat32>(r, s, key, index_lo);
+    case DType::kBFloat16:
+      return DispatchMoments<DType::kBFloat16>(r, s, key, index_lo);
+    case DType::kFloat16:
+      return DispatchMoments<DType::kFloat16>(r, s, key, index_lo);
   }
 }
 

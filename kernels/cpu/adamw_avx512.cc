@@ -57,41 +57,53 @@ __m512i LowBias32(__m512i x) {
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
+// What the kernel writes besides master and moments (see adamw_avx2.cc).
+enum class Out { kNone, kF32, kBf16, kF16 };
+
 struct Pointers {
   float* master;
   void* exp_avg;
   void* exp_avg_sq;
   const void* grad;
-  void* param_out;  // null: no separate output
+  void* param_out;  // kNone: unused
 };
 
-template <bool kHardwareBf16>
-inline void Step16(const Pointers& ptr, const AdamWRange& r, const AdamWStepScalars& s,
-                   RngKey key, uint32_t index, size_t i, bool stream) {
-  __m512 g = Load(ptr.grad, r.grad_dtype, i);
-  __m512 m = Load(ptr.exp_avg, r.moment_dtype, i);
-  __m512 v = Load(ptr.exp_avg_sq, r.moment_dtype, i);
+struct Consts {
+  __m512 grad_scale, decay, lerp_coeff, beta2, one_minus_beta2, eps_scaled, neg_step_scaled;
+  __m512i k0;
+  explicit Consts(const AdamWStepScalars& s, RngKey key)
+      : grad_scale(_mm512_set1_ps(s.grad_scale)),
+        decay(_mm512_set1_ps(s.decay)),
+        lerp_coeff(_mm512_set1_ps(s.lerp_coeff)),
+        beta2(_mm512_set1_ps(s.beta2)),
+        one_minus_beta2(_mm512_set1_ps(s.one_minus_beta2)),
+        eps_scaled(_mm512_set1_ps(s.eps_scaled)),
+        neg_step_scaled(_mm512_set1_ps(s.neg_step_scaled)),
+        k0(_mm512_set1_epi32(static_cast<int>(key.k0))) {}
+};
+
+template <bool kHardwareBf16, DType kG, DType kM, Out kOut, bool kFromEnd>
+inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t i, bool stream) {
+  __m512 g = Load(ptr.grad, kG, i);
+  __m512 m = Load(ptr.exp_avg, kM, i);
+  __m512 v = Load(ptr.exp_avg_sq, kM, i);
   __m512 p = _mm512_loadu_ps(ptr.master + i);
 
-  g = _mm512_mul_ps(g, _mm512_set1_ps(s.grad_scale));
-  p = _mm512_mul_ps(p, _mm512_set1_ps(s.decay));
+  g = _mm512_mul_ps(g, c.grad_scale);
+  p = _mm512_mul_ps(p, c.decay);
   const __m512 diff = _mm512_sub_ps(g, m);
-  m = _mm512_fmadd_ps(_mm512_set1_ps(s.lerp_coeff), diff, s.lerp_from_end ? g : m);
-  v = _mm512_mul_ps(v, _mm512_set1_ps(s.beta2));
-  v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(s.one_minus_beta2), g), g));
-  const __m512 denom = _mm512_add_ps(
-      _mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(s.bias_correction2_sqrt)),
-      _mm512_set1_ps(s.eps));
-  p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(s.neg_step_size), m), denom));
+  m = _mm512_fmadd_ps(c.lerp_coeff, diff, kFromEnd ? g : m);
+  v = _mm512_mul_ps(v, c.beta2);
+  v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_mul_ps(c.one_minus_beta2, g), g));
+  const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), c.eps_scaled);
+  p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c.neg_step_scaled, m), denom));
 
   _mm512_storeu_ps(ptr.master + i, p);
-  if (r.moment_dtype == DType::kBFloat16) {
+  if constexpr (kM == DType::kBFloat16) {
     const __m512i idx = _mm512_add_epi32(
         _mm512_set1_epi32(static_cast<int>(index + i)),
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i k0 = _mm512_set1_epi32(static_cast<int>(key.k0));
-    const __m512i k1 = _mm512_set1_epi32(static_cast<int>(key.k1));
-    const __m512i bits = LowBias32(_mm512_xor_si512(LowBias32(_mm512_xor_si512(idx, k0)), k1));
+    const __m512i bits = LowBias32(_mm512_xor_si512(idx, c.k0));
     const __m512i lo = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
     const __m512i hi = _mm512_srli_epi32(bits, 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(ptr.exp_avg) + i),
@@ -102,34 +114,54 @@ inline void Step16(const Pointers& ptr, const AdamWRange& r, const AdamWStepScal
     _mm512_storeu_ps(static_cast<float*>(ptr.exp_avg) + i, m);
     _mm512_storeu_ps(static_cast<float*>(ptr.exp_avg_sq) + i, v);
   }
-  if (ptr.param_out == nullptr) return;
-  if (r.param_dtype == DType::kFloat32) {
+  if constexpr (kOut == Out::kNone) {
+    return;
+  } else if constexpr (kOut == Out::kF32) {
     float* out = static_cast<float*>(ptr.param_out) + i;
     if (stream) _mm512_stream_ps(out, p);
     else _mm512_storeu_ps(out, p);
-    return;
-  }
-  __m256i h;
-  if (r.param_dtype == DType::kBFloat16) {
-    h = kHardwareBf16 ? ToBf16RneHardware(p) : ToBf16Rne(p);
   } else {
-    h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i h;
+    if constexpr (kOut == Out::kBf16) {
+      h = kHardwareBf16 ? ToBf16RneHardware(p) : ToBf16Rne(p);
+    } else {
+      h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    auto* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(ptr.param_out) + i);
+    if (stream) _mm256_stream_si256(out, h);
+    else _mm256_storeu_si256(out, h);
   }
-  auto* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(ptr.param_out) + i);
-  if (stream) _mm256_stream_si256(out, h);
-  else _mm256_storeu_si256(out, h);
 }
 
-template <bool kHardwareBf16>
+// Software prefetch distance in elements (see adamw_avx2.cc).
+constexpr size_t kPrefetchElems = 256;
+
+template <bool kHardwareBf16, DType kG, DType kM, Out kOut, bool kFromEnd>
 void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
-  const bool out_is_master = r.param_out == static_cast<void*>(r.master);
-  Pointers ptr{r.master, r.exp_avg, r.exp_avg_sq, r.grad, out_is_master ? nullptr : r.param_out};
-  const size_t out_bytes = kLanes * DTypeSize(r.param_dtype);
+  Pointers ptr{r.master, r.exp_avg, r.exp_avg_sq, r.grad,
+               kOut == Out::kNone ? nullptr : r.param_out};
+  const Consts c(s, key);
+  constexpr size_t kOutBytes = kLanes * (kOut == Out::kF32 ? 4 : 2);
   const bool stream =
-      ptr.param_out != nullptr && reinterpret_cast<uintptr_t>(ptr.param_out) % out_bytes == 0;
+      kOut != Out::kNone && reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
   const size_t full = r.numel - r.numel % kLanes;
+  constexpr size_t kGB = kG == DType::kFloat32 ? 4 : 2;
+  constexpr size_t kMB = kM == DType::kFloat32 ? 4 : 2;
+  // One vector = one 64-byte line of fp32 master per iteration; 2-byte streams
+  // get a prefetch every other iteration.
   for (size_t i = 0; i < full; i += kLanes) {
-    Step16<kHardwareBf16>(ptr, r, s, key, index_lo, i, stream);
+    if (i + kPrefetchElems < r.numel) {
+      const size_t j = i + kPrefetchElems;
+      _mm_prefetch(reinterpret_cast<const char*>(ptr.master + j), _MM_HINT_T0);
+      if (kMB == 4 || j % 32 == 0) {
+        _mm_prefetch(static_cast<const char*>(ptr.exp_avg) + j * kMB, _MM_HINT_T0);
+        _mm_prefetch(static_cast<const char*>(ptr.exp_avg_sq) + j * kMB, _MM_HINT_T0);
+      }
+      if (kGB == 4 || j % 32 == 0) {
+        _mm_prefetch(static_cast<const char*>(ptr.grad) + j * kGB, _MM_HINT_T0);
+      }
+    }
+    Step16<kHardwareBf16, kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i, stream);
   }
   if (stream) _mm_sfence();  // order the streamed stores before completion is signalled
 
@@ -137,19 +169,60 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   if (tail == 0) return;
   alignas(64) float master[kLanes] = {};
   alignas(64) float m[kLanes] = {}, v[kLanes] = {}, g[kLanes] = {}, out[kLanes] = {};
-  const size_t ms = DTypeSize(r.moment_dtype), gs = DTypeSize(r.grad_dtype),
-               ps = DTypeSize(r.param_dtype);
+  const size_t ps = kOut == Out::kF32 ? 4 : 2;
   std::memcpy(master, r.master + full, tail * 4);
-  std::memcpy(m, static_cast<char*>(r.exp_avg) + full * ms, tail * ms);
-  std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * ms, tail * ms);
-  std::memcpy(g, static_cast<const char*>(r.grad) + full * gs, tail * gs);
-  Pointers local{master, m, v, g, ptr.param_out != nullptr ? out : nullptr};
-  Step16<kHardwareBf16>(local, r, s, key, index_lo + static_cast<uint32_t>(full), 0, false);
+  std::memcpy(m, static_cast<char*>(r.exp_avg) + full * kMB, tail * kMB);
+  std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * kMB, tail * kMB);
+  std::memcpy(g, static_cast<const char*>(r.grad) + full * kGB, tail * kGB);
+  Pointers local{master, m, v, g, out};
+  Step16<kHardwareBf16, kG, kM, kOut, kFromEnd>(local, c, index_lo + static_cast<uint32_t>(full),
+                                                0, false);
   std::memcpy(r.master + full, master, tail * 4);
-  std::memcpy(static_cast<char*>(r.exp_avg) + full * ms, m, tail * ms);
-  std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * ms, v, tail * ms);
-  if (ptr.param_out != nullptr) {
+  std::memcpy(static_cast<char*>(r.exp_avg) + full * kMB, m, tail * kMB);
+  std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * kMB, v, tail * kMB);
+  if constexpr (kOut != Out::kNone) {
     std::memcpy(static_cast<char*>(ptr.param_out) + full * ps, out, tail * ps);
+  }
+}
+
+template <bool kHw, DType kG, DType kM, Out kOut>
+void DispatchLerp(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
+  if (s.lerp_from_end) Update<kHw, kG, kM, kOut, true>(r, s, key, index_lo);
+  else Update<kHw, kG, kM, kOut, false>(r, s, key, index_lo);
+}
+
+template <bool kHw, DType kG, DType kM>
+void DispatchOut(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
+  if (r.param_out == nullptr || r.param_out == static_cast<void*>(r.master)) {
+    DispatchLerp<kHw, kG, kM, Out::kNone>(r, s, key, index_lo);
+    return;
+  }
+  switch (r.param_dtype) {
+    case DType::kFloat32:
+      return DispatchLerp<kHw, kG, kM, Out::kF32>(r, s, key, index_lo);
+    case DType::kBFloat16:
+      return DispatchLerp<kHw, kG, kM, Out::kBf16>(r, s, key, index_lo);
+    case DType::kFloat16:
+      return DispatchLerp<kHw, kG, kM, Out::kF16>(r, s, key, index_lo);
+  }
+}
+
+template <bool kHw, DType kG>
+void DispatchMoments(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
+                     uint32_t index_lo) {
+  if (r.moment_dtype == DType::kBFloat16) DispatchOut<kHw, kG, DType::kBFloat16>(r, s, key, index_lo);
+  else DispatchOut<kHw, kG, DType::kFloat32>(r, s, key, index_lo);
+}
+
+template <bool kHw>
+void DispatchGrad(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
+  switch (r.grad_dtype) {
+    case DType::kFloat32:
+      return DispatchMoments<kHw, DType::kFloat32>(r, s, key, index_lo);
+    case DType::kBFloat16:
+      return DispatchMoments<kHw, DType::kBFloat16>(r, s, key, index_lo);
+    case DType::kFloat16:
+      return DispatchMoments<kHw, DType::kFloat16>(r, s, key, index_lo);
   }
 }
 
@@ -158,8 +231,8 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
 void AdamWUpdateAvx512(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
                        uint32_t index_lo) {
   static const bool hardware_bf16 = CpuHasAvx512Bf16();
-  if (hardware_bf16) Update<true>(r, s, key, index_lo);
-  else Update<false>(r, s, key, index_lo);
+  if (hardware_bf16) DispatchGrad<true>(r, s, key, index_lo);
+  else DispatchGrad<false>(r, s, key, index_lo);
 }
 
 double GradSumSquaresAvx512(const void* grad, DType dtype, size_t n) {

@@ -41,6 +41,11 @@ struct AdamWStepScalars {
   float bias_correction2_sqrt;
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)
+  // What the kernels use (Note [AdamW operation order] in adamw_impl.h): the
+  // bias correction folded into the two scalars, so one division per element
+  // instead of two. Both are computed in double and rounded once.
+  float eps_scaled;        // eps * sqrt(1 - beta2^step)
+  float neg_step_scaled;   // -lr / (1 - beta1^step) * sqrt(1 - beta2^step)
 };
 
 // `step` counts from 1 (the value of torch's state['step'] after its increment).
