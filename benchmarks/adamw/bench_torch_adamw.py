@@ -6,9 +6,13 @@ prints the ratios. Not a test: the figures depend on the machine.
     python benchmarks/adamw/bench_torch_adamw.py --bench build/bin/trainstream-bench-adamw \
         --params 67108864 --tensor-elems 4194304 --threads 1,4,8,16
 
-torch updates fp32 params with fp32 grads and moments (28 B/param); the engine
-rows are fp32 grads+moments and bf16 grads+moments, both writing a bf16 weight
-copy for the GPU, and the ratio is always against torch's fp32 figure.
+torch updates fp32 params with fp32 grads and moments (28 B/param). Engine rows
+(eager mode, per-chunk non-finite check, workers pinned), each against torch's
+fp32 figure from the same run:
+  fp32 like-for-like     fp32 grads+moments, the fp32 param is the master (28 B)
+  fp32 + bf16 copy       same, plus a bf16 weight copy for the GPU (30 B)
+  bf16 g+m + bf16 copy   bf16 grads and moments, bf16 weight copy (20 B)
+  fp32 l4l exact check   like-for-like with the exact per-parameter check (32 B)
 """
 import argparse
 import json
@@ -18,9 +22,11 @@ import time
 
 import torch
 
-CONFIGS = [  # (grad, moments, weight copy)
-    ("fp32", "fp32", "bf16"),
-    ("bf16", "bf16", "bf16"),
+CONFIGS = [  # (label, grad, moments, weight copy or "master", eager check)
+    ("fp32 like-for-like", "fp32", "fp32", "master", "chunk"),
+    ("fp32 + bf16 copy", "fp32", "fp32", "bf16", "chunk"),
+    ("bf16 g+m + bf16 copy", "bf16", "bf16", "bf16", "chunk"),
+    ("fp32 l4l exact check", "fp32", "fp32", "master", "param"),
 ]
 
 
@@ -67,25 +73,28 @@ def main():
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         kind, torch_gps = time_torch(args.params, args.tensor_elems, threads, args.iters, args.warmup)
-        for grad, moments, weight in CONFIGS:
-            cmd = [args.bench, "--params", str(args.params), "--tensor-elems", str(args.tensor_elems),
+        for label, grad, moments, weight, check in CONFIGS:
+            cmd = [args.bench, "--check", check, "--params", str(args.params), "--tensor-elems", str(args.tensor_elems),
                    "--threads", str(threads), "--grad-dtype", grad, "--moment-dtype", moments,
                    "--param-dtype", weight, "--iters", str(args.iters), "--warmup", str(args.warmup),
                    "--isa", args.isa, "--json"]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             ours = json.loads(out.strip().splitlines()[-1])
-            rows.append(dict(threads=threads, torch_kind=kind, torch_gparams_per_s=round(torch_gps, 4),
+            rows.append(dict(config=label, threads=threads, torch_kind=kind, check=check, torch_gparams_per_s=round(torch_gps, 4),
                              grad_dtype=grad, moment_dtype=moments, param_dtype=weight, isa=ours["isa"],
                              gparams_per_s=ours["gparams_per_s"], gb_per_s=ours["gb_per_s"],
+                             bytes_per_param=ours["bytes_per_param"],
                              ratio_vs_torch=round(ours["gparams_per_s"] / torch_gps, 3)))
-    print(f"torch {torch.__version__}, params {args.params}, tensors of {args.tensor_elems}", file=sys.stderr)
+    if not args.json:
+        print(f"torch {torch.__version__}, params {args.params}, tensors of {args.tensor_elems}; "
+              f"ratio = ours / torch fused fp32 at the same thread count")
     for r in rows:
         if args.json:
             print(json.dumps(r))
         else:
-            print(f"threads {r['threads']:2d}  torch {r['torch_kind']:7s} fp32 {r['torch_gparams_per_s']:6.3f} Gparam/s | "
-                  f"ours grad {r['grad_dtype']} moments {r['moment_dtype']} ({r['isa']}) "
-                  f"{r['gparams_per_s']:6.3f} Gparam/s {r['gb_per_s']:6.1f} GB/s  ratio {r['ratio_vs_torch']:.2f}x")
+            print(f"threads {r['threads']:2d}  {r['config']:21s} ours ({r['isa']}) {r['gparams_per_s']:6.3f} Gparam/s "
+                  f"{r['gb_per_s']:6.1f} GB/s ({r['bytes_per_param']:.0f} B/param) | torch {r['torch_kind']} fp32 "
+                  f"{r['torch_gparams_per_s']:6.3f} Gparam/s | ratio {r['ratio_vs_torch']:.2f}x")
 
 
 if __name__ == "__main__":

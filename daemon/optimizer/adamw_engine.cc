@@ -30,6 +30,7 @@ struct AdamWEngine::Param {
   std::vector<Chunk> chunks;
   std::vector<double> chunk_sumsq;  // written by the chunk's worker in the norm phase
   std::atomic<size_t> remaining{0};  // chunks left in the current phase
+  std::atomic<size_t> chunks_applied{0};  // eager per-chunk check: chunks updated this step
 
   // The current submission. Written by SubmitGrad while !busy, read by workers
   // after the pool's queue mutex has ordered them.
@@ -229,6 +230,16 @@ void AdamWEngine::WaitIdle() {
 
 void AdamWEngine::StartNormPhase(Param* p) {
   p->remaining.store(p->chunks.size(), std::memory_order_relaxed);
+  if (!deferred_ && options_.eager_check_per_chunk && p->chunks.size() > 1) {
+    // One pass: each chunk is checked and, if finite, updated while in cache.
+    p->new_state_step = p->state_step + 1;
+    p->scalars = kernels::ComputeAdamWStepScalars(p->hp, p->new_state_step, 1.0f);
+    p->chunks_applied.store(0, std::memory_order_relaxed);
+    for (size_t c = 0; c < p->chunks.size(); ++c) {
+      pool_->Submit(p->chunks[c].worker, [this, p, c] { CheckAndUpdateChunk(p, c); });
+    }
+    return;
+  }
   for (size_t c = 0; c < p->chunks.size(); ++c) {
     pool_->Submit(p->chunks[c].worker, [this, p, c] { NormChunk(p, c); });
   }
@@ -241,6 +252,31 @@ void AdamWEngine::NormChunk(Param* p, size_t chunk) {
       static_cast<const char*>(b.grad_slot) + c.offset * kernels::DTypeSize(b.grad_dtype),
       b.grad_dtype, c.count, options_.isa);
   if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormDone(p);
+}
+
+void AdamWEngine::CheckAndUpdateChunk(Param* p, size_t chunk) {
+  const Param::Chunk& c = p->chunks[chunk];
+  const ParamBinding& b = p->binding;
+  const double sumsq = kernels::GradSumSquares(
+      static_cast<const char*>(b.grad_slot) + c.offset * kernels::DTypeSize(b.grad_dtype),
+      b.grad_dtype, c.count, options_.isa);
+  p->chunk_sumsq[chunk] = sumsq;
+  if (std::isfinite(sumsq)) {
+    p->remaining.fetch_add(1, std::memory_order_relaxed);  // UpdateChunk counts it down
+    UpdateChunk(p, chunk);                                 // never the last: we still hold one
+    p->chunks_applied.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  const double total = OrderedSum(p->chunk_sumsq);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Step* s = steps_[p->submit_step].get();
+    s->norms.push_back({p->index, total, p});
+    --s->norms_pending;
+  }
+  const bool applied = p->chunks_applied.load(std::memory_order_relaxed) > 0;
+  if (applied) p->state_step = p->new_state_step;
+  OnParamDone(p, applied);
 }
 
 void AdamWEngine::OnNormDone(Param* p) {
@@ -344,6 +380,14 @@ void AdamWEngine::OnParamDone(Param* p, bool updated) {
     Step* s = steps_[step].get();
     if (updated) {
       ++s->result.params_updated;
+      if (options_.eager_check_per_chunk && !deferred_) {
+        for (const Step::Norm& n : s->norms) {
+          if (n.param == p && !std::isfinite(n.sumsq)) {
+            s->result.nonfinite_params.push_back(id);  // partly applied (per-chunk check)
+            s->result.skipped_nonfinite = true;
+          }
+        }
+      }
     } else {
       // In a skipped deferred step, only the parameters whose own gradient was
       // non-finite are listed; the others were finite but held back.
@@ -385,7 +429,9 @@ void AdamWEngine::MaybeFinishStep(uint64_t step, std::unique_lock<std::mutex>& l
     for (uint64_t id : r.nonfinite_params) msg << ' ' << id;
     msg << " at step " << step
         << (deferred_ ? ": whole step skipped, no state changed"
-                      : ": those parameters were not updated, the others were");
+            : options_.eager_check_per_chunk
+                ? ": their chunks with non-finite values were not updated, everything else was"
+                : ": those parameters were not updated, the others were");
     r.error = msg.str();
   }
   if (step_done_) step_done_(r);

@@ -135,10 +135,13 @@ double GlobalNorm(const Fixture& f) {
 }  // namespace
 
 TEST_CASE("eager engine on 3 threads equals the scalar kernel", "[engine]") {
+ for (bool per_chunk : {false, true}) {
+  INFO("eager_check_per_chunk " << per_chunk);
   WorkerPool pool(WorkerPoolOptions{3, false});
   Fixture got(1), want(1);
   EngineOptions opt;
   opt.chunk_elems = 65536;
+  opt.eager_check_per_chunk = per_chunk;
   AdamWEngine engine(&pool, opt);
   REQUIRE_FALSE(engine.deferred());
   Recorder rec;
@@ -179,6 +182,7 @@ TEST_CASE("eager engine on 3 threads equals the scalar kernel", "[engine]") {
   CHECK(got.t[2].slot[0] == 5.0f);
   REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).empty());
   CHECK(step == 9);
+ }
 }
 
 TEST_CASE("deferred engine clips by the global norm like clip_grad_norm_", "[engine]") {
@@ -246,4 +250,44 @@ TEST_CASE("non-finite gradient: eager skips that parameter, deferred skips the s
     REQUIRE(engine.ExportState(0, a.data(), b.data(), c.data(), &step).empty());
     CHECK(step == (deferred ? 0u : 1u));
   }
+}
+
+TEST_CASE("eager per-chunk check leaves exactly the non-finite chunk untouched", "[engine]") {
+  WorkerPool pool(WorkerPoolOptions{2, false});
+  Fixture f(3), want(3);
+  EngineOptions opt;
+  opt.chunk_elems = 65536;
+  opt.eager_check_per_chunk = true;
+  AdamWEngine engine(&pool, opt);
+  Recorder rec;
+  rec.Attach(engine);
+  Bind(engine, f);
+  for (Tensor& x : want.t) x.master = x.slot;  // what Init does
+  f.NewGrads(5);
+  want.NewGrads(5);
+  f.t[3].grad[150000] = NAN;  // chunk 2 of parameter 3: elements [131072, 196608)
+  const Fixture before = f;
+  for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, 1, Hp(i)).empty());
+  REQUIRE(engine.StepEnd(1).empty());
+  engine.WaitIdle();
+  ReferenceStep(want, 1, 1.0f);
+  REQUIRE(rec.steps.size() == 1);
+  const StepResult& r = rec.steps[0];
+  CHECK(r.skipped_nonfinite);
+  CHECK(r.nonfinite_params == std::vector<uint64_t>{3});
+  CHECK(r.error.find("non-finite") != std::string::npos);
+  CHECK(r.params_updated == 4u);
+  for (size_t i = 0; i < 3; ++i) CHECK(f.t[i].master == want.t[i].master);
+  for (size_t e = 0; e < f.t[3].master.size(); ++e) {
+    const bool bad_chunk = e >= 131072 && e < 196608;
+    const Tensor& ref = bad_chunk ? before.t[3] : want.t[3];
+    if (f.t[3].master[e] != ref.master[e] || f.t[3].m[e] != ref.m[e] || f.t[3].v[e] != ref.v[e] ||
+        f.t[3].slot[e] != ref.slot[e]) {
+      FAIL("element " << e << " (bad chunk " << bad_chunk << ") differs");
+    }
+  }
+  std::vector<float> a(200003), b(200003), c(200003);
+  uint64_t step = 0;
+  REQUIRE(engine.ExportState(3, a.data(), b.data(), c.data(), &step).empty());
+  CHECK(step == 1);  // other chunks were applied
 }

@@ -62,6 +62,15 @@ struct EngineOptions {
   uint64_t seed = 0;                     // stochastic rounding of bf16 moments
   size_t chunk_elems = 64 * 1024;        // elements per work item
   kernels::Isa isa = kernels::BestIsa();  // forced path (tests, benchmarks)
+  // Eager mode only. false (default): a parameter's whole gradient is checked
+  // before any of it is applied, so a non-finite value leaves that parameter
+  // untouched; a parameter larger than one chunk then reads its gradient twice
+  // (+4 B/param with fp32 gradients). true: each chunk is checked and updated
+  // back to back on one core with its gradient in cache (one read); a chunk with
+  // a non-finite value is left untouched, the parameter's other chunks are
+  // applied and its step count advances, and it is reported in nonfinite_params.
+  // Parameters of at most chunk_elems elements behave the same either way.
+  bool eager_check_per_chunk = false;
 };
 
 struct StepResult {
@@ -132,6 +141,7 @@ class AdamWEngine {
   struct Step;
   void StartNormPhase(Param* p);
   void NormChunk(Param* p, size_t chunk);
+  void CheckAndUpdateChunk(Param* p, size_t chunk);
   void OnNormDone(Param* p);
   void StartUpdatePhase(Param* p, float grad_scale);
   void UpdateChunk(Param* p, size_t chunk);
