@@ -1,5 +1,6 @@
 #include "budget.h"
 
+#include <cstdint>
 #include <cassert>
 #include <cstdio>
 

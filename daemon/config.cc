@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdint>
 #include <algorithm>
 #include <cctype>
 #include <cerrno>

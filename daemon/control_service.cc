@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
+#include <cstdint>
 
 namespace trainstream::daemon {
 

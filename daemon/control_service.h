@@ -4,6 +4,7 @@
 // INVALID_ARGUMENT naming the field; no client input can crash the daemon.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "budget.h"

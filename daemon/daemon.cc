@@ -16,6 +16,7 @@
 #include <sys/signalfd.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <csignal>
 #include <memory>
 #include <thread>

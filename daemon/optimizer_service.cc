@@ -9,6 +9,7 @@
 // overflow is non-empty every completion goes through it, so order is kept.
 #include "optimizer_service.h"
 
+#include <cstdint>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>

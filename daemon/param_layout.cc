@@ -1,5 +1,6 @@
 #include "param_layout.h"
 
+#include <cstdint>
 #include <cmath>
 #include <cstdio>
 #include <string>

@@ -1,5 +1,6 @@
 #include "session_registry.h"
 
+#include <cstdint>
 #include <cstring>
 
 #include <spdlog/spdlog.h>

@@ -6,6 +6,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cerrno>
 #include <chrono>
 #include <cstring>

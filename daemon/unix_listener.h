@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <atomic>
 #include <functional>
 #include <memory>

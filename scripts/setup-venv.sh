@@ -8,6 +8,15 @@ VENV=${VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup-venv: creating $VENV from $($PYTHON -c 'import sys; print(sys.executable)')"
   "$PYTHON" -m venv --system-site-packages "$VENV"
+  # --system-site-packages reaches the base interpreter's packages only. When
+  # PYTHON is itself a venv (as on the GPU host, where torch lives in one), make
+  # its packages visible too, so an installed torch is reused, not downloaded.
+  parent_site=$("$PYTHON" -c 'import sys, site; print(":".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')
+  if [ -n "$parent_site" ]; then
+    own_site=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+    echo "$parent_site" | tr ':' '\n' > "$own_site/_trainstream_parent_env.pth"
+    echo "setup-venv: $PYTHON is a venv; its packages are visible in $VENV"
+  fi
 fi
 py="$VENV/bin/python"
 # name==version importname

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

@@ -1,4 +1,5 @@
 // trainstreamctl: the command-line face of trainstreamd (status, ping, shutdown).
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>

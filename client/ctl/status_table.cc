@@ -1,5 +1,6 @@
 #include "status_table.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <sstream>
 

@@ -1,6 +1,7 @@
 // The human-readable `trainstreamctl status` view of the status JSON document.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include <nlohmann/json.hpp>

@@ -1,6 +1,7 @@
 // Internal state behind Client and Session (not part of the public API).
 #pragma once
 
+#include <cstdint>
 #include <condition_variable>
 #include <memory>
 #include <mutex>

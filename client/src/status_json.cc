@@ -1,5 +1,6 @@
 #include "status_json.h"
 
+#include <cstdint>
 #include <map>
 
 #include <nlohmann/json.hpp>

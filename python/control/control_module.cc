@@ -5,6 +5,7 @@
 #include <pybind11/eval.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>

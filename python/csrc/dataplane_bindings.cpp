@@ -16,6 +16,7 @@
 //                  never the host).
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>

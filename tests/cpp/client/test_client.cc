@@ -17,6 +17,7 @@
 //   alive | wait_dead <timeout_ms> | detach | quit
 #include <unistd.h>
 
+#include <cstdint>
 #include <chrono>
 #include <cstring>
 #include <iostream>

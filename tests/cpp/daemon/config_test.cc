@@ -2,6 +2,7 @@
 #include "config.h"
 #include "startup_checks.h"
 #include "token.h"
+#include <cstdint>
 
 using namespace trainstream::daemon;
 
