@@ -14,7 +14,8 @@ if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
   source .deps/unpack.sh
   export TRAINSTREAM_SKIP_SYSTEM_DEPS=1
-  CMAKE_ARGS="-DCMAKE_PREFIX_PATH=$TS_TORCH_CMAKE_PREFIX;$TS_PYBIND11_CMAKE_DIR;$TS_DEPS_PREFIX/usr $TS_PROTOBUF_CMAKE_ARGS"
+  # Quoted: make hands CMAKE_ARGS to a shell, where ';' would end the command.
+  CMAKE_ARGS="'-DCMAKE_PREFIX_PATH=$TS_TORCH_CMAKE_PREFIX;$TS_PYBIND11_CMAKE_DIR;$TS_DEPS_PREFIX/usr' $TS_PROTOBUF_CMAKE_ARGS"
 fi
 export CMAKE_ARGS=${CMAKE_ARGS:-}
 export TRAINSTREAM_HF=${TRAINSTREAM_HF:-0}  # transformers/peft are not needed by these tests
