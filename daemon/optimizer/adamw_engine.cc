@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <sstream>
 #include <utility>
 
 #include "trainstream/kernels/bf16.h"
@@ -424,15 +423,15 @@ void AdamWEngine::MaybeFinishStep(uint64_t step, std::unique_lock<std::mutex>& l
   r.grad_norm = std::sqrt(total);
   std::sort(r.nonfinite_params.begin(), r.nonfinite_params.end());
   if (r.skipped_nonfinite) {
-    std::ostringstream msg;
-    msg << "non-finite gradient in parameter(s)";
-    for (uint64_t id : r.nonfinite_params) msg << ' ' << id;
-    msg << " at step " << step
-        << (deferred_ ? ": whole step skipped, no state changed"
-            : options_.eager_check_per_chunk
-                ? ": their chunks with non-finite values were not updated, everything else was"
-                : ": those parameters were not updated, the others were");
-    r.error = msg.str();
+    // std::string, not a stream: see Note [No iostreams in _C] (python/csrc/check.h).
+    std::string msg = "non-finite gradient in parameter(s)";
+    for (uint64_t id : r.nonfinite_params) msg += " " + std::to_string(id);
+    msg += " at step " + std::to_string(step);
+    msg += deferred_ ? ": whole step skipped, no state changed"
+           : options_.eager_check_per_chunk
+               ? ": their chunks with non-finite values were not updated, everything else was"
+               : ": those parameters were not updated, the others were";
+    r.error = msg;
   }
   if (step_done_) step_done_(r);
 

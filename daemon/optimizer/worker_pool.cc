@@ -3,7 +3,7 @@
 #include <pthread.h>
 #include <sched.h>
 
-#include <fstream>
+#include <cstdio>
 #include <set>
 #include <string>
 #include <utility>
@@ -13,9 +13,14 @@ namespace {
 
 thread_local int current_worker = -1;
 
+// stdio, not std::ifstream: this file is also linked into trainstream._C, where
+// iostreams crash (Note [No iostreams in _C], python/csrc/check.h).
 bool ReadInt(const std::string& path, int* out) {
-  std::ifstream in(path);
-  return static_cast<bool>(in >> *out);
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return false;
+  const bool ok = std::fscanf(f, "%d", out) == 1;
+  std::fclose(f);
+  return ok;
 }
 
 }  // namespace

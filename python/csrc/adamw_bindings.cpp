@@ -5,6 +5,8 @@
 // torch.optim.AdamW. Every entry point takes isa="auto"|"scalar"|"avx2"|"avx512".
 #include <torch/extension.h>
 
+#include "check.h"
+
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,8 +38,8 @@ tk::Isa IsaOrThrow(const std::string& name) {
 }
 
 tk::DType DTypeOf(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
-  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
+  TS_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
+  TS_CHECK(t.is_contiguous(), what, " must be contiguous");
   switch (t.scalar_type()) {
     case at::kFloat:
       return tk::DType::kFloat32;
@@ -46,7 +48,7 @@ tk::DType DTypeOf(const torch::Tensor& t, const char* what) {
     case at::kHalf:
       return tk::DType::kFloat16;
     default:
-      TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+      TS_CHECK(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
   return tk::DType::kFloat32;
 }
@@ -68,14 +70,14 @@ void AdamWStep(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_av
                double beta1, double beta2, double eps, double weight_decay, double grad_scale,
                int64_t seed, int64_t param_key, const std::string& isa_name) {
   const tk::Isa isa = IsaOrThrow(isa_name);
-  TORCH_CHECK(DTypeOf(master, "master") == tk::DType::kFloat32, "master must be float32");
+  TS_CHECK(DTypeOf(master, "master") == tk::DType::kFloat32, "master must be float32");
   const tk::DType md = DTypeOf(exp_avg, "exp_avg");
-  TORCH_CHECK(md != tk::DType::kFloat16, "moments must be float32 or bfloat16");
-  TORCH_CHECK(DTypeOf(exp_avg_sq, "exp_avg_sq") == md, "exp_avg and exp_avg_sq dtypes differ");
+  TS_CHECK(md != tk::DType::kFloat16, "moments must be float32 or bfloat16");
+  TS_CHECK(DTypeOf(exp_avg_sq, "exp_avg_sq") == md, "exp_avg and exp_avg_sq dtypes differ");
   const int64_t n = master.numel();
-  TORCH_CHECK(exp_avg.numel() == n && exp_avg_sq.numel() == n && grad.numel() == n,
+  TS_CHECK(exp_avg.numel() == n && exp_avg_sq.numel() == n && grad.numel() == n,
               "all tensors must have master's numel");
-  TORCH_CHECK(step >= 1, "step counts from 1");
+  TS_CHECK(step >= 1, "step counts from 1");
   tk::AdamWRange r;
   r.master = master.data_ptr<float>();
   r.exp_avg = exp_avg.data_ptr();
@@ -85,7 +87,7 @@ void AdamWStep(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_av
   r.grad_dtype = DTypeOf(grad, "grad");
   r.moment_dtype = md;
   if (param_out.has_value()) {
-    TORCH_CHECK(param_out->numel() == n, "param_out must have master's numel");
+    TS_CHECK(param_out->numel() == n, "param_out must have master's numel");
     r.param_dtype = DTypeOf(*param_out, "param_out");
     r.param_out = param_out->data_ptr();
   }
@@ -107,7 +109,7 @@ double GradSumSquares(torch::Tensor grad, const std::string& isa_name) {
 
 torch::Tensor StochasticRoundBf16(torch::Tensor x, int64_t seed, int64_t param_key, int64_t step,
                                   int64_t element_offset, bool high_bits) {
-  TORCH_CHECK(DTypeOf(x, "x") == tk::DType::kFloat32, "x must be float32");
+  TS_CHECK(DTypeOf(x, "x") == tk::DType::kFloat32, "x must be float32");
   torch::Tensor out = torch::empty_like(x, x.options().dtype(at::kBFloat16));
   tk::StochasticRoundToBf16(
       x.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
@@ -155,13 +157,13 @@ class PyAdamWEngine {
     to::ParamBinding b;
     b.param_id = static_cast<uint64_t>(id);
     b.numel = static_cast<size_t>(master.numel());
-    TORCH_CHECK(DTypeOf(master, "master") == tk::DType::kFloat32, "master must be float32");
-    TORCH_CHECK(DTypeOf(exp_avg, "exp_avg") == engine_->options().moment_dtype &&
+    TS_CHECK(DTypeOf(master, "master") == tk::DType::kFloat32, "master must be float32");
+    TS_CHECK(DTypeOf(exp_avg, "exp_avg") == engine_->options().moment_dtype &&
                     DTypeOf(exp_avg_sq, "exp_avg_sq") == engine_->options().moment_dtype,
                 "moments must have the engine's moment dtype");
     b.param_dtype = DTypeOf(param_slot, "param_slot");
     b.grad_dtype = DTypeOf(grad_slot, "grad_slot");
-    TORCH_CHECK(exp_avg.numel() == master.numel() && exp_avg_sq.numel() == master.numel() &&
+    TS_CHECK(exp_avg.numel() == master.numel() && exp_avg_sq.numel() == master.numel() &&
                     grad_slot.numel() == master.numel() && param_slot.numel() == master.numel(),
                 "all tensors must have master's numel");
     b.master = master.data_ptr<float>();
@@ -213,7 +215,7 @@ class PyAdamWEngine {
 
   pybind11::tuple ExportState(int64_t id) {
     const size_t n = engine_->ParamNumel(static_cast<uint64_t>(id));
-    TORCH_CHECK(n > 0, "unknown parameter ", id);
+    TS_CHECK(n > 0, "unknown parameter ", id);
     auto opts = torch::TensorOptions().dtype(at::kFloat);
     torch::Tensor m = torch::empty({static_cast<int64_t>(n)}, opts);
     torch::Tensor a = torch::empty_like(m), s = torch::empty_like(m);
@@ -227,7 +229,7 @@ class PyAdamWEngine {
                    torch::Tensor exp_avg_sq, int64_t step) {
     const size_t n = engine_->ParamNumel(static_cast<uint64_t>(id));
     for (const torch::Tensor* t : {&master, &exp_avg, &exp_avg_sq}) {
-      TORCH_CHECK(DTypeOf(*t, "state") == tk::DType::kFloat32 && static_cast<size_t>(t->numel()) == n,
+      TS_CHECK(DTypeOf(*t, "state") == tk::DType::kFloat32 && static_cast<size_t>(t->numel()) == n,
                   "state tensors must be float32 with the parameter's numel");
     }
     Check(engine_->ImportState(static_cast<uint64_t>(id), master.data_ptr<float>(),

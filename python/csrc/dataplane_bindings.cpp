@@ -16,6 +16,8 @@
 //                  never the host).
 #include <torch/extension.h>
 
+#include "check.h"
+
 #include <cstdint>
 #include <chrono>
 #include <condition_variable>
@@ -103,7 +105,7 @@ class DataPlane {
 
   uint64_t PostGrad(uint64_t param_id, const torch::Tensor& grad, torch::Tensor slot, uint64_t step,
                     double lr, double beta1, double beta2, double eps, double weight_decay) {
-    TORCH_CHECK(grad.numel() == slot.numel(), "gradient of param ", param_id, " has ", grad.numel(),
+    TS_CHECK(grad.numel() == slot.numel(), "gradient of param ", param_id, " has ", grad.numel(),
                 " elements but its staging slot holds ", slot.numel());
     CommandRecord rec = MakeRecord(Opcode::kGradReady);
     rec.param_id = param_id;
@@ -191,7 +193,7 @@ class DataPlane {
   // param.copy_(slot). For a CUDA parameter the copy is issued on the H2D stream
   // and the current stream waits for it (no host wait).
   void CopyParam(torch::Tensor param, const torch::Tensor& slot) {
-    TORCH_CHECK(param.numel() == slot.numel(), "parameter has ", param.numel(),
+    TS_CHECK(param.numel() == slot.numel(), "parameter has ", param.numel(),
                 " elements but its staging slot holds ", slot.numel());
     torch::NoGradGuard no_grad;
 #ifdef TRAINSTREAM_WITH_CUDA

@@ -1,8 +1,10 @@
 // Quantization ops on torch tensors: thin wrappers over kernels/ (quant.h on CPU,
 // quant_cuda.h on CUDA, current stream). Checks and messages for users live in
-// python/trainstream/quantization.py; the TORCH_CHECKs here guard the kernels'
+// python/trainstream/quantization.py; the TS_CHECKs here guard the kernels'
 // preconditions against direct callers.
 #include <torch/extension.h>
+
+#include "check.h"
 
 #include <string>
 
@@ -45,7 +47,7 @@ tk::QuantCpuOptions CpuOptions(const std::string& isa) {
 }
 
 tk::QuantElemType ElemType(at::ScalarType t) {
-  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16,
+  TS_CHECK(t == at::kFloat || t == at::kBFloat16,
               "quantization kernels take float32 or bfloat16, got ", t);
   return t == at::kFloat ? tk::QuantElemType::kFloat32 : tk::QuantElemType::kBFloat16;
 }
@@ -73,18 +75,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Quantize(const at::Tensor& t,
     return {data, scales, tensor_scale};
   }
 #ifdef TRAINSTREAM_WITH_CUDA
-  TORCH_CHECK(src.is_cuda(), "quantize: tensor must be on CPU or CUDA, got ", src.device());
+  TS_CHECK(src.is_cuda(), "quantize: tensor must be on CPU or CUDA, got ", src.device());
   const c10::cuda::CUDAGuard guard(src.device());
   at::Tensor workspace = at::empty({1}, src.options().dtype(at::kInt));
   const cudaError_t err =
       tk::QuantizeCuda(fmt, l, type, src.data_ptr(), out,
                        reinterpret_cast<uint32_t*>(workspace.data_ptr<int32_t>()),
                        c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
-  TORCH_CHECK(err == cudaSuccess, "trainstream quantize (", format, ") on CUDA failed: ",
+  TS_CHECK(err == cudaSuccess, "trainstream quantize (", format, ") on CUDA failed: ",
               cudaGetErrorString(err));
   return {data, scales, tensor_scale};
 #else
-  TORCH_CHECK(false, "quantize: trainstream._C was built without CUDA; tensor is on ",
+  TS_CHECK(false, "quantize: trainstream._C was built without CUDA; tensor is on ",
               src.device());
 #endif
 }
@@ -95,11 +97,11 @@ at::Tensor Dequantize(const at::Tensor& data, const at::Tensor& scales,
                       int64_t block_size, at::ScalarType out_dtype, const std::string& isa) {
   const tk::QuantFormat fmt = FormatOrThrow(format);
   const tk::QuantLayout l = LayoutOrThrow(fmt, numel, block_size);
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() == l.data_bytes,
+  TS_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() == l.data_bytes,
               "dequantize: data must be a contiguous uint8 tensor of ", l.data_bytes, " bytes");
-  TORCH_CHECK(scales.is_contiguous() && scales.nbytes() == static_cast<size_t>(l.scale_bytes()),
+  TS_CHECK(scales.is_contiguous() && scales.nbytes() == static_cast<size_t>(l.scale_bytes()),
               "dequantize: scales must be contiguous, ", l.scale_bytes(), " bytes");
-  TORCH_CHECK(scales.device() == data.device() && tensor_scale.device() == data.device(),
+  TS_CHECK(scales.device() == data.device() && tensor_scale.device() == data.device(),
               "dequantize: data, scales and tensor_scale must be on one device");
   const tk::QuantElemType type = ElemType(out_dtype);
   at::Tensor out = at::empty({numel}, data.options().dtype(out_dtype));
@@ -117,11 +119,11 @@ at::Tensor Dequantize(const at::Tensor& data, const at::Tensor& scales,
   const cudaError_t err = tk::DequantizeCuda(
       fmt, l, data.data_ptr<uint8_t>(), scales.data_ptr(), ts.data_ptr<float>(), type,
       out.data_ptr(), c10::cuda::getCurrentCUDAStream(data.device().index()).stream());
-  TORCH_CHECK(err == cudaSuccess, "trainstream dequantize (", format, ") on CUDA failed: ",
+  TS_CHECK(err == cudaSuccess, "trainstream dequantize (", format, ") on CUDA failed: ",
               cudaGetErrorString(err));
   return out;
 #else
-  TORCH_CHECK(false, "dequantize: trainstream._C was built without CUDA; data is on ",
+  TS_CHECK(false, "dequantize: trainstream._C was built without CUDA; data is on ",
               data.device());
 #endif
 }
@@ -129,17 +131,17 @@ at::Tensor Dequantize(const at::Tensor& data, const at::Tensor& scales,
 // (q float8_e4m3fn [rows, cols], scale float32 [rows, 1]) for a CUDA tensor of rows
 // (2-D, float32 / bfloat16 / float16): QuantLinear's FP8 activations, in one kernel.
 std::tuple<at::Tensor, at::Tensor> QuantizeRowsE4m3(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2, "quantize_rows_e4m3: x must be 2-D, got ", x.dim(), " dims");
-  TORCH_CHECK(x.size(1) > 0, "quantize_rows_e4m3: rows must not be empty");
+  TS_CHECK(x.dim() == 2, "quantize_rows_e4m3: x must be 2-D, got ", x.dim(), " dims");
+  TS_CHECK(x.size(1) > 0, "quantize_rows_e4m3: rows must not be empty");
 #ifdef TRAINSTREAM_WITH_CUDA
-  TORCH_CHECK(x.is_cuda(), "quantize_rows_e4m3: x must be a CUDA tensor, got ", x.device());
+  TS_CHECK(x.is_cuda(), "quantize_rows_e4m3: x must be a CUDA tensor, got ", x.device());
   tk::RowElemType type;
   switch (x.scalar_type()) {
     case at::kFloat: type = tk::RowElemType::kFloat32; break;
     case at::kBFloat16: type = tk::RowElemType::kBFloat16; break;
     case at::kHalf: type = tk::RowElemType::kFloat16; break;
     default:
-      TORCH_CHECK(false, "quantize_rows_e4m3: x must be float32, bfloat16 or float16, got ",
+      TS_CHECK(false, "quantize_rows_e4m3: x must be float32, bfloat16 or float16, got ",
                   x.scalar_type());
   }
   const at::Tensor src = x.contiguous();
@@ -149,11 +151,11 @@ std::tuple<at::Tensor, at::Tensor> QuantizeRowsE4m3(const at::Tensor& x) {
   const cudaError_t err = tk::QuantizeRowsE4m3Cuda(
       type, src.data_ptr(), src.size(0), src.size(1), static_cast<uint8_t*>(q.data_ptr()),
       scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
-  TORCH_CHECK(err == cudaSuccess, "trainstream quantize_rows_e4m3 on CUDA failed: ",
+  TS_CHECK(err == cudaSuccess, "trainstream quantize_rows_e4m3 on CUDA failed: ",
               cudaGetErrorString(err));
   return {q, scale};
 #else
-  TORCH_CHECK(false, "quantize_rows_e4m3: trainstream._C was built without CUDA");
+  TS_CHECK(false, "quantize_rows_e4m3: trainstream._C was built without CUDA");
 #endif
 }
 
