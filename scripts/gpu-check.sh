@@ -35,7 +35,7 @@ if [[ $STAGES == *bench* ]]; then
   bench() {  # name, command...
     local name=$1; shift
     echo "== $name: $*" | tee -a "$OUT/bench.log"
-    "$@" > "$OUT/bench-$name.log" 2>&1 || { rc=1; echo "bench $name failed (rc $?)"; }
+    timeout 240 "$@" > "$OUT/bench-$name.log" 2>&1 || { rc=1; echo "bench $name failed"; }
     tail -30 "$OUT/bench-$name.log" | tee -a "$OUT/bench.log"
   }
   bench control build-gpu/bin/trainstream-bench-control --json
