@@ -1,7 +1,7 @@
 #include "budget.h"
 
-#include <cstdint>
 #include <cassert>
+#include <cstdint>
 #include <cstdio>
 
 namespace trainstream::daemon {

@@ -3,11 +3,11 @@
 // it when it is unmapped. Thread-safe.
 #pragma once
 
+#include <grpcpp/support/status.h>
+
 #include <cstdint>
 #include <mutex>
 #include <string>
-
-#include <grpcpp/support/status.h>
 
 namespace trainstream::daemon {
 

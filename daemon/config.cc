@@ -2,13 +2,13 @@
 
 #include <unistd.h>
 
-#include <cstdint>
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
-#include <cstring>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -54,13 +54,14 @@ grpc::Status ParseBytes(const std::string& raw, const std::string& field, uint64
   const std::string text = Trim(raw);
   if (text.empty()) return Invalid(field + ": empty size");
   size_t end = 0;
-  while (end < text.size() && (std::isdigit(static_cast<unsigned char>(text[end])) || text[end] == '.')) {
+  while (end < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[end])) || text[end] == '.')) {
     ++end;
   }
   if (end == 0) return Invalid(field + ": '" + text + "' does not start with a number");
   std::string unit = Trim(text.substr(end));
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  if (unit.size() == 2 && unit[1] == 'B') unit.resize(1);   // "64GB" == "64G"
+  if (unit.size() == 2 && unit[1] == 'B') unit.resize(1);          // "64GB" == "64G"
   if (unit.size() == 3 && unit.substr(1) == "IB") unit.resize(1);  // "64GiB"
   double mult = 1;
   if (unit.empty() || unit == "B") {
@@ -120,7 +121,8 @@ grpc::Status ParseConfigText(const std::string& text, const std::string& origin,
     line = Trim(line);
     if (line.empty()) continue;
     size_t eq = line.find('=');
-    if (eq == std::string::npos) return Invalid(where + ": expected `key = value`, got '" + line + "'");
+    if (eq == std::string::npos)
+      return Invalid(where + ": expected `key = value`, got '" + line + "'");
     std::string key = Trim(line.substr(0, eq));
     std::string value = Trim(line.substr(eq + 1));
     if (value.size() >= 2 && value.front() == '"' && value.back() == '"') {

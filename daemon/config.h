@@ -3,25 +3,25 @@
 // docs/daemon.md: one `key = value` per line, `#` starts a comment.
 #pragma once
 
+#include <grpcpp/support/status.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include <grpcpp/support/status.h>
-
 namespace trainstream::daemon {
 
 struct DaemonConfig {
-  std::string socket_path;         // empty: the default for this uid (DefaultDaemonSocket)
+  std::string socket_path;  // empty: the default for this uid (DefaultDaemonSocket)
   std::string shm_dir = "/dev/shm";
-  std::string budget = "50%";      // bytes, K/M/G/T suffix, or a percentage of RAM
-  std::string log_level = "info";  // trace, debug, info, warn, error, critical, off
-  unsigned threads = 0;            // optimizer worker threads; 0: one per core
-  uint64_t idle_exit_s = 0;        // embedded mode: exit after this long idle; 0: never
-  std::string allow_group;         // members may use the daemon
-  std::string admin_group;         // members may also shut it down
+  std::string budget = "50%";              // bytes, K/M/G/T suffix, or a percentage of RAM
+  std::string log_level = "info";          // trace, debug, info, warn, error, critical, off
+  unsigned threads = 0;                    // optimizer worker threads; 0: one per core
+  uint64_t idle_exit_s = 0;                // embedded mode: exit after this long idle; 0: never
+  std::string allow_group;                 // members may use the daemon
+  std::string admin_group;                 // members may also shut it down
   uint64_t max_region_bytes = 1ull << 40;  // per AllocateRegion request
-  bool lock_memory = true;         // mlock() segments (counted as pinned)
+  bool lock_memory = true;                 // mlock() segments (counted as pinned)
   bool foreground = false;
 };
 

@@ -1,8 +1,8 @@
 #include "control_service.h"
 
+#include <spdlog/spdlog.h>
 #include <unistd.h>
 
-#include <spdlog/spdlog.h>
 #include <cstdint>
 
 namespace trainstream::daemon {
@@ -19,11 +19,12 @@ grpc::Status ControlService::Authorize(grpc::ServerContext* ctx, PeerCredentials
   if (!config_.admin_group.empty()) who += " and members of group '" + config_.admin_group + "'";
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                       "uid " + std::to_string(creds->uid) + " (pid " + std::to_string(creds->pid) +
-                          ") may not use trainstreamd at " + state_->socket_path + "; allowed: " + who +
-                          " (daemon option allow_group / --allow-group)");
+                          ") may not use trainstreamd at " + state_->socket_path +
+                          "; allowed: " + who + " (daemon option allow_group / --allow-group)");
 }
 
-grpc::Status ControlService::Ping(grpc::ServerContext* ctx, const v1::PingRequest*, v1::PingResponse* resp) {
+grpc::Status ControlService::Ping(grpc::ServerContext* ctx, const v1::PingRequest*,
+                                  v1::PingResponse* resp) {
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   resp->set_version(kDaemonVersion);
@@ -38,7 +39,8 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   v1::SessionMessage first;
   if (!stream->Read(&first)) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "the session stream closed before AttachRequest");
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        "the session stream closed before AttachRequest");
   }
   if (first.body_case() != v1::SessionMessage::kAttach) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -48,12 +50,14 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "trainstreamd is shutting down");
   }
   if (state_->draining.load()) {
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "trainstreamd is draining: existing sessions continue, new ones are refused");
+    return grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        "trainstreamd is draining: existing sessions continue, new ones are refused");
   }
   std::shared_ptr<Session> session;
   v1::SessionEvent event;
-  grpc::Status st = registry_->Create(creds, first.attach(), ctx, stream, &session, event.mutable_attached());
+  grpc::Status st =
+      registry_->Create(creds, first.attach(), ctx, stream, &session, event.mutable_attached());
   if (!st.ok()) {
     spdlog::warn("attach refused for pid {} uid {}: {}", creds.pid, creds.uid, st.error_message());
     return st;
@@ -76,25 +80,31 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::RegisterParameters(grpc::ServerContext* ctx, const v1::RegisterParametersRequest* req,
+grpc::Status ControlService::RegisterParameters(grpc::ServerContext* ctx,
+                                                const v1::RegisterParametersRequest* req,
                                                 v1::RegisterParametersResponse* resp) {
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   std::shared_ptr<Session> session;
-  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok()) return s;
+  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
+    return s;
   grpc::Status st = registry_->RegisterParameters(*session, *req, resp);
-  if (!st.ok()) spdlog::info("session {}: RegisterParameters refused: {}", session->id, st.error_message());
+  if (!st.ok())
+    spdlog::info("session {}: RegisterParameters refused: {}", session->id, st.error_message());
   return st;
 }
 
-grpc::Status ControlService::AllocateRegion(grpc::ServerContext* ctx, const v1::AllocateRegionRequest* req,
+grpc::Status ControlService::AllocateRegion(grpc::ServerContext* ctx,
+                                            const v1::AllocateRegionRequest* req,
                                             v1::AllocateRegionResponse* resp) {
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   std::shared_ptr<Session> session;
-  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok()) return s;
+  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
+    return s;
   grpc::Status st = registry_->AllocateRegion(*session, *req, resp->mutable_region());
-  if (!st.ok()) spdlog::info("session {}: AllocateRegion refused: {}", session->id, st.error_message());
+  if (!st.ok())
+    spdlog::info("session {}: AllocateRegion refused: {}", session->id, st.error_message());
   return st;
 }
 
@@ -103,14 +113,16 @@ grpc::Status ControlService::FreeRegion(grpc::ServerContext* ctx, const v1::Free
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   std::shared_ptr<Session> session;
-  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok()) return s;
+  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
+    return s;
   uint64_t freed = 0;
   grpc::Status st = registry_->FreeRegion(*session, *req, &freed);
   resp->set_bytes_freed(freed);
   return st;
 }
 
-grpc::Status ControlService::Status(grpc::ServerContext* ctx, const v1::StatusRequest*, v1::StatusResponse* resp) {
+grpc::Status ControlService::Status(grpc::ServerContext* ctx, const v1::StatusRequest*,
+                                    v1::StatusResponse* resp) {
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   resp->set_version(kDaemonVersion);
@@ -135,11 +147,13 @@ grpc::Status ControlService::Shutdown(grpc::ServerContext* ctx, const v1::Shutdo
     std::string who = "root, uid " + std::to_string(geteuid());
     if (!config_.admin_group.empty()) who += " and members of group '" + config_.admin_group + "'";
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                        "uid " + std::to_string(creds.uid) + " may not shut trainstreamd down; admins: " + who +
+                        "uid " + std::to_string(creds.uid) +
+                            " may not shut trainstreamd down; admins: " + who +
                             " (daemon option admin_group)");
   }
   resp->set_sessions(static_cast<uint32_t>(registry_->size()));
-  spdlog::info("shutdown requested by uid {} pid {} (drain={})", creds.uid, creds.pid, req->drain());
+  spdlog::info("shutdown requested by uid {} pid {} (drain={})", creds.uid, creds.pid,
+               req->drain());
   if (req->drain()) {
     if (!state_->draining.exchange(true)) {
       v1::DaemonNotice notice;

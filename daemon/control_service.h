@@ -24,17 +24,25 @@ class ControlService final : public v1::Control::Service {
   // Every pointer must outlive the service (and the gRPC server using it).
   ControlService(const DaemonConfig& config, const AccessPolicy* policy, PeerTable* peers,
                  SessionRegistry* registry, Budget* budget, DaemonState* state)
-      : config_(config), policy_(policy), peers_(peers), registry_(registry), budget_(budget), state_(state) {}
+      : config_(config),
+        policy_(policy),
+        peers_(peers),
+        registry_(registry),
+        budget_(budget),
+        state_(state) {}
 
-  grpc::Status Ping(grpc::ServerContext* ctx, const v1::PingRequest* req, v1::PingResponse* resp) override;
+  grpc::Status Ping(grpc::ServerContext* ctx, const v1::PingRequest* req,
+                    v1::PingResponse* resp) override;
   grpc::Status Attach(grpc::ServerContext* ctx, SessionStream* stream) override;
-  grpc::Status RegisterParameters(grpc::ServerContext* ctx, const v1::RegisterParametersRequest* req,
+  grpc::Status RegisterParameters(grpc::ServerContext* ctx,
+                                  const v1::RegisterParametersRequest* req,
                                   v1::RegisterParametersResponse* resp) override;
   grpc::Status AllocateRegion(grpc::ServerContext* ctx, const v1::AllocateRegionRequest* req,
                               v1::AllocateRegionResponse* resp) override;
   grpc::Status FreeRegion(grpc::ServerContext* ctx, const v1::FreeRegionRequest* req,
                           v1::FreeRegionResponse* resp) override;
-  grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::StatusResponse* resp) override;
+  grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest* req,
+                      v1::StatusResponse* resp) override;
   grpc::Status Shutdown(grpc::ServerContext* ctx, const v1::ShutdownRequest* req,
                         v1::ShutdownResponse* resp) override;
 

@@ -11,18 +11,17 @@
 // No signal handler runs code: SIGTERM/SIGINT arrive through the signalfd.
 #include "daemon.h"
 
+#include <grpcpp/grpcpp.h>
 #include <poll.h>
+#include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <csignal>
+#include <cstdint>
 #include <memory>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
-#include <spdlog/spdlog.h>
 
 #include "budget.h"
 #include "control_service.h"
@@ -54,14 +53,17 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
     return refuse(s.error_message());
   }
   AccessPolicy policy;
-  if (std::string err; !policy.Resolve(config.allow_group, config.admin_group, &err)) return refuse(err);
+  if (std::string err; !policy.Resolve(config.allow_group, config.admin_group, &err))
+    return refuse(err);
 
-  StartupReport report = CheckStartup(GatherStartupFacts(config.shm_dir, budget_bytes, config.lock_memory));
+  StartupReport report =
+      CheckStartup(GatherStartupFacts(config.shm_dir, budget_bytes, config.lock_memory));
   if (!report.error.empty()) return refuse(report.error);
   for (const auto& w : report.warnings) spdlog::warn("{}", w);
 
   std::unique_ptr<UnixListener> listener;
-  const gid_t socket_gid = policy.has_allow_group() && geteuid() == 0 ? policy.allow_gid() : static_cast<gid_t>(-1);
+  const gid_t socket_gid =
+      policy.has_allow_group() && geteuid() == 0 ? policy.allow_gid() : static_cast<gid_t>(-1);
   if (auto s = UnixListener::Bind(config.socket_path, 0660, socket_gid, &listener); !s.ok()) {
     return refuse(s.error_message());
   }
@@ -104,13 +106,14 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
     policy.Apply(&creds);
     // Refused peers still get a channel: their every call is answered with
     // PERMISSION_DENIED (ControlService::Authorize), which tells them why.
-    if (!creds.allowed) spdlog::warn("connection from uid {} pid {}: not allowed", creds.uid, creds.pid);
+    if (!creds.allowed)
+      spdlog::warn("connection from uid {} pid {}: not allowed", creds.uid, creds.pid);
     peers.Set(fd, creds);
     return true;
   });
   spdlog::info("trainstreamd {} ready: socket={} shm_dir={} budget={} ({} bytes) workers={} pid={}",
-               kDaemonVersion, config.socket_path, config.shm_dir, HumanBytes(budget_bytes), budget_bytes,
-               state.worker_threads, getpid());
+               kDaemonVersion, config.socket_path, config.shm_dir, HumanBytes(budget_bytes),
+               budget_bytes, state.worker_threads, getpid());
   ready(nullptr);
 
   std::string why = "shutdown requested";

@@ -2,19 +2,18 @@
 // RunDaemon (daemon.cc).
 #include <fcntl.h>
 #include <signal.h>
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
-
-#include <CLI/CLI.hpp>
-#include <spdlog/sinks/basic_file_sink.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
-#include <spdlog/spdlog.h>
 
 #include "config.h"
 #include "daemon.h"
@@ -58,7 +57,8 @@ bool Daemonize(int* exit_code) {
     if (msg == "ok") {
       *exit_code = 0;
     } else {
-      std::fprintf(stderr, "trainstreamd: %s\n", msg.empty() ? "exited during startup" : msg.c_str());
+      std::fprintf(stderr, "trainstreamd: %s\n",
+                   msg.empty() ? "exited during startup" : msg.c_str());
       *exit_code = 1;
     }
     return true;
@@ -73,25 +73,32 @@ bool Daemonize(int* exit_code) {
 
 int main(int argc, char** argv) {
   using trainstream::daemon::DaemonConfig;
-  CLI::App app{"trainstreamd: the TrainStream per-machine memory and optimizer daemon (docs/daemon.md)"};
+  CLI::App app{
+      "trainstreamd: the TrainStream per-machine memory and optimizer daemon (docs/daemon.md)"};
   std::string config_path, socket, budget, log_level, shm_dir, allow_group, admin_group, log_file;
   unsigned threads = 0;
   uint64_t idle_exit = 0;
   bool foreground = false;
   app.add_option("--config", config_path, "Config file (key = value lines; docs/daemon.md)");
-  app.add_option("--socket", socket, "Unix socket to serve (default: /run/trainstream/trainstreamd.sock for root, "
-                                     "else the per-user embedded socket; $TRAINSTREAM_SOCKET overrides)");
+  app.add_option("--socket", socket,
+                 "Unix socket to serve (default: /run/trainstream/trainstreamd.sock for root, "
+                 "else the per-user embedded socket; $TRAINSTREAM_SOCKET overrides)");
   app.add_flag("--foreground,-f", foreground, "Stay in the foreground and log to stderr");
-  app.add_option("--budget", budget, "Machine-wide memory budget: bytes, K/M/G/T suffix, or NN% of RAM (default 50%)");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical or off (default info)");
+  app.add_option("--budget", budget,
+                 "Machine-wide memory budget: bytes, K/M/G/T suffix, or NN% of RAM (default 50%)");
+  app.add_option("--log-level", log_level,
+                 "trace, debug, info, warn, error, critical or off (default info)");
   app.add_option("--log-file", log_file, "Also append logs to this file");
   app.add_option("--shm-dir", shm_dir, "Directory for segments (default /dev/shm)");
   app.add_option("--threads", threads, "Optimizer worker threads (default: one per core)");
-  app.add_option("--idle-exit", idle_exit, "Exit after this many seconds with no session and no request (embedded mode)");
+  app.add_option("--idle-exit", idle_exit,
+                 "Exit after this many seconds with no session and no request (embedded mode)");
   app.add_option("--allow-group", allow_group, "Members of this group may use the daemon");
-  app.add_option("--admin-group", admin_group, "Members of this group may also shut the daemon down");
+  app.add_option("--admin-group", admin_group,
+                 "Members of this group may also shut the daemon down");
   // A flag given twice takes the last value (wrappers append overrides).
-  for (CLI::Option* opt : app.get_options()) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  for (CLI::Option* opt : app.get_options())
+    opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   CLI11_PARSE(app, argc, argv);
 
   DaemonConfig config;
@@ -138,7 +145,8 @@ int main(int argc, char** argv) {
 
   std::vector<spdlog::sink_ptr> sinks;
   sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
-  if (!log_file.empty()) sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_file));
+  if (!log_file.empty())
+    sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_file));
   auto logger = std::make_shared<spdlog::logger>("trainstreamd", sinks.begin(), sinks.end());
   logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ trainstreamd[%P]: %v");
   logger->set_level(spdlog::level::from_str(config.log_level));

@@ -9,16 +9,16 @@
 // overflow is non-empty every completion goes through it, so order is kept.
 #include "optimizer_service.h"
 
-#include <cstdint>
+#include <spdlog/spdlog.h>
+
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
-
-#include <spdlog/spdlog.h>
 
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/optimizer/worker_pool.h"
@@ -81,11 +81,12 @@ class AdamWSessionPlane {
   // Called on an RPC thread; the session thread applies the parameters before
   // it handles the next command (the engine's AddParam is not concurrent with
   // updates).
-  std::string AddParameters(const SessionOptimizerOptions& options, std::vector<ParamBinding> params) {
+  std::string AddParameters(const SessionOptimizerOptions& options,
+                            std::vector<ParamBinding> params) {
     std::lock_guard<std::mutex> lock(pending_mu_);
     if (have_options_) {
-      if (options.moment_dtype != options_.moment_dtype || options.max_grad_norm != options_.max_grad_norm ||
-          options.seed != options_.seed) {
+      if (options.moment_dtype != options_.moment_dtype ||
+          options.max_grad_norm != options_.max_grad_norm || options.seed != options_.seed) {
         return "moment_dtype, max_grad_norm and seed must be the same in every RegisterParameters "
                "call of a session";
       }
@@ -139,7 +140,8 @@ class AdamWSessionPlane {
       eb.param_slot = b.param_slot;
       std::string err = engine_->AddParam(eb);
       if (!err.empty()) {
-        Reject(Opcode::kError, 0, b.param_id, 0, "param " + std::to_string(b.param_id) + ": " + err);
+        Reject(Opcode::kError, 0, b.param_id, 0,
+               "param " + std::to_string(b.param_id) + ": " + err);
         continue;
       }
       std::lock_guard<std::mutex> lock(step_mu_);
@@ -203,7 +205,8 @@ class AdamWSessionPlane {
   std::string MoveState(const CommandRecord& cmd, bool load, uint64_t* step_out) {
     if (cmd.field == StateField::kParamFromSlot) {
       if (!load) return "kParamFromSlot can only be loaded";
-      if (engine_->ParamNumel(cmd.param_id) == 0) return "unknown param_id " + std::to_string(cmd.param_id);
+      if (engine_->ParamNumel(cmd.param_id) == 0)
+        return "unknown param_id " + std::to_string(cmd.param_id);
       // Init covers every parameter added since the last Init, so the client
       // writes all slots first and then posts these; only the first one works.
       if (needs_init_) {
@@ -225,19 +228,21 @@ class AdamWSessionPlane {
       }
       step = cmd.step;
     } else {
-      std::vector<float>* target = cmd.field == StateField::kMaster   ? &master
-                                   : cmd.field == StateField::kExpAvg ? &m
+      std::vector<float>* target = cmd.field == StateField::kMaster     ? &master
+                                   : cmd.field == StateField::kExpAvg   ? &m
                                    : cmd.field == StateField::kExpAvgSq ? &v
                                                                         : nullptr;
-      if (target == nullptr) return "unknown state field " + std::to_string(static_cast<uint32_t>(cmd.field));
+      if (target == nullptr)
+        return "unknown state field " + std::to_string(static_cast<uint32_t>(cmd.field));
       if (cmd.bytes != n * sizeof(float)) {
         return "state payload is " + std::to_string(cmd.bytes) + " bytes; param " +
                std::to_string(cmd.param_id) + " needs " + std::to_string(n * sizeof(float));
       }
       void* payload = resolver_(cmd.region_id, cmd.region_offset, cmd.bytes);
       if (payload == nullptr) {
-        return "region " + std::to_string(cmd.region_id) + " [" + std::to_string(cmd.region_offset) +
-               ", +" + std::to_string(cmd.bytes) + ") is not a region of this session";
+        return "region " + std::to_string(cmd.region_id) + " [" +
+               std::to_string(cmd.region_offset) + ", +" + std::to_string(cmd.bytes) +
+               ") is not a region of this session";
       }
       if (!load) {
         std::memcpy(payload, target->data(), cmd.bytes);
@@ -348,16 +353,19 @@ OptimizerService::~OptimizerService() {
 }
 
 void OptimizerService::StartSession(uint64_t session_id, void* control, RegionResolver resolver) {
-  auto plane = std::make_unique<AdamWSessionPlane>(session_id, control, std::move(resolver), &impl_->pool);
+  auto plane =
+      std::make_unique<AdamWSessionPlane>(session_id, control, std::move(resolver), &impl_->pool);
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->sessions[session_id] = std::move(plane);
 }
 
-std::string OptimizerService::AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
+std::string OptimizerService::AddParameters(uint64_t session_id,
+                                            const SessionOptimizerOptions& options,
                                             std::vector<ParamBinding> params) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sessions.find(session_id);
-  if (it == impl_->sessions.end()) return "session " + std::to_string(session_id) + " has no data plane";
+  if (it == impl_->sessions.end())
+    return "session " + std::to_string(session_id) + " has no data plane";
   return it->second->AddParameters(options, std::move(params));
 }
 

@@ -31,11 +31,11 @@ struct ParamBinding {
   uint32_t group = 0;
   WireDType param_dtype = WireDType::kFloat32;
   WireDType grad_dtype = WireDType::kFloat32;
-  float* master = nullptr;       // fp32[numel], state segment
-  void* exp_avg = nullptr;       // moment dtype[numel], state segment
-  void* exp_avg_sq = nullptr;    // moment dtype[numel], state segment
-  void* grad_slot = nullptr;     // grad dtype[numel], session staging segment
-  void* param_slot = nullptr;    // param dtype[numel], session staging segment
+  float* master = nullptr;           // fp32[numel], state segment
+  void* exp_avg = nullptr;           // moment dtype[numel], state segment
+  void* exp_avg_sq = nullptr;        // moment dtype[numel], state segment
+  void* grad_slot = nullptr;         // grad dtype[numel], session staging segment
+  void* param_slot = nullptr;        // param dtype[numel], session staging segment
   uint64_t* step_counter = nullptr;  // the manifest entry's step, kept current
 };
 

@@ -1,7 +1,7 @@
 #include "param_layout.h"
 
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 
@@ -52,10 +52,14 @@ grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
   for (int g = 0; g < req.groups_size(); ++g) {
     const auto& h = req.groups(g);
     const std::string f = "groups[" + std::to_string(g) + "].";
-    if (!std::isfinite(h.lr()) || h.lr() < 0) return Invalid(f + "lr", Num(h.lr()) + " must be finite and >= 0");
-    if (!(h.beta1() >= 0 && h.beta1() < 1)) return Invalid(f + "beta1", Num(h.beta1()) + " must be in [0, 1)");
-    if (!(h.beta2() >= 0 && h.beta2() < 1)) return Invalid(f + "beta2", Num(h.beta2()) + " must be in [0, 1)");
-    if (!std::isfinite(h.eps()) || !(h.eps() > 0)) return Invalid(f + "eps", Num(h.eps()) + " must be finite and > 0");
+    if (!std::isfinite(h.lr()) || h.lr() < 0)
+      return Invalid(f + "lr", Num(h.lr()) + " must be finite and >= 0");
+    if (!(h.beta1() >= 0 && h.beta1() < 1))
+      return Invalid(f + "beta1", Num(h.beta1()) + " must be in [0, 1)");
+    if (!(h.beta2() >= 0 && h.beta2() < 1))
+      return Invalid(f + "beta2", Num(h.beta2()) + " must be in [0, 1)");
+    if (!std::isfinite(h.eps()) || !(h.eps() > 0))
+      return Invalid(f + "eps", Num(h.eps()) + " must be finite and > 0");
     if (!std::isfinite(h.weight_decay()) || h.weight_decay() < 0) {
       return Invalid(f + "weight_decay", Num(h.weight_decay()) + " must be finite and >= 0");
     }
@@ -66,11 +70,13 @@ grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
                                        " is not supported (DTYPE_FLOAT32 or DTYPE_BFLOAT16)");
   }
   if (!std::isfinite(req.max_grad_norm()) || req.max_grad_norm() < 0) {
-    return Invalid("max_grad_norm", Num(req.max_grad_norm()) + " must be finite and >= 0 (0 disables clipping)");
+    return Invalid("max_grad_norm",
+                   Num(req.max_grad_norm()) + " must be finite and >= 0 (0 disables clipping)");
   }
   if (req.params_size() == 0) return Invalid("params", "no parameters to register");
   if (static_cast<size_t>(req.params_size()) > kMaxParamsPerRequest) {
-    return Invalid("params", std::to_string(req.params_size()) + " parameters in one request (at most " +
+    return Invalid("params", std::to_string(req.params_size()) +
+                                 " parameters in one request (at most " +
                                  std::to_string(kMaxParamsPerRequest) + ")");
   }
   std::set<uint64_t> seen;
@@ -78,10 +84,12 @@ grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
     const auto& p = req.params(i);
     const std::string f = "params[" + std::to_string(i) + "].";
     if (registered.count(p.param_id()) != 0) {
-      return Invalid(f + "param_id", std::to_string(p.param_id()) + " is already registered in this session");
+      return Invalid(f + "param_id",
+                     std::to_string(p.param_id()) + " is already registered in this session");
     }
     if (!seen.insert(p.param_id()).second) {
-      return Invalid(f + "param_id", std::to_string(p.param_id()) + " appears twice in this request");
+      return Invalid(f + "param_id",
+                     std::to_string(p.param_id()) + " appears twice in this request");
     }
     if (p.shape_size() > kMaxParamDims) {
       return Invalid(f + "shape", std::to_string(p.shape_size()) + " dimensions (at most " +
@@ -91,15 +99,18 @@ grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
     for (int d = 0; d < p.shape_size(); ++d) {
       const int64_t dim = p.shape(d);
       if (dim <= 0) {
-        return Invalid(f + "shape[" + std::to_string(d) + "]", std::to_string(dim) + " must be > 0");
+        return Invalid(f + "shape[" + std::to_string(d) + "]",
+                       std::to_string(dim) + " must be > 0");
       }
-      if (static_cast<uint64_t>(dim) > kMaxParamNumel || numel > kMaxParamNumel / static_cast<uint64_t>(dim)) {
+      if (static_cast<uint64_t>(dim) > kMaxParamNumel ||
+          numel > kMaxParamNumel / static_cast<uint64_t>(dim)) {
         return Invalid(f + "shape", "more than " + std::to_string(kMaxParamNumel) + " elements");
       }
       numel *= static_cast<uint64_t>(dim);
     }
     if (DTypeBytes(p.dtype()) == 0) {
-      return Invalid(f + "dtype", std::to_string(p.dtype()) + " is not a known dtype (float32, bfloat16, float16)");
+      return Invalid(f + "dtype", std::to_string(p.dtype()) +
+                                      " is not a known dtype (float32, bfloat16, float16)");
     }
     if (p.grad_dtype() != v1::DTYPE_UNSPECIFIED && DTypeBytes(p.grad_dtype()) == 0) {
       return Invalid(f + "grad_dtype", std::to_string(p.grad_dtype()) + " is not a known dtype");
@@ -120,8 +131,8 @@ RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest
   const uint64_t moment_bytes = DTypeBytes(MomentDType(req));
 
   layout.manifest_offset = wire::kSegmentHeaderBytes;
-  layout.manifest_bytes = sizeof(wire::StateManifest) +
-                          static_cast<uint64_t>(req.params_size()) * sizeof(wire::StateManifestEntry);
+  layout.manifest_bytes = sizeof(wire::StateManifest) + static_cast<uint64_t>(req.params_size()) *
+                                                            sizeof(wire::StateManifestEntry);
   uint64_t staging = wire::kSegmentHeaderBytes;
   uint64_t state = AlignUp(layout.manifest_offset + layout.manifest_bytes, kPage);
   for (int i = 0; i < req.params_size(); ++i) {

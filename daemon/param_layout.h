@@ -13,18 +13,18 @@
 //   master fp32[numel], exp_avg moment[numel], exp_avg_sq moment[numel].
 #pragma once
 
+#include <grpcpp/support/status.h>
+
 #include <cstdint>
 #include <set>
 #include <vector>
-
-#include <grpcpp/support/status.h>
 
 #include "trainstream/v1/control.pb.h"
 
 namespace trainstream::daemon {
 
 // Limits on what a client may ask for (bad input is refused, never trusted).
-inline constexpr uint64_t kMaxParamNumel = 1ull << 36;   // 64 Gi elements per tensor
+inline constexpr uint64_t kMaxParamNumel = 1ull << 36;  // 64 Gi elements per tensor
 inline constexpr int kMaxParamDims = 16;
 inline constexpr size_t kMaxParamsPerRequest = 1u << 20;
 inline constexpr size_t kMaxGroups = 4096;

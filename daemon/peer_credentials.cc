@@ -48,7 +48,8 @@ bool ResolveGroup(const std::string& name, gid_t* gid, std::string* error) {
     *gid = static_cast<gid_t>(v);
     return true;
   }
-  *error = "unknown group '" + name + "' (create it with `groupadd " + name + "` or fix the setting)";
+  *error =
+      "unknown group '" + name + "' (create it with `groupadd " + name + "` or fix the setting)";
   return false;
 }
 }  // namespace

@@ -1,9 +1,9 @@
 #include "session_registry.h"
 
+#include <spdlog/spdlog.h>
+
 #include <cstdint>
 #include <cstring>
-
-#include <spdlog/spdlog.h>
 
 #include "param_layout.h"
 #include "token.h"
@@ -30,7 +30,8 @@ uint64_t RingOffsetAfter(uint64_t offset, uint64_t bytes) { return AlignUp(offse
 uint64_t MinControlBytes() {
   const uint64_t cmd = wire::RingBytes(kRingCapacity, sizeof(wire::CommandRecord));
   const uint64_t cpl = wire::RingBytes(kRingCapacity, sizeof(wire::CompletionRecord));
-  return AlignUp(RingOffsetAfter(RingOffsetAfter(sizeof(wire::SessionControlHeader), cmd), cpl), kPage);
+  return AlignUp(RingOffsetAfter(RingOffsetAfter(sizeof(wire::SessionControlHeader), cmd), cpl),
+                 kPage);
 }
 
 bool Session::Send(const v1::SessionEvent& event) {
@@ -46,7 +47,8 @@ uint64_t Session::BytesHeld() {
   return total;
 }
 
-SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget, OptimizerService* optimizer)
+SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
+                                 OptimizerService* optimizer)
     : config_(config), budget_(budget), optimizer_(optimizer) {}
 
 SessionRegistry::~SessionRegistry() { EndAll("daemon exiting"); }
@@ -58,7 +60,8 @@ void SessionRegistry::SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
 }
 
 grpc::Status SessionRegistry::CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes,
-                                            const std::string& what, std::unique_ptr<ShmSegment>* out) {
+                                            const std::string& what,
+                                            std::unique_ptr<ShmSegment>* out) {
   grpc::Status st = budget_->Reserve(total_bytes, what);
   if (!st.ok()) return st;
   SegmentOwner owner;
@@ -84,8 +87,9 @@ void SessionRegistry::DropSegment(std::unique_ptr<ShmSegment> seg) {
   budget_->Release(bytes);
 }
 
-uint64_t SessionRegistry::AddRegion(Session& s, std::unique_ptr<ShmSegment> seg, const std::string& label,
-                                    uint64_t length, bool client_freeable) {
+uint64_t SessionRegistry::AddRegion(Session& s, std::unique_ptr<ShmSegment> seg,
+                                    const std::string& label, uint64_t length,
+                                    bool client_freeable) {
   SessionRegion r;
   r.region_id = next_region_id_.fetch_add(1);
   r.segment = std::move(seg);
@@ -131,8 +135,8 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
     control_bytes = AlignUp(req.control_bytes(), kPage);
   }
   if (req.pid() != 0 && req.pid() != creds.pid) {
-    spdlog::warn("attach: client says pid {}, SO_PEERCRED says {} (pid namespaces?); using {}", req.pid(),
-                 creds.pid, creds.pid);
+    spdlog::warn("attach: client says pid {}, SO_PEERCRED says {} (pid namespaces?); using {}",
+                 req.pid(), creds.pid, creds.pid);
   }
 
   auto s = std::make_shared<Session>();
@@ -148,8 +152,9 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
   }
 
   std::unique_ptr<ShmSegment> seg;
-  grpc::Status st = CreateSegment(*s, v1::SEGMENT_KIND_SESSION, wire::kSegmentHeaderBytes + control_bytes,
-                                  "the session control region", &seg);
+  grpc::Status st =
+      CreateSegment(*s, v1::SEGMENT_KIND_SESSION, wire::kSegmentHeaderBytes + control_bytes,
+                    "the session control region", &seg);
   if (!st.ok()) return st;
   // SessionControlHeader, then the command ring, then the completion ring.
   char* base = seg->base() + wire::kSegmentHeaderBytes;
@@ -162,7 +167,8 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
       h->command_ring_offset, wire::RingBytes(kRingCapacity, sizeof(wire::CommandRecord)));
   h->total_bytes = control_bytes;
   h->closing.store(0);
-  wire::RingView::Initialize(base + h->command_ring_offset, kRingCapacity, sizeof(wire::CommandRecord));
+  wire::RingView::Initialize(base + h->command_ring_offset, kRingCapacity,
+                             sizeof(wire::CommandRecord));
   wire::RingView::Initialize(base + h->completion_ring_offset, kRingCapacity,
                              sizeof(wire::CompletionRecord));
 
@@ -194,7 +200,8 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
       if (!sp) return nullptr;
       std::lock_guard<std::mutex> lock(sp->regions_mu);
       auto it = sp->regions.find(region_id);
-      if (it == sp->regions.end() || it->second.segment->kind() != v1::SEGMENT_KIND_SESSION) return nullptr;
+      if (it == sp->regions.end() || it->second.segment->kind() != v1::SEGMENT_KIND_SESSION)
+        return nullptr;
       const SessionRegion& r = it->second;
       if (offset > r.length || bytes > r.length - offset) return nullptr;
       return r.segment->base() + r.offset + offset;
@@ -237,7 +244,8 @@ grpc::Status SessionRegistry::Find(uint64_t session_id, const std::string& token
   if (caller.uid != s->creds.uid && caller.uid != 0) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                         "session " + std::to_string(session_id) + " belongs to uid " +
-                            std::to_string(s->creds.uid) + ", not to uid " + std::to_string(caller.uid));
+                            std::to_string(s->creds.uid) + ", not to uid " +
+                            std::to_string(caller.uid));
   }
   *out = std::move(s);
   return grpc::Status::OK;
@@ -293,8 +301,8 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool c
     DropSegment(std::move(r.segment));
   }
   s->retired.clear();
-  spdlog::info("session {} ended ({}): pid={} uid={} freed {} bytes", session_id, reason, s->creds.pid,
-               s->creds.uid, freed);
+  spdlog::info("session {} ended ({}): pid={} uid={} freed {} bytes", session_id, reason,
+               s->creds.pid, s->creds.uid, freed);
 }
 
 void SessionRegistry::EndAll(const std::string& reason) {
@@ -324,26 +332,31 @@ size_t SessionRegistry::size() {
 
 uint64_t SessionRegistry::pinned_bytes() const { return pinned_bytes_.load(); }
 
-grpc::Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParametersRequest& req,
+grpc::Status SessionRegistry::RegisterParameters(Session& s,
+                                                 const v1::RegisterParametersRequest& req,
                                                  v1::RegisterParametersResponse* resp) {
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.closed) return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+  if (s.closed)
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
   grpc::Status st = ValidateRegistration(req, s.param_ids);
   if (!st.ok()) return st;
   const RegistrationLayout layout = ComputeRegistrationLayout(req);
 
   std::unique_ptr<ShmSegment> state, staging;
   st = CreateSegment(s, v1::SEGMENT_KIND_STATE, layout.state_bytes,
-                     "optimizer state of " + std::to_string(req.params_size()) + " parameters", &state);
+                     "optimizer state of " + std::to_string(req.params_size()) + " parameters",
+                     &state);
   if (!st.ok()) return st;
   st = CreateSegment(s, v1::SEGMENT_KIND_SESSION, layout.staging_bytes,
-                     "staging slots of " + std::to_string(req.params_size()) + " parameters", &staging);
+                     "staging slots of " + std::to_string(req.params_size()) + " parameters",
+                     &staging);
   if (!st.ok()) {
     DropSegment(std::move(state));
     return st;
   }
 
-  const int moment = req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype();
+  const int moment =
+      req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype();
   state->header()->manifest_offset = layout.manifest_offset;
   state->header()->manifest_bytes = layout.manifest_bytes;
   auto* manifest = reinterpret_cast<wire::StateManifest*>(state->base() + layout.manifest_offset);
@@ -383,7 +396,8 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterP
     b.numel = pl.numel;
     b.group = p.group();
     b.param_dtype = static_cast<WireDType>(p.dtype());
-    b.grad_dtype = static_cast<WireDType>(p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype() : p.grad_dtype());
+    b.grad_dtype = static_cast<WireDType>(p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype()
+                                                                                  : p.grad_dtype());
     b.master = reinterpret_cast<float*>(state->base() + pl.master_offset);
     b.exp_avg = state->base() + pl.exp_avg_offset;
     b.exp_avg_sq = state->base() + pl.exp_avg_sq_offset;
@@ -409,7 +423,8 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterP
   }
 #endif
   const uint64_t staging_length = layout.staging_bytes - wire::kSegmentHeaderBytes;
-  AddRegion(s, std::move(state), "optimizer-state", layout.state_bytes - wire::kSegmentHeaderBytes, false);
+  AddRegion(s, std::move(state), "optimizer-state", layout.state_bytes - wire::kSegmentHeaderBytes,
+            false);
   const uint64_t staging_id = AddRegion(s, std::move(staging), "staging", staging_length, false);
   {
     std::lock_guard<std::mutex> rlock(s.regions_mu);
@@ -421,7 +436,8 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterP
   return grpc::Status::OK;
 }
 
-grpc::Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegionRequest& req, v1::Region* out) {
+grpc::Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegionRequest& req,
+                                             v1::Region* out) {
   if (req.kind() != v1::SEGMENT_KIND_SESSION && req.kind() != v1::SEGMENT_KIND_UNSPECIFIED) {
     return Invalid("kind: clients may only allocate SEGMENT_KIND_SESSION regions (got " +
                    std::to_string(req.kind()) + ")");
@@ -433,11 +449,13 @@ grpc::Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegio
   }
   if (req.label().size() > 256) return Invalid("label: longer than 256 bytes");
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.closed) return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+  if (s.closed)
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
   const uint64_t total = wire::kSegmentHeaderBytes + AlignUp(req.bytes(), kPage);
   std::unique_ptr<ShmSegment> seg;
-  grpc::Status st = CreateSegment(s, v1::SEGMENT_KIND_SESSION, total,
-                                  "region '" + req.label() + "' of session " + std::to_string(s.id), &seg);
+  grpc::Status st =
+      CreateSegment(s, v1::SEGMENT_KIND_SESSION, total,
+                    "region '" + req.label() + "' of session " + std::to_string(s.id), &seg);
   if (!st.ok()) return st;
   const uint64_t id = AddRegion(s, std::move(seg), req.label(), req.bytes(), true);
   std::lock_guard<std::mutex> rlock(s.regions_mu);
@@ -445,20 +463,22 @@ grpc::Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegio
   return grpc::Status::OK;
 }
 
-grpc::Status SessionRegistry::FreeRegion(Session& s, const v1::FreeRegionRequest& req, uint64_t* bytes_freed) {
+grpc::Status SessionRegistry::FreeRegion(Session& s, const v1::FreeRegionRequest& req,
+                                         uint64_t* bytes_freed) {
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.closed) return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+  if (s.closed)
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
   SessionRegion region;
   {
     std::lock_guard<std::mutex> rlock(s.regions_mu);
     auto it = s.regions.find(req.region_id());
     if (it == s.regions.end()) {
-      return Invalid("region_id: " + std::to_string(req.region_id()) + " is not a region of session " +
-                     std::to_string(s.id));
+      return Invalid("region_id: " + std::to_string(req.region_id()) +
+                     " is not a region of session " + std::to_string(s.id));
     }
     if (!it->second.client_freeable) {
-      return Invalid("region_id: " + std::to_string(req.region_id()) + " is the session's " + it->second.label +
-                     " region; it lives as long as the session");
+      return Invalid("region_id: " + std::to_string(req.region_id()) + " is the session's " +
+                     it->second.label + " region; it lives as long as the session");
     }
     region = std::move(it->second);
     s.regions.erase(it);

@@ -10,6 +10,7 @@
 //   Session::stream_mu    guards the stream/context pointers (notices, cancel)
 #pragma once
 
+#include <grpcpp/grpcpp.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -21,8 +22,6 @@
 #include <set>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "budget.h"
 #include "config.h"
@@ -67,9 +66,9 @@ class Session {
   uint64_t control_region_id = 0;
 
   std::mutex mu;
-  bool closed = false;                  // Guarded by mu.
-  std::set<uint64_t> param_ids;         // Guarded by mu.
-  bool optimizer_started = false;       // Guarded by mu.
+  bool closed = false;             // Guarded by mu.
+  std::set<uint64_t> param_ids;    // Guarded by mu.
+  bool optimizer_started = false;  // Guarded by mu.
 
   std::mutex regions_mu;
   std::map<uint64_t, SessionRegion> regions;  // Guarded by regions_mu (writes also hold mu).
@@ -96,7 +95,8 @@ class SessionRegistry {
   SessionRegistry& operator=(const SessionRegistry&) = delete;
   ~SessionRegistry();
 
-  void SetPidHooks(std::function<bool(uint64_t, pid_t)> watch, std::function<void(uint64_t)> unwatch);
+  void SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
+                   std::function<void(uint64_t)> unwatch);
 
   // Attach: creates the session and its control segment, registers the stream.
   grpc::Status Create(const PeerCredentials& creds, const v1::AttachRequest& req,
@@ -127,8 +127,8 @@ class SessionRegistry {
   uint64_t pinned_bytes() const;
 
  private:
-  grpc::Status CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes, const std::string& what,
-                             std::unique_ptr<ShmSegment>* out);
+  grpc::Status CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes,
+                             const std::string& what, std::unique_ptr<ShmSegment>* out);
   uint64_t AddRegion(Session& s, std::unique_ptr<ShmSegment> seg, const std::string& label,
                      uint64_t length, bool client_freeable);
   void DropSegment(std::unique_ptr<ShmSegment> seg);
@@ -142,7 +142,7 @@ class SessionRegistry {
 
   std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // Guarded by mu_.
-  uint64_t next_session_id_ = 1;                            // Guarded by mu_.
+  uint64_t next_session_id_ = 1;                           // Guarded by mu_.
   std::atomic<uint64_t> next_region_id_{1};
   std::atomic<uint64_t> pinned_bytes_{0};
 };

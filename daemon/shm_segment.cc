@@ -6,9 +6,9 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <new>
 
@@ -51,18 +51,19 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
     return s;
   };
   if (geteuid() == 0 && owner.uid != 0 && fchown(fd, owner.uid, static_cast<gid_t>(-1)) != 0) {
-    return fail(grpc::Status(grpc::StatusCode::INTERNAL,
-                             "fchown " + seg->path_ + " to uid " + std::to_string(owner.uid) +
-                                 ": " + std::strerror(errno)));
+    return fail(grpc::Status(grpc::StatusCode::INTERNAL, "fchown " + seg->path_ + " to uid " +
+                                                             std::to_string(owner.uid) + ": " +
+                                                             std::strerror(errno)));
   }
   int rc = posix_fallocate(fd, 0, static_cast<off_t>(total_bytes));
   if (rc != 0) {
     uint64_t free_bytes = 0, fs_total = 0;
     FilesystemSpace(dir, &free_bytes, &fs_total);
     std::string msg = "cannot allocate " + std::to_string(total_bytes) + " bytes (" +
-                      HumanBytes(total_bytes) + ") in " + dir + ": posix_fallocate: " +
-                      std::strerror(rc) + "; " + dir + " has " + std::to_string(free_bytes) +
-                      " bytes (" + HumanBytes(free_bytes) + ") free of " + HumanBytes(fs_total);
+                      HumanBytes(total_bytes) + ") in " + dir +
+                      ": posix_fallocate: " + std::strerror(rc) + "; " + dir + " has " +
+                      std::to_string(free_bytes) + " bytes (" + HumanBytes(free_bytes) +
+                      ") free of " + HumanBytes(fs_total);
     if (rc == ENOSPC) {
       msg += "; enlarge it (e.g. `mount -o remount,size=<bytes> " + dir +
              "`) or lower the daemon's --budget";

@@ -10,13 +10,12 @@
 // release after destruction.
 #pragma once
 
+#include <grpcpp/support/status.h>
 #include <sys/types.h>
 
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <grpcpp/support/status.h>
 
 #include "trainstream/wire/segment_header.h"
 

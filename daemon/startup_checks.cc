@@ -4,8 +4,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "budget.h"
@@ -14,7 +14,9 @@
 
 namespace trainstream::daemon {
 namespace {
-std::string CeilGiB(uint64_t bytes) { return std::to_string((bytes + (1ull << 30) - 1) >> 30) + "G"; }
+std::string CeilGiB(uint64_t bytes) {
+  return std::to_string((bytes + (1ull << 30) - 1) >> 30) + "G";
+}
 }  // namespace
 
 StartupFacts GatherStartupFacts(const std::string& shm_dir, uint64_t budget, bool lock_memory) {
@@ -25,7 +27,8 @@ StartupFacts GatherStartupFacts(const std::string& shm_dir, uint64_t budget, boo
   f.privileged = geteuid() == 0;
   struct rlimit rl {};
   if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
-    f.memlock_limit = rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);
+    f.memlock_limit =
+        rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);
   }
   f.ram_bytes = PhysicalRamBytes();
   return f;
@@ -44,8 +47,8 @@ StartupReport CheckStartup(const StartupFacts& f) {
     return r;
   }
   if (access(f.shm_dir.c_str(), W_OK | X_OK) != 0) {
-    r.error = "shm directory " + f.shm_dir + " is not writable by uid " + std::to_string(geteuid()) + ": " +
-              std::strerror(errno);
+    r.error = "shm directory " + f.shm_dir + " is not writable by uid " +
+              std::to_string(geteuid()) + ": " + std::strerror(errno);
     return r;
   }
   if (f.budget == 0) {
@@ -55,26 +58,31 @@ StartupReport CheckStartup(const StartupFacts& f) {
   uint64_t free_bytes = 0, total_bytes = 0;
   if (FilesystemSpace(f.shm_dir, &free_bytes, &total_bytes)) {
     if (total_bytes < f.budget) {
-      r.warnings.push_back("shm directory " + f.shm_dir + " holds " + HumanBytes(total_bytes) +
-                           ", less than the budget of " + HumanBytes(f.budget) +
-                           ": allocations will fail before the budget is reached. Fix: `mount -o remount,size=" +
-                           CeilGiB(f.budget) + " " + f.shm_dir + "` (and the size= option in /etc/fstab), or lower --budget");
+      r.warnings.push_back(
+          "shm directory " + f.shm_dir + " holds " + HumanBytes(total_bytes) +
+          ", less than the budget of " + HumanBytes(f.budget) +
+          ": allocations will fail before the budget is reached. Fix: `mount -o remount,size=" +
+          CeilGiB(f.budget) + " " + f.shm_dir +
+          "` (and the size= option in /etc/fstab), or lower --budget");
     } else if (free_bytes < f.budget) {
-      r.warnings.push_back("shm directory " + f.shm_dir + " has only " + HumanBytes(free_bytes) + " free of " +
-                           HumanBytes(total_bytes) + " (budget " + HumanBytes(f.budget) +
+      r.warnings.push_back("shm directory " + f.shm_dir + " has only " + HumanBytes(free_bytes) +
+                           " free of " + HumanBytes(total_bytes) + " (budget " +
+                           HumanBytes(f.budget) +
                            "): other files use it; remove stale ones or lower --budget");
     }
   }
   if (f.ram_bytes != 0 && f.budget > f.ram_bytes) {
-    r.warnings.push_back("the budget of " + HumanBytes(f.budget) + " exceeds physical RAM (" + HumanBytes(f.ram_bytes) +
+    r.warnings.push_back("the budget of " + HumanBytes(f.budget) + " exceeds physical RAM (" +
+                         HumanBytes(f.ram_bytes) +
                          "): the machine will swap or OOM; lower --budget (e.g. 50%)");
   }
   if (f.lock_memory && !f.privileged && f.memlock_limit < f.budget) {
-    r.warnings.push_back("RLIMIT_MEMLOCK is " + HumanBytes(f.memlock_limit) + ", below the budget of " +
-                         HumanBytes(f.budget) +
-                         ": segments beyond it stay unpinned. Fix: `LimitMEMLOCK=infinity` in the systemd unit, "
-                         "`ulimit -l unlimited` before starting the daemon, or `<user> - memlock unlimited` in "
-                         "/etc/security/limits.conf");
+    r.warnings.push_back(
+        "RLIMIT_MEMLOCK is " + HumanBytes(f.memlock_limit) + ", below the budget of " +
+        HumanBytes(f.budget) +
+        ": segments beyond it stay unpinned. Fix: `LimitMEMLOCK=infinity` in the systemd unit, "
+        "`ulimit -l unlimited` before starting the daemon, or `<user> - memlock unlimited` in "
+        "/etc/security/limits.conf");
   }
   return r;
 }

@@ -1,7 +1,10 @@
 #include "unix_listener.h"
 
 #include <fcntl.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_posix.h>
 #include <poll.h>
+#include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/socket.h>
@@ -9,13 +12,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
-
-#include <grpcpp/server.h>
-#include <grpcpp/server_posix.h>
-#include <spdlog/spdlog.h>
 
 #include "peer_credentials.h"
 
@@ -68,8 +67,9 @@ grpc::Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
   std::unique_ptr<UnixListener> l(new UnixListener());
   sockaddr_un addr;
   if (!MakeAddress(path, &addr)) {
-    return Fail(grpc::StatusCode::INVALID_ARGUMENT,
-                "socket path too long (" + std::to_string(path.size()) + " bytes, max 107): " + path);
+    return Fail(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        "socket path too long (" + std::to_string(path.size()) + " bytes, max 107): " + path);
   }
   std::string error;
   if (!MakeParentDirs(path, &error)) return Fail(grpc::StatusCode::PERMISSION_DENIED, error);
@@ -108,7 +108,8 @@ grpc::Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
   l->path_ = path;
 
   l->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (l->listen_fd_ < 0) return Fail(grpc::StatusCode::INTERNAL, std::string("socket: ") + std::strerror(errno));
+  if (l->listen_fd_ < 0)
+    return Fail(grpc::StatusCode::INTERNAL, std::string("socket: ") + std::strerror(errno));
   // Bind under a restrictive umask so there is no window with a wider mode.
   mode_t old_umask = umask(0177);
   int rc = bind(l->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));

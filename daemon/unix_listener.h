@@ -4,16 +4,15 @@
 // gRPC (see Note [Peer credentials for fd channels] in peer_credentials.h).
 #pragma once
 
+#include <grpcpp/support/status.h>
 #include <sys/types.h>
 
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 #include <thread>
-
-#include <grpcpp/support/status.h>
 
 namespace grpc {
 class Server;

@@ -38,7 +38,7 @@ struct Args {
   std::vector<unsigned> threads{0};
   std::vector<std::string> grad_dtypes{"fp32"}, moment_dtypes{"fp32"}, param_dtypes{"bf16"};
   std::string isa = "auto";
-  std::string mode = "eager";  // eager | deferred (clipping on)
+  std::string mode = "eager";   // eager | deferred (clipping on)
   std::string check = "chunk";  // eager non-finite check: chunk | param
   bool pin = true;
   int iters = 10;
@@ -72,23 +72,38 @@ Args Parse(int argc, char** argv) {
       if (i + 1 >= argc) Usage(("missing value for " + flag).c_str());
       return argv[++i];
     };
-    if (flag == "--params") a.params = std::stoull(value());
-    else if (flag == "--tensor-elems") a.tensor_elems = std::stoull(value());
+    if (flag == "--params")
+      a.params = std::stoull(value());
+    else if (flag == "--tensor-elems")
+      a.tensor_elems = std::stoull(value());
     else if (flag == "--threads") {
       a.threads.clear();
-      for (const auto& t : Split(value())) a.threads.push_back(static_cast<unsigned>(std::stoul(t)));
-    } else if (flag == "--grad-dtype") a.grad_dtypes = Split(value());
-    else if (flag == "--moment-dtype") a.moment_dtypes = Split(value());
-    else if (flag == "--param-dtype") a.param_dtypes = Split(value());
-    else if (flag == "--isa") a.isa = value();
-    else if (flag == "--mode") a.mode = value();
-    else if (flag == "--check") a.check = value();
-    else if (flag == "--pin") a.pin = value() != "0";
-    else if (flag == "--iters") a.iters = std::stoi(value());
-    else if (flag == "--warmup") a.warmup = std::stoi(value());
-    else if (flag == "--json") a.json = true;
-    else if (flag == "--help" || flag == "-h") Usage("");
-    else Usage(("unknown flag " + flag).c_str());
+      for (const auto& t : Split(value()))
+        a.threads.push_back(static_cast<unsigned>(std::stoul(t)));
+    } else if (flag == "--grad-dtype")
+      a.grad_dtypes = Split(value());
+    else if (flag == "--moment-dtype")
+      a.moment_dtypes = Split(value());
+    else if (flag == "--param-dtype")
+      a.param_dtypes = Split(value());
+    else if (flag == "--isa")
+      a.isa = value();
+    else if (flag == "--mode")
+      a.mode = value();
+    else if (flag == "--check")
+      a.check = value();
+    else if (flag == "--pin")
+      a.pin = value() != "0";
+    else if (flag == "--iters")
+      a.iters = std::stoi(value());
+    else if (flag == "--warmup")
+      a.warmup = std::stoi(value());
+    else if (flag == "--json")
+      a.json = true;
+    else if (flag == "--help" || flag == "-h")
+      Usage("");
+    else
+      Usage(("unknown flag " + flag).c_str());
   }
   if (a.mode != "eager" && a.mode != "deferred") Usage("--mode must be eager or deferred");
   if (a.check != "chunk" && a.check != "param") Usage("--check must be chunk or param");
@@ -149,20 +164,27 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
     b.exp_avg_sq = AllocUntouched(n * tk::DTypeSize(md));
     void* grad = AllocUntouched(n * tk::DTypeSize(gd));
     b.grad_slot = grad;
-    b.param_slot = out_is_master ? static_cast<void*>(b.master) : AllocUntouched(n * tk::DTypeSize(pd));
+    b.param_slot =
+        out_is_master ? static_cast<void*>(b.master) : AllocUntouched(n * tk::DTypeSize(pd));
     std::vector<float> tmp(n);
     for (float& f : tmp) {
       f = table[table_pos];
       table_pos = table_pos + 1 == table.size() ? 0 : table_pos + 1;
     }
     for (size_t i = 0; i < n; ++i) {
-      if (gd == tk::DType::kFloat32) static_cast<float*>(grad)[i] = tmp[i];
-      else if (gd == tk::DType::kBFloat16) static_cast<uint16_t*>(grad)[i] = tk::FloatToBf16Rne(tmp[i]);
-      else static_cast<uint16_t*>(grad)[i] = tk::FloatToFp16Rne(tmp[i]);
+      if (gd == tk::DType::kFloat32)
+        static_cast<float*>(grad)[i] = tmp[i];
+      else if (gd == tk::DType::kBFloat16)
+        static_cast<uint16_t*>(grad)[i] = tk::FloatToBf16Rne(tmp[i]);
+      else
+        static_cast<uint16_t*>(grad)[i] = tk::FloatToFp16Rne(tmp[i]);
       const float w = tmp[i] * 1000;
-      if (pd == tk::DType::kFloat32) static_cast<float*>(b.param_slot)[i] = w;
-      else if (pd == tk::DType::kBFloat16) static_cast<uint16_t*>(b.param_slot)[i] = tk::FloatToBf16Rne(w);
-      else static_cast<uint16_t*>(b.param_slot)[i] = tk::FloatToFp16Rne(w);
+      if (pd == tk::DType::kFloat32)
+        static_cast<float*>(b.param_slot)[i] = w;
+      else if (pd == tk::DType::kBFloat16)
+        static_cast<uint16_t*>(b.param_slot)[i] = tk::FloatToBf16Rne(w);
+      else
+        static_cast<uint16_t*>(b.param_slot)[i] = tk::FloatToFp16Rne(w);
     }
     for (void* p : {static_cast<void*>(b.master), b.exp_avg, b.exp_avg_sq, grad}) {
       allocations.push_back(p);
@@ -209,8 +231,8 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
     std::printf(
         "threads %2u  grad %-4s moments %-4s param %-6s isa %-6s %s/%s: %8.3f ms/step  %6.3f "
         "Gparam/s  %6.1f GB/s (%.0f B/param)\n",
-        pool.size(), tk::DTypeName(gd), tk::DTypeName(md), pname, tk::IsaName(isa),
-        a.mode.c_str(), a.check.c_str(), seconds * 1e3, gparams, gparams * bytes, bytes);
+        pool.size(), tk::DTypeName(gd), tk::DTypeName(md), pname, tk::IsaName(isa), a.mode.c_str(),
+        a.check.c_str(), seconds * 1e3, gparams, gparams * bytes, bytes);
   }
   std::fflush(stdout);
   for (void* p : allocations) std::free(p);

@@ -10,17 +10,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdint>
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include "trainstream/client.h"
 
@@ -67,7 +66,8 @@ int main(int argc, char** argv) {
   int pings = 2000, attaches = 100, regions = 300;
   uint64_t region_bytes = 1 << 20;
   bool json = false;
-  app.add_option("--socket", socket, "Use a running daemon (default: start one on a temporary socket)");
+  app.add_option("--socket", socket,
+                 "Use a running daemon (default: start one on a temporary socket)");
   app.add_option("--pings", pings, "Ping round trips (default 2000)");
   app.add_option("--attaches", attaches, "Attach/detach cycles (default 100)");
   app.add_option("--regions", regions, "Region allocate/free cycles (default 300)");
@@ -84,11 +84,14 @@ int main(int argc, char** argv) {
     shm_dir = mkdtemp(t2);
     socket = tmp_dir + "/trainstreamd.sock";
     const std::string daemon_bin =
-        (std::filesystem::path(std::filesystem::canonical("/proc/self/exe")).parent_path() / "trainstreamd").string();
+        (std::filesystem::path(std::filesystem::canonical("/proc/self/exe")).parent_path() /
+         "trainstreamd")
+            .string();
     daemon_pid = fork();
     if (daemon_pid == 0) {
-      execl(daemon_bin.c_str(), daemon_bin.c_str(), "--foreground", "--socket", socket.c_str(), "--shm-dir",
-            shm_dir.c_str(), "--log-level", "warn", "--budget", "8G", static_cast<char*>(nullptr));
+      execl(daemon_bin.c_str(), daemon_bin.c_str(), "--foreground", "--socket", socket.c_str(),
+            "--shm-dir", shm_dir.c_str(), "--log-level", "warn", "--budget", "8G",
+            static_cast<char*>(nullptr));
       std::perror("exec trainstreamd");
       _exit(127);
     }
@@ -168,18 +171,18 @@ int main(int argc, char** argv) {
     out["region_bytes"] = region_bytes;
     out["cpus"] = std::thread::hardware_concurrency();
     for (const auto& r : results) {
-      out["results"][r.name] = {{"n", r.n}, {"mean_us", r.mean_us}, {"p50_us", r.p50_us},
-                                {"p99_us", r.p99_us}, {"min_us", r.min_us}, {"per_s", r.per_s}};
+      out["results"][r.name] = {{"n", r.n},           {"mean_us", r.mean_us}, {"p50_us", r.p50_us},
+                                {"p99_us", r.p99_us}, {"min_us", r.min_us},   {"per_s", r.per_s}};
     }
     std::printf("%s\n", out.dump(2).c_str());
   } else {
-    std::printf("trainstreamd control plane (%u CPUs, regions of %llu bytes)\n", std::thread::hardware_concurrency(),
-                static_cast<unsigned long long>(region_bytes));
-    std::printf("%-16s %7s %10s %10s %10s %10s %10s\n", "operation", "n", "mean us", "p50 us", "p99 us", "min us",
-                "per s");
+    std::printf("trainstreamd control plane (%u CPUs, regions of %llu bytes)\n",
+                std::thread::hardware_concurrency(), static_cast<unsigned long long>(region_bytes));
+    std::printf("%-16s %7s %10s %10s %10s %10s %10s\n", "operation", "n", "mean us", "p50 us",
+                "p99 us", "min us", "per s");
     for (const auto& r : results) {
-      std::printf("%-16s %7zu %10.1f %10.1f %10.1f %10.1f %10.0f\n", r.name.c_str(), r.n, r.mean_us, r.p50_us,
-                  r.p99_us, r.min_us, r.per_s);
+      std::printf("%-16s %7zu %10.1f %10.1f %10.1f %10.1f %10.0f\n", r.name.c_str(), r.n, r.mean_us,
+                  r.p50_us, r.p99_us, r.min_us, r.per_s);
     }
   }
   return 0;

@@ -1,11 +1,10 @@
 // trainstreamctl: the command-line face of trainstreamd (status, ping, shutdown).
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
-#include <string>
-
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "status_table.h"
 #include "trainstream/client.h"
@@ -32,17 +31,22 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::string socket = trainstream::DefaultSocketPath();
   int timeout_ms = 3000;
-  app.add_option("--socket", socket, "Daemon socket (default: $TRAINSTREAM_SOCKET, the system socket, or the "
-                                     "per-user embedded socket)");
-  app.add_option("--timeout-ms", timeout_ms, "How long to wait for the daemon to answer (default 3000)");
+  app.add_option("--socket", socket,
+                 "Daemon socket (default: $TRAINSTREAM_SOCKET, the system socket, or the "
+                 "per-user embedded socket)");
+  app.add_option("--timeout-ms", timeout_ms,
+                 "How long to wait for the daemon to answer (default 3000)");
 
-  auto* status_cmd = app.add_subcommand("status", "Sessions, segments, budget, pinned memory and cached bases");
+  auto* status_cmd =
+      app.add_subcommand("status", "Sessions, segments, budget, pinned memory and cached bases");
   bool json = false;
   status_cmd->add_flag("--json", json, "Print JSON (fields: docs/status-json.md)");
-  auto* ping_cmd = app.add_subcommand("ping", "Check that the daemon answers; prints its version and pid");
+  auto* ping_cmd =
+      app.add_subcommand("ping", "Check that the daemon answers; prints its version and pid");
   auto* shutdown_cmd = app.add_subcommand("shutdown", "Stop the daemon (admins only)");
   bool drain = false;
-  shutdown_cmd->add_flag("--drain", drain, "Refuse new sessions and exit once the last one detaches");
+  shutdown_cmd->add_flag("--drain", drain,
+                         "Refuse new sessions and exit once the last one detaches");
   CLI11_PARSE(app, argc, argv);
 
   std::unique_ptr<trainstream::Client> client;
@@ -53,8 +57,8 @@ int main(int argc, char** argv) {
     trainstream::PingResult r;
     s = client->Ping(&r);
     if (!s.ok()) return Fail(s);
-    std::printf("trainstreamd %s (protocol %u) pid %lld, up %.1f s, at %s\n", r.version.c_str(), r.protocol_version,
-                static_cast<long long>(r.pid), r.uptime_s, socket.c_str());
+    std::printf("trainstreamd %s (protocol %u) pid %lld, up %.1f s, at %s\n", r.version.c_str(),
+                r.protocol_version, static_cast<long long>(r.pid), r.uptime_s, socket.c_str());
     return 0;
   }
   if (status_cmd->parsed()) {
@@ -73,7 +77,9 @@ int main(int argc, char** argv) {
     s = client->Shutdown(drain, &sessions);
     if (!s.ok()) return Fail(s);
     if (drain) {
-      std::printf("trainstreamd is draining: %u session(s) attached; it exits when the last one detaches\n", sessions);
+      std::printf(
+          "trainstreamd is draining: %u session(s) attached; it exits when the last one detaches\n",
+          sessions);
     } else {
       std::printf("trainstreamd is shutting down (%u session(s) were attached)\n", sessions);
     }

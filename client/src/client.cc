@@ -2,8 +2,8 @@
 
 #include <unistd.h>
 
-#include <cstdint>
 #include <chrono>
+#include <cstdint>
 
 #include "client_impl.h"
 #include "grpc_status.h"
@@ -42,21 +42,25 @@ RegionInfo ToInfo(const v1::Region& r) {
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
-Status Client::Connect(const std::string& socket_path, int timeout_ms, std::unique_ptr<Client>* out) {
+Status Client::Connect(const std::string& socket_path, int timeout_ms,
+                       std::unique_ptr<Client>* out) {
   if (socket_path.empty()) return Status(StatusCode::kInvalidArgument, "socket_path: empty");
   auto impl = std::make_unique<Impl>();
   impl->socket_path = socket_path;
   grpc::ChannelArguments args;
   // One connection per client; sessions multiplex over it.
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
-  impl->channel = grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
+  impl->channel =
+      grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
   const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms);
   if (!impl->channel->WaitForConnected(deadline)) {
-    std::string hint = access(socket_path.c_str(), F_OK) == 0
-                           ? "nothing answers on it (stale socket, or no permission to connect)"
-                           : "the socket does not exist (is trainstreamd running? start it with `trainstreamd`)";
-    return Status(StatusCode::kUnavailable, "cannot reach trainstreamd at " + socket_path + " within " +
-                                                std::to_string(timeout_ms) + " ms: " + hint);
+    std::string hint =
+        access(socket_path.c_str(), F_OK) == 0
+            ? "nothing answers on it (stale socket, or no permission to connect)"
+            : "the socket does not exist (is trainstreamd running? start it with `trainstreamd`)";
+    return Status(StatusCode::kUnavailable, "cannot reach trainstreamd at " + socket_path +
+                                                " within " + std::to_string(timeout_ms) +
+                                                " ms: " + hint);
   }
   impl->stub = v1::Control::NewStub(impl->channel);
   out->reset(new Client(std::move(impl)));
@@ -196,8 +200,8 @@ bool Session::alive(std::string* why) const {
   return impl_->alive;
 }
 
-Status Session::RegisterParameters(const RegisterOptions& options, const std::vector<ParameterSpec>& params,
-                                   Registration* out) {
+Status Session::RegisterParameters(const RegisterOptions& options,
+                                   const std::vector<ParameterSpec>& params, Registration* out) {
   v1::RegisterParametersRequest req;
   req.set_session_id(impl_->id);
   req.set_session_token(impl_->token);
@@ -230,12 +234,14 @@ Status Session::RegisterParameters(const RegisterOptions& options, const std::ve
   if (!s.ok()) return s;
   out->slots.clear();
   for (const auto& sl : resp.slots()) {
-    out->slots.push_back(ParameterSlots{sl.param_id(), sl.grad_offset(), sl.param_offset(), sl.numel()});
+    out->slots.push_back(
+        ParameterSlots{sl.param_id(), sl.grad_offset(), sl.param_offset(), sl.numel()});
   }
   return Status::Ok();
 }
 
-Status Session::AllocateRegion(uint64_t bytes, const std::string& label, std::unique_ptr<MappedRegion>* out) {
+Status Session::AllocateRegion(uint64_t bytes, const std::string& label,
+                               std::unique_ptr<MappedRegion>* out) {
   v1::AllocateRegionRequest req;
   req.set_session_id(impl_->id);
   req.set_session_token(impl_->token);

@@ -1,14 +1,14 @@
 // Internal state behind Client and Session (not part of the public API).
 #pragma once
 
-#include <cstdint>
+#include <grpcpp/grpcpp.h>
+
 #include <condition_variable>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "trainstream/client.h"
 #include "trainstream/v1/control.grpc.pb.h"
@@ -35,8 +35,8 @@ struct Session::Impl {
 
   std::thread reader;  // reads daemon events until the stream ends
   mutable std::mutex mu;
-  bool alive = true;    // Guarded by mu.
-  std::string why;      // Guarded by mu: why the session ended (or a drain notice)
+  bool alive = true;      // Guarded by mu.
+  std::string why;        // Guarded by mu: why the session ended (or a drain notice)
   bool detached = false;  // Guarded by mu.
 
   void ReadEvents();

@@ -26,8 +26,9 @@ Status FromGrpc(const grpc::Status& s, const std::string& socket_path) {
       return Status(StatusCode::kUnavailable,
                     "trainstreamd at " + socket_path + " is unavailable: " + s.error_message());
     case G::DEADLINE_EXCEEDED:
-      return Status(StatusCode::kDeadlineExceeded,
-                    "trainstreamd at " + socket_path + " did not answer in time: " + s.error_message());
+      return Status(
+          StatusCode::kDeadlineExceeded,
+          "trainstreamd at " + socket_path + " did not answer in time: " + s.error_message());
     default:
       return Status(StatusCode::kInternal, s.error_message());
   }

@@ -16,7 +16,8 @@ std::string EmbeddedSocketPath() {
 }
 
 std::string DefaultSocketPath() {
-  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') return env;
+  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0')
+    return env;
   static const char kSystem[] = "/run/trainstream/trainstreamd.sock";
   struct stat st {};
   if (stat(kSystem, &st) == 0 && S_ISSOCK(st.st_mode)) return kSystem;
@@ -25,9 +26,11 @@ std::string DefaultSocketPath() {
 
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return 4;
+    case DType::kFloat32:
+      return 4;
     case DType::kBFloat16:
-    case DType::kFloat16: return 2;
+    case DType::kFloat16:
+      return 2;
   }
   return 0;
 }

@@ -2,17 +2,20 @@
 
 #include <cstdint>
 #include <map>
-
 #include <nlohmann/json.hpp>
 
 namespace trainstream::internal {
 namespace {
 const char* KindName(int kind) {
   switch (kind) {
-    case v1::SEGMENT_KIND_BASE: return "base";
-    case v1::SEGMENT_KIND_SESSION: return "session";
-    case v1::SEGMENT_KIND_STATE: return "state";
-    default: return "unspecified";
+    case v1::SEGMENT_KIND_BASE:
+      return "base";
+    case v1::SEGMENT_KIND_SESSION:
+      return "session";
+    case v1::SEGMENT_KIND_STATE:
+      return "state";
+    default:
+      return "unspecified";
   }
 }
 }  // namespace
@@ -28,15 +31,22 @@ std::string StatusToJson(const v1::StatusResponse& s, int indent) {
   doc["shm_dir"] = s.shm_dir();
   doc["draining"] = s.draining();
   doc["worker_threads"] = s.worker_threads();
-  doc["budget"] = {{"limit", s.budget_limit()},
-                   {"used", s.budget_used()},
-                   {"free", s.budget_limit() > s.budget_used() ? s.budget_limit() - s.budget_used() : 0}};
+  doc["budget"] = {
+      {"limit", s.budget_limit()},
+      {"used", s.budget_used()},
+      {"free", s.budget_limit() > s.budget_used() ? s.budget_limit() - s.budget_used() : 0}};
   doc["pinned_bytes"] = s.pinned_bytes();
   json sessions = json::array();
   for (const auto& x : s.sessions()) {
-    sessions.push_back({{"session_id", x.session_id()}, {"pid", x.pid()}, {"uid", x.uid()},
-                        {"job", x.job()}, {"rank", x.rank()}, {"local_rank", x.local_rank()},
-                        {"bytes_held", x.bytes_held()}, {"params", x.params()}, {"age_s", x.age_s()}});
+    sessions.push_back({{"session_id", x.session_id()},
+                        {"pid", x.pid()},
+                        {"uid", x.uid()},
+                        {"job", x.job()},
+                        {"rank", x.rank()},
+                        {"local_rank", x.local_rank()},
+                        {"bytes_held", x.bytes_held()},
+                        {"params", x.params()},
+                        {"age_s", x.age_s()}});
   }
   doc["sessions"] = sessions;
   json segments = json::array();
@@ -44,8 +54,11 @@ std::string StatusToJson(const v1::StatusResponse& s, int indent) {
       {"base", {0, 0}}, {"session", {0, 0}}, {"state", {0, 0}}};
   for (const auto& x : s.segments()) {
     const std::string kind = KindName(x.kind());
-    segments.push_back({{"name", x.name()}, {"kind", kind}, {"bytes", x.bytes()},
-                        {"session_id", x.session_id()}, {"label", x.label()}});
+    segments.push_back({{"name", x.name()},
+                        {"kind", kind},
+                        {"bytes", x.bytes()},
+                        {"session_id", x.session_id()},
+                        {"label", x.label()}});
     by_kind[kind].first += 1;
     by_kind[kind].second += x.bytes();
   }
@@ -55,7 +68,10 @@ std::string StatusToJson(const v1::StatusResponse& s, int indent) {
   doc["segments_by_kind"] = kinds;
   json bases = json::array();
   for (const auto& x : s.bases()) {
-    bases.push_back({{"key", x.key()}, {"bytes", x.bytes()}, {"refcount", x.refcount()}, {"format", x.format()}});
+    bases.push_back({{"key", x.key()},
+                     {"bytes", x.bytes()},
+                     {"refcount", x.refcount()},
+                     {"format", x.format()}});
   }
   doc["bases"] = bases;
   return doc.dump(indent);

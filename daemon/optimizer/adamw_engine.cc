@@ -27,8 +27,8 @@ struct AdamWEngine::Param {
     unsigned worker;
   };
   std::vector<Chunk> chunks;
-  std::vector<double> chunk_sumsq;  // written by the chunk's worker in the norm phase
-  std::atomic<size_t> remaining{0};  // chunks left in the current phase
+  std::vector<double> chunk_sumsq;        // written by the chunk's worker in the norm phase
+  std::atomic<size_t> remaining{0};       // chunks left in the current phase
   std::atomic<size_t> chunks_applied{0};  // eager per-chunk check: chunks updated this step
 
   // The current submission. Written by SubmitGrad while !busy, read by workers
@@ -155,7 +155,8 @@ std::string AdamWEngine::Init() {
               static_cast<const char*>(b.param_slot) + c.offset * kernels::DTypeSize(b.param_dtype),
               b.param_dtype, b.master + c.offset, c.count);
         }
-        std::memset(static_cast<char*>(b.exp_avg) + c.offset * moment_bytes, 0, c.count * moment_bytes);
+        std::memset(static_cast<char*>(b.exp_avg) + c.offset * moment_bytes, 0,
+                    c.count * moment_bytes);
         std::memset(static_cast<char*>(b.exp_avg_sq) + c.offset * moment_bytes, 0,
                     c.count * moment_bytes);
         latch.CountDown();
@@ -171,7 +172,8 @@ std::string AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const Adam
   auto it = by_id_.find(param_id);
   if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
   Param* p = it->second;
-  if (p->index >= initialized_) return "parameter " + std::to_string(param_id) + " not initialised (Init)";
+  if (p->index >= initialized_)
+    return "parameter " + std::to_string(param_id) + " not initialised (Init)";
   if (std::string err = CheckHyperParams(hp); !err.empty()) return err;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -287,8 +289,10 @@ void AdamWEngine::OnNormDone(Param* p) {
   --s->norms_pending;
   if (!deferred_) {
     lock.unlock();
-    if (finite) StartUpdatePhase(p, 1.0f);
-    else OnParamDone(p, false);
+    if (finite)
+      StartUpdatePhase(p, 1.0f);
+    else
+      OnParamDone(p, false);
     return;
   }
   if (s->ended && s->norms_pending == 0 && !s->updates_started) {
@@ -353,9 +357,10 @@ void AdamWEngine::UpdateChunk(Param* p, size_t chunk) {
   r.exp_avg = static_cast<char*>(b.exp_avg) + c.offset * mb;
   r.exp_avg_sq = static_cast<char*>(b.exp_avg_sq) + c.offset * mb;
   r.grad = static_cast<const char*>(b.grad_slot) + c.offset * kernels::DTypeSize(b.grad_dtype);
-  r.param_out = b.param_slot == static_cast<void*>(b.master)
-                    ? static_cast<void*>(r.master)
-                    : static_cast<char*>(b.param_slot) + c.offset * kernels::DTypeSize(b.param_dtype);
+  r.param_out =
+      b.param_slot == static_cast<void*>(b.master)
+          ? static_cast<void*>(r.master)
+          : static_cast<char*>(b.param_slot) + c.offset * kernels::DTypeSize(b.param_dtype);
   r.numel = c.count;
   r.grad_dtype = b.grad_dtype;
   r.moment_dtype = options_.moment_dtype;

@@ -26,10 +26,14 @@ const char* DTypeName(DType dtype) {
 
 bool ParseDType(const char* name, DType* out) {
   const auto is = [name](const char* s) { return std::strcmp(name, s) == 0; };
-  if (is("fp32") || is("float32")) *out = DType::kFloat32;
-  else if (is("bf16") || is("bfloat16")) *out = DType::kBFloat16;
-  else if (is("fp16") || is("float16")) *out = DType::kFloat16;
-  else return false;
+  if (is("fp32") || is("float32"))
+    *out = DType::kFloat32;
+  else if (is("bf16") || is("bfloat16"))
+    *out = DType::kBFloat16;
+  else if (is("fp16") || is("float16"))
+    *out = DType::kFloat16;
+  else
+    return false;
   return true;
 }
 
@@ -88,17 +92,16 @@ void AdamWUpdate(const AdamWRange& range, const AdamWStepScalars& scalars, const
     piece.numel = n;
     piece.master = range.master + done;
     piece.exp_avg = static_cast<char*>(range.exp_avg) + done * DTypeSize(range.moment_dtype);
-    piece.exp_avg_sq =
-        static_cast<char*>(range.exp_avg_sq) + done * DTypeSize(range.moment_dtype);
+    piece.exp_avg_sq = static_cast<char*>(range.exp_avg_sq) + done * DTypeSize(range.moment_dtype);
     piece.grad = static_cast<const char*>(range.grad) + done * DTypeSize(range.grad_dtype);
     if (range.param_out != nullptr) {
-      piece.param_out = range.param_out == static_cast<void*>(range.master)
-                            ? static_cast<void*>(piece.master)
-                            : static_cast<char*>(range.param_out) +
-                                  done * DTypeSize(range.param_dtype);
+      piece.param_out =
+          range.param_out == static_cast<void*>(range.master)
+              ? static_cast<void*>(piece.master)
+              : static_cast<char*>(range.param_out) + done * DTypeSize(range.param_dtype);
     }
-    const RngKey rng = MakeRngKey(key.seed, key.param_key, key.step,
-                                  static_cast<uint32_t>(index >> 32));
+    const RngKey rng =
+        MakeRngKey(key.seed, key.param_key, key.step, static_cast<uint32_t>(index >> 32));
     fn(piece, scalars, rng, static_cast<uint32_t>(index));
     done += n;
   }

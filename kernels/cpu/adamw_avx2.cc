@@ -37,7 +37,8 @@ __m256i NanMask(__m256 x) { return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_
 __m128i ToBf16Rne(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), NanMask(x));
   return Narrow(r);
 }
@@ -121,15 +122,19 @@ inline void Step8(const Pointers& ptr, const Consts& c, uint32_t index, size_t i
     return;
   } else if constexpr (kOut == Out::kF32) {
     float* out = static_cast<float*>(ptr.param_out) + i;
-    if (stream) _mm256_stream_ps(out, p);
-    else _mm256_storeu_ps(out, p);
+    if (stream)
+      _mm256_stream_ps(out, p);
+    else
+      _mm256_storeu_ps(out, p);
   } else {
     const __m128i h = kOut == Out::kBf16
                           ? ToBf16Rne(p)
                           : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     auto* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(ptr.param_out) + i);
-    if (stream) _mm_stream_si128(out, h);
-    else _mm_storeu_si128(out, h);
+    if (stream)
+      _mm_stream_si128(out, h);
+    else
+      _mm_storeu_si128(out, h);
   }
 }
 
@@ -193,8 +198,10 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
 
 template <DType kG, DType kM, Out kOut>
 void DispatchLerp(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
-  if (s.lerp_from_end) Update<kG, kM, kOut, true>(r, s, key, index_lo);
-  else Update<kG, kM, kOut, false>(r, s, key, index_lo);
+  if (s.lerp_from_end)
+    Update<kG, kM, kOut, true>(r, s, key, index_lo);
+  else
+    Update<kG, kM, kOut, false>(r, s, key, index_lo);
 }
 
 template <DType kG, DType kM>
@@ -216,8 +223,10 @@ void DispatchOut(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uin
 template <DType kG>
 void DispatchMoments(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
                      uint32_t index_lo) {
-  if (r.moment_dtype == DType::kBFloat16) DispatchOut<kG, DType::kBFloat16>(r, s, key, index_lo);
-  else DispatchOut<kG, DType::kFloat32>(r, s, key, index_lo);
+  if (r.moment_dtype == DType::kBFloat16)
+    DispatchOut<kG, DType::kBFloat16>(r, s, key, index_lo);
+  else
+    DispatchOut<kG, DType::kFloat32>(r, s, key, index_lo);
 }
 
 }  // namespace
@@ -250,10 +259,11 @@ double GradSumSquaresAvx2(const void* grad, DType dtype, size_t n) {
     acc[3] = _mm256_fmadd_pd(b1, b1, acc[3]);
   }
   alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
+  _mm256_store_pd(lanes,
+                  _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
   double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-  return sum + GradSumSquaresScalar(static_cast<const char*>(grad) + i * DTypeSize(dtype), dtype,
-                                    n - i);
+  return sum +
+         GradSumSquaresScalar(static_cast<const char*>(grad) + i * DTypeSize(dtype), dtype, n - i);
 }
 
 }  // namespace trainstream::kernels::internal

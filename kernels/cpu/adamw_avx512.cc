@@ -33,7 +33,8 @@ __m512 Load(const void* base, DType dtype, size_t i) {
 __m256i ToBf16Rne(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 }
@@ -100,9 +101,9 @@ inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t 
 
   _mm512_storeu_ps(ptr.master + i, p);
   if constexpr (kM == DType::kBFloat16) {
-    const __m512i idx = _mm512_add_epi32(
-        _mm512_set1_epi32(static_cast<int>(index + i)),
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i idx =
+        _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index + i)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __m512i bits = LowBias32(_mm512_xor_si512(idx, c.k0));
     const __m512i lo = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
     const __m512i hi = _mm512_srli_epi32(bits, 16);
@@ -118,8 +119,10 @@ inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t 
     return;
   } else if constexpr (kOut == Out::kF32) {
     float* out = static_cast<float*>(ptr.param_out) + i;
-    if (stream) _mm512_stream_ps(out, p);
-    else _mm512_storeu_ps(out, p);
+    if (stream)
+      _mm512_stream_ps(out, p);
+    else
+      _mm512_storeu_ps(out, p);
   } else {
     __m256i h;
     if constexpr (kOut == Out::kBf16) {
@@ -128,8 +131,10 @@ inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t 
       h = _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
     auto* out = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(ptr.param_out) + i);
-    if (stream) _mm256_stream_si256(out, h);
-    else _mm256_storeu_si256(out, h);
+    if (stream)
+      _mm256_stream_si256(out, h);
+    else
+      _mm256_storeu_si256(out, h);
   }
 }
 
@@ -175,8 +180,8 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * kMB, tail * kMB);
   std::memcpy(g, static_cast<const char*>(r.grad) + full * kGB, tail * kGB);
   Pointers local{master, m, v, g, out};
-  Step16<kHardwareBf16, kG, kM, kOut, kFromEnd>(local, c, index_lo + static_cast<uint32_t>(full),
-                                                0, false);
+  Step16<kHardwareBf16, kG, kM, kOut, kFromEnd>(local, c, index_lo + static_cast<uint32_t>(full), 0,
+                                                false);
   std::memcpy(r.master + full, master, tail * 4);
   std::memcpy(static_cast<char*>(r.exp_avg) + full * kMB, m, tail * kMB);
   std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * kMB, v, tail * kMB);
@@ -187,8 +192,10 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
 
 template <bool kHw, DType kG, DType kM, Out kOut>
 void DispatchLerp(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
-  if (s.lerp_from_end) Update<kHw, kG, kM, kOut, true>(r, s, key, index_lo);
-  else Update<kHw, kG, kM, kOut, false>(r, s, key, index_lo);
+  if (s.lerp_from_end)
+    Update<kHw, kG, kM, kOut, true>(r, s, key, index_lo);
+  else
+    Update<kHw, kG, kM, kOut, false>(r, s, key, index_lo);
 }
 
 template <bool kHw, DType kG, DType kM>
@@ -210,8 +217,10 @@ void DispatchOut(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uin
 template <bool kHw, DType kG>
 void DispatchMoments(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
                      uint32_t index_lo) {
-  if (r.moment_dtype == DType::kBFloat16) DispatchOut<kHw, kG, DType::kBFloat16>(r, s, key, index_lo);
-  else DispatchOut<kHw, kG, DType::kFloat32>(r, s, key, index_lo);
+  if (r.moment_dtype == DType::kBFloat16)
+    DispatchOut<kHw, kG, DType::kBFloat16>(r, s, key, index_lo);
+  else
+    DispatchOut<kHw, kG, DType::kFloat32>(r, s, key, index_lo);
 }
 
 template <bool kHw>
@@ -231,8 +240,10 @@ void DispatchGrad(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, ui
 void AdamWUpdateAvx512(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
                        uint32_t index_lo) {
   static const bool hardware_bf16 = CpuHasAvx512Bf16();
-  if (hardware_bf16) DispatchGrad<true>(r, s, key, index_lo);
-  else DispatchGrad<false>(r, s, key, index_lo);
+  if (hardware_bf16)
+    DispatchGrad<true>(r, s, key, index_lo);
+  else
+    DispatchGrad<false>(r, s, key, index_lo);
 }
 
 double GradSumSquaresAvx512(const void* grad, DType dtype, size_t n) {
@@ -242,9 +253,11 @@ double GradSumSquaresAvx512(const void* grad, DType dtype, size_t n) {
   for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
     const __m512 a = Load(grad, dtype, i), b = Load(grad, dtype, i + kLanes);
     const __m512d a0 = _mm512_cvtps_pd(_mm512_castps512_ps256(a));
-    const __m512d a1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    const __m512d a1 =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
     const __m512d b0 = _mm512_cvtps_pd(_mm512_castps512_ps256(b));
-    const __m512d b1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+    const __m512d b1 =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
     acc[0] = _mm512_fmadd_pd(a0, a0, acc[0]);
     acc[1] = _mm512_fmadd_pd(a1, a1, acc[1]);
     acc[2] = _mm512_fmadd_pd(b0, b0, acc[2]);
@@ -252,8 +265,8 @@ double GradSumSquaresAvx512(const void* grad, DType dtype, size_t n) {
   }
   const double sum = _mm512_reduce_add_pd(
       _mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
-  return sum + GradSumSquaresScalar(static_cast<const char*>(grad) + i * DTypeSize(dtype), dtype,
-                                    n - i);
+  return sum +
+         GradSumSquaresScalar(static_cast<const char*>(grad) + i * DTypeSize(dtype), dtype, n - i);
 }
 
 }  // namespace trainstream::kernels::internal

@@ -18,8 +18,7 @@ using SumSquaresFn = double (*)(const void* grad, DType dtype, size_t n);
 
 void AdamWUpdateScalar(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
                        uint32_t index_lo);
-void AdamWUpdateAvx2(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
-                     uint32_t index_lo);
+void AdamWUpdateAvx2(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo);
 void AdamWUpdateAvx512(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
                        uint32_t index_lo);
 

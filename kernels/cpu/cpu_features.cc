@@ -13,8 +13,7 @@ bool DetectAvx2() {
 bool DetectAvx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         DetectAvx2();
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && DetectAvx2();
 }
 
 }  // namespace
@@ -49,10 +48,14 @@ const char* IsaName(Isa isa) {
 }
 
 bool ParseIsa(std::string_view name, Isa* out) {
-  if (name == "scalar") *out = Isa::kScalar;
-  else if (name == "avx2") *out = Isa::kAvx2;
-  else if (name == "avx512") *out = Isa::kAvx512;
-  else return false;
+  if (name == "scalar")
+    *out = Isa::kScalar;
+  else if (name == "avx2")
+    *out = Isa::kAvx2;
+  else if (name == "avx512")
+    *out = Isa::kAvx512;
+  else
+    return false;
   return true;
 }
 

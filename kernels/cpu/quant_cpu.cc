@@ -17,8 +17,8 @@ constexpr int64_t kMinElementsPerThread = 1 << 16;
 
 struct IsaKernels {
   float (*abs_max)(QuantElemType, const void*, int64_t, int64_t);
-  void (*quantize)(QuantFormat, const QuantLayout&, QuantElemType, const void*,
-                   const QuantBuffers&, float, int64_t, int64_t);
+  void (*quantize)(QuantFormat, const QuantLayout&, QuantElemType, const void*, const QuantBuffers&,
+                   float, int64_t, int64_t);
   void (*dequantize)(QuantFormat, const QuantLayout&, const QuantConstBuffers&, QuantElemType,
                      void*, int64_t, int64_t);
 };
@@ -50,11 +50,10 @@ float Nvfp4TensorScale(const IsaKernels& k, const QuantLayout& l, QuantElemType 
                        const void* src, int threads) {
   std::vector<float> partial(std::max(1, threads), 0.0f);
   std::atomic<int> slot{0};
-  quant_internal::ParallelFor(l.numel, kMinElementsPerThread, threads,
-                              [&](int64_t b, int64_t e) {
-                                const int s = slot.fetch_add(1);
-                                partial[s] = k.abs_max(type, src, b, e);
-                              });
+  quant_internal::ParallelFor(l.numel, kMinElementsPerThread, threads, [&](int64_t b, int64_t e) {
+    const int s = slot.fetch_add(1);
+    partial[s] = k.abs_max(type, src, b, e);
+  });
   float amax = 0.0f;
   for (float p : partial) amax = std::max(amax, p);
   return amax / (kE2m1Max * kE4m3Max);
@@ -63,11 +62,16 @@ float Nvfp4TensorScale(const IsaKernels& k, const QuantLayout& l, QuantElemType 
 }  // namespace
 
 bool ParseQuantFormat(std::string_view name, QuantFormat* out) {
-  if (name == "int8") *out = QuantFormat::kInt8;
-  else if (name == "nf4") *out = QuantFormat::kNf4;
-  else if (name == "fp8") *out = QuantFormat::kFp8;
-  else if (name == "nvfp4") *out = QuantFormat::kNvfp4;
-  else return false;
+  if (name == "int8")
+    *out = QuantFormat::kInt8;
+  else if (name == "nf4")
+    *out = QuantFormat::kNf4;
+  else if (name == "fp8")
+    *out = QuantFormat::kFp8;
+  else if (name == "nvfp4")
+    *out = QuantFormat::kNvfp4;
+  else
+    return false;
   return true;
 }
 
@@ -118,10 +122,9 @@ void QuantizeCpu(QuantFormat fmt, const QuantLayout& l, QuantElemType src_type, 
 void DequantizeCpu(QuantFormat fmt, const QuantLayout& l, const QuantConstBuffers& in,
                    QuantElemType dst_type, void* dst, const QuantCpuOptions& opts) {
   const IsaKernels k = KernelsFor(opts.isa);
-  quant_internal::ParallelFor(l.num_blocks, MinBlocksPerThread(l), opts.num_threads,
-                              [&](int64_t b0, int64_t b1) {
-                                k.dequantize(fmt, l, in, dst_type, dst, b0, b1);
-                              });
+  quant_internal::ParallelFor(
+      l.num_blocks, MinBlocksPerThread(l), opts.num_threads,
+      [&](int64_t b0, int64_t b1) { k.dequantize(fmt, l, in, dst_type, dst, b0, b1); });
 }
 
 }  // namespace trainstream::kernels

@@ -80,8 +80,7 @@ void QuantizeInt8Block(const float* x, int64_t n, int8_t* q, float* absmax_out) 
   *absmax_out = absmax;
 }
 
-void QuantizeNf4Block(const float* x, int64_t n, uint8_t* codes, uint8_t* out,
-                      float* absmax_out) {
+void QuantizeNf4Block(const float* x, int64_t n, uint8_t* codes, uint8_t* out, float* absmax_out) {
   const float absmax = AbsMaxOf(x, n);
   // bitsandbytes multiplies by the reciprocal (an all-zero block: 0 * inf = NaN,
   // which encodes as code 0); we do the same to match its bytes.
@@ -148,8 +147,8 @@ void QuantizeBlocksT(QuantFormat fmt, const QuantLayout& l, const SrcT* src,
 }
 
 // Dequantizes block b to fp32 in `y` (block_size values, padding included).
-void DequantizeBlock(QuantFormat fmt, const QuantLayout& l, const QuantConstBuffers& in,
-                     int64_t b, float* y) {
+void DequantizeBlock(QuantFormat fmt, const QuantLayout& l, const QuantConstBuffers& in, int64_t b,
+                     float* y) {
   const int64_t block = l.block_size;
   const int64_t start = b * block;
   const auto* fscales = static_cast<const float*>(in.scales);

@@ -11,7 +11,8 @@ void ParallelFor(int64_t n, int64_t min_per_thread, int max_threads,
   if (n <= 0) return;
   int64_t threads = max_threads > 0 ? max_threads : std::thread::hardware_concurrency();
   threads = std::max<int64_t>(1, threads);
-  threads = std::min<int64_t>(threads, std::max<int64_t>(1, n / std::max<int64_t>(1, min_per_thread)));
+  threads =
+      std::min<int64_t>(threads, std::max<int64_t>(1, n / std::max<int64_t>(1, min_per_thread)));
   if (threads == 1) {
     fn(0, n);
     return;

@@ -11,9 +11,9 @@
 
 #include <cstdio>
 
-#define TS_CUDA_CHECK(expr)                   \
-  do {                                        \
-    const cudaError_t ts_err_ = (expr);       \
+#define TS_CUDA_CHECK(expr)                     \
+  do {                                          \
+    const cudaError_t ts_err_ = (expr);         \
     if (ts_err_ != cudaSuccess) return ts_err_; \
   } while (0)
 
@@ -26,10 +26,10 @@
     }                                                                                       \
   } while (0)
 
-#define TS_CUDA_IGNORE(expr)        \
-  do {                              \
-    (void)(expr);                   \
-    (void)cudaGetLastError();       \
+#define TS_CUDA_IGNORE(expr)  \
+  do {                        \
+    (void)(expr);             \
+    (void)cudaGetLastError(); \
   } while (0)
 
 #define TS_CUDA_LAUNCH_CHECK() TS_CUDA_CHECK(cudaGetLastError())

@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(kThreads)
       const float d = __fdiv_rn(fscales[e0 / block], 127.0f);
       float y[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) y[i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(b[i])), d);
+      for (int i = 0; i < 16; ++i)
+        y[i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(b[i])), d);
       StoreChunk(y, out, e0, numel);
     } else if constexpr (F == QuantFormat::kFp8) {
       const int64_t e0 = c * 16;
@@ -302,8 +303,8 @@ cudaError_t LaunchNibbleBf16(const QuantLayout& l, const uint8_t* data, const vo
     while ((int64_t{1} << shift) < l.block_size) ++shift;
   }
   DequantizeNibbleBf16<F><<<grid, kNibbleThreads, 0, stream>>>(
-      reinterpret_cast<const uint32_t*>(data), scales, ts, l.numel, l.block_size, shift,
-      num_words, words_per_block, out);
+      reinterpret_cast<const uint32_t*>(data), scales, ts, l.numel, l.block_size, shift, num_words,
+      words_per_block, out);
   TS_CUDA_LAUNCH_CHECK();
   return cudaSuccess;
 }
@@ -322,24 +323,25 @@ cudaError_t Dequantize(QuantFormat fmt, const QuantLayout& l, const uint8_t* dat
                        const void* scales, const float* ts, OutT* out, cudaStream_t stream) {
   const bool nibbles = fmt == QuantFormat::kNf4 || fmt == QuantFormat::kNvfp4;
   const int64_t per_chunk = nibbles ? 32 : 16;
-  const bool aligned = reinterpret_cast<uintptr_t>(data) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  const bool block_ok = fmt == QuantFormat::kFp8 || fmt == QuantFormat::kNvfp4 ||
-                        l.block_size % per_chunk == 0;
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(data) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const bool block_ok =
+      fmt == QuantFormat::kFp8 || fmt == QuantFormat::kNvfp4 || l.block_size % per_chunk == 0;
   int64_t done = 0;  // elements handled by the vectorized kernel
   if constexpr (std::is_same_v<OutT, __nv_bfloat16>) {
     // nf4 / nvfp4 to bf16: the word kernel (4-byte aligned codes, nf4 blocks of 8k).
-    const bool word_ok = reinterpret_cast<uintptr_t>(data) % 4 == 0 &&
-                         reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
-                         (fmt == QuantFormat::kNvfp4 ||
-                          (fmt == QuantFormat::kNf4 && l.block_size % 8 == 0));
+    const bool word_ok =
+        reinterpret_cast<uintptr_t>(data) % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+        (fmt == QuantFormat::kNvfp4 || (fmt == QuantFormat::kNf4 && l.block_size % 8 == 0));
     if (nibbles && word_ok) {
       const int64_t words = l.data_bytes / 4;
       if (words > 0) {
         if (fmt == QuantFormat::kNf4) {
-          TS_CUDA_CHECK(LaunchNibbleBf16<QuantFormat::kNf4>(l, data, scales, ts, words, out, stream));
+          TS_CUDA_CHECK(
+              LaunchNibbleBf16<QuantFormat::kNf4>(l, data, scales, ts, words, out, stream));
         } else {
-          TS_CUDA_CHECK(LaunchNibbleBf16<QuantFormat::kNvfp4>(l, data, scales, ts, words, out, stream));
+          TS_CUDA_CHECK(
+              LaunchNibbleBf16<QuantFormat::kNvfp4>(l, data, scales, ts, words, out, stream));
         }
       }
       done = words * 8 < l.numel ? words * 8 : l.numel;
@@ -382,8 +384,8 @@ cudaError_t Dequantize(QuantFormat fmt, const QuantLayout& l, const uint8_t* dat
 }  // namespace
 
 cudaError_t DequantizeCuda(QuantFormat fmt, const QuantLayout& layout, const uint8_t* data,
-                           const void* scales, const float* tensor_scale,
-                           QuantElemType dst_type, void* dst, cudaStream_t stream) {
+                           const void* scales, const float* tensor_scale, QuantElemType dst_type,
+                           void* dst, cudaStream_t stream) {
   if (layout.numel == 0) return cudaSuccess;
   if (dst_type == QuantElemType::kFloat32) {
     return Dequantize(fmt, layout, data, scales, tensor_scale, static_cast<float*>(dst), stream);

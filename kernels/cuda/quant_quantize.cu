@@ -25,15 +25,15 @@ __device__ __forceinline__ float LoadAsFloat<uint16_t>(const uint16_t* p, int64_
 
 // Element i of block b, zero past the end of the tensor (the padding).
 template <typename SrcT>
-__device__ __forceinline__ float Element(const SrcT* src, int64_t start, int64_t i,
-                                         int64_t numel) {
+__device__ __forceinline__ float Element(const SrcT* src, int64_t start, int64_t i, int64_t numel) {
   return start + i < numel ? LoadAsFloat(src, start + i) : 0.0f;
 }
 
 template <typename SrcT>
 __device__ float BlockAbsMax(const SrcT* src, int64_t start, int64_t n, int64_t numel) {
   uint32_t m = 0;  // |x| as bits: same order as the floats, same result as the CPU
-  for (int64_t i = 0; i < n; ++i) m = max(m, FloatBits(Element(src, start, i, numel)) & 0x7FFFFFFFu);
+  for (int64_t i = 0; i < n; ++i)
+    m = max(m, FloatBits(Element(src, start, i, numel)) & 0x7FFFFFFFu);
   return BitsFloat(m);
 }
 

@@ -8,9 +8,10 @@
 // which is, bit for bit, what
 //   s = (x.abs().amax(1, keepdim=True).float() * (1 / 448)).clamp_min(1e-30)
 //   q = (x.float() / s).to(torch.float8_e4m3fn)
-// gives on CUDA (where `/ 448.0` is evaluated as that same product) for finite x (|x / s| never exceeds 448 by more than one rounding, which
-// e4m3's rounding brings back to 448 in both). NaN inputs are not propagated to the
-// scale (fmaxf ignores them); QuantLinear's inputs are finite activations.
+// gives on CUDA (where `/ 448.0` is evaluated as that same product) for finite x (|x / s| never
+// exceeds 448 by more than one rounding, which e4m3's rounding brings back to 448 in both). NaN
+// inputs are not propagated to the scale (fmaxf ignores them); QuantLinear's inputs are finite
+// activations.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -103,8 +104,8 @@ __device__ __forceinline__ float RowScale(float amax) {
 // Rows whose bytes are a multiple of 16 and 16-byte aligned: 16-byte loads.
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
-    QuantizeRowsVec(const T* __restrict__ src, int64_t rows, int64_t cols,
-                    uint8_t* __restrict__ q, float* __restrict__ scales) {
+    QuantizeRowsVec(const T* __restrict__ src, int64_t rows, int64_t cols, uint8_t* __restrict__ q,
+                    float* __restrict__ scales) {
   constexpr int kN = 16 / sizeof(T);
   const int64_t nvec = cols / kN;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -173,8 +174,8 @@ cudaError_t Launch(const T* src, int64_t rows, int64_t cols, uint8_t* q, float* 
 
 }  // namespace
 
-cudaError_t QuantizeRowsE4m3Cuda(RowElemType src_type, const void* src, int64_t rows,
-                                 int64_t cols, uint8_t* q, float* scales, cudaStream_t stream) {
+cudaError_t QuantizeRowsE4m3Cuda(RowElemType src_type, const void* src, int64_t rows, int64_t cols,
+                                 uint8_t* q, float* scales, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (cols <= 0) return cudaErrorInvalidValue;  // the caller rejects empty rows
   switch (src_type) {

@@ -1,8 +1,8 @@
 // trainstream._control: the control-plane client (gRPC) for Python, over
 // libtrainstream_client. No torch here (DESIGN.md): mapped regions are handed to
 // Python as integer addresses, which trainstream._C turns into tensors.
-#include <pybind11/pybind11.h>
 #include <pybind11/eval.h>
+#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
@@ -98,13 +98,15 @@ class Internal(ControlError): pass
       .def_property_readonly("base_address", &PyRegion::base_address,
                              "Address of the segment's first byte (slot offsets count from here)")
       .def_property_readonly("size", [](const PyRegion& r) { return r.region->size(); })
-      .def_property_readonly("region_id", [](const PyRegion& r) { return r.region->info().region_id; })
+      .def_property_readonly("region_id",
+                             [](const PyRegion& r) { return r.region->info().region_id; })
       .def_property_readonly("segment_name",
                              [](const PyRegion& r) { return r.region->info().segment_name; })
       .def_property_readonly("offset", [](const PyRegion& r) { return r.region->info().offset; })
       .def_property_readonly("segment_size",
                              [](const PyRegion& r) { return r.region->info().segment_size; })
-      .def_property_readonly("read_only", [](const PyRegion& r) { return r.region->info().read_only; });
+      .def_property_readonly("read_only",
+                             [](const PyRegion& r) { return r.region->info().read_only; });
 
   py::class_<Session>(m, "Session")
       .def_property_readonly("id", &Session::id)
@@ -148,7 +150,8 @@ class Internal(ControlError): pass
               spec.name = GetOr<std::string>(d, "name", "");
               spec.shape = d["shape"].cast<std::vector<int64_t>>();
               spec.dtype = ParseDType(d["dtype"].cast<std::string>());
-              spec.grad_dtype = ParseDType(GetOr<std::string>(d, "grad_dtype", d["dtype"].cast<std::string>()));
+              spec.grad_dtype =
+                  ParseDType(GetOr<std::string>(d, "grad_dtype", d["dtype"].cast<std::string>()));
               spec.group = GetOr<uint32_t>(d, "group", 0);
               specs.push_back(std::move(spec));
             }

@@ -5,13 +5,12 @@
 // torch.optim.AdamW. Every entry point takes isa="auto"|"scalar"|"avx2"|"avx512".
 #include <torch/extension.h>
 
-#include "check.h"
-
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/kernels/cpu_features.h"
 
@@ -29,7 +28,8 @@ tk::Isa IsaOrThrow(const std::string& name) {
   if (name == "auto") return tk::BestIsa();
   tk::Isa isa;
   if (!tk::ParseIsa(name, &isa)) {
-    throw pybind11::value_error("unknown isa '" + name + "': use 'auto', 'scalar', 'avx2' or 'avx512'");
+    throw pybind11::value_error("unknown isa '" + name +
+                                "': use 'auto', 'scalar', 'avx2' or 'avx512'");
   }
   if (!tk::IsaSupported(isa)) {
     throw pybind11::value_error("isa '" + name + "' is not supported by this CPU");
@@ -76,7 +76,7 @@ void AdamWStep(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_av
   TS_CHECK(DTypeOf(exp_avg_sq, "exp_avg_sq") == md, "exp_avg and exp_avg_sq dtypes differ");
   const int64_t n = master.numel();
   TS_CHECK(exp_avg.numel() == n && exp_avg_sq.numel() == n && grad.numel() == n,
-              "all tensors must have master's numel");
+           "all tensors must have master's numel");
   TS_CHECK(step >= 1, "step counts from 1");
   tk::AdamWRange r;
   r.master = master.data_ptr<float>();
@@ -91,9 +91,9 @@ void AdamWStep(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_av
     r.param_dtype = DTypeOf(*param_out, "param_out");
     r.param_out = param_out->data_ptr();
   }
-  const auto scalars = tk::ComputeAdamWStepScalars(Hyper(lr, beta1, beta2, eps, weight_decay),
-                                                   static_cast<uint64_t>(step),
-                                                   static_cast<float>(grad_scale));
+  const auto scalars =
+      tk::ComputeAdamWStepScalars(Hyper(lr, beta1, beta2, eps, weight_decay),
+                                  static_cast<uint64_t>(step), static_cast<float>(grad_scale));
   pybind11::gil_scoped_release release;
   tk::AdamWUpdate(r, scalars,
                   tk::RoundingKey{static_cast<uint64_t>(seed), static_cast<uint64_t>(param_key),
@@ -159,13 +159,13 @@ class PyAdamWEngine {
     b.numel = static_cast<size_t>(master.numel());
     TS_CHECK(DTypeOf(master, "master") == tk::DType::kFloat32, "master must be float32");
     TS_CHECK(DTypeOf(exp_avg, "exp_avg") == engine_->options().moment_dtype &&
-                    DTypeOf(exp_avg_sq, "exp_avg_sq") == engine_->options().moment_dtype,
-                "moments must have the engine's moment dtype");
+                 DTypeOf(exp_avg_sq, "exp_avg_sq") == engine_->options().moment_dtype,
+             "moments must have the engine's moment dtype");
     b.param_dtype = DTypeOf(param_slot, "param_slot");
     b.grad_dtype = DTypeOf(grad_slot, "grad_slot");
     TS_CHECK(exp_avg.numel() == master.numel() && exp_avg_sq.numel() == master.numel() &&
-                    grad_slot.numel() == master.numel() && param_slot.numel() == master.numel(),
-                "all tensors must have master's numel");
+                 grad_slot.numel() == master.numel() && param_slot.numel() == master.numel(),
+             "all tensors must have master's numel");
     b.master = master.data_ptr<float>();
     b.exp_avg = exp_avg.data_ptr();
     b.exp_avg_sq = exp_avg_sq.data_ptr();
@@ -230,7 +230,7 @@ class PyAdamWEngine {
     const size_t n = engine_->ParamNumel(static_cast<uint64_t>(id));
     for (const torch::Tensor* t : {&master, &exp_avg, &exp_avg_sq}) {
       TS_CHECK(DTypeOf(*t, "state") == tk::DType::kFloat32 && static_cast<size_t>(t->numel()) == n,
-                  "state tensors must be float32 with the parameter's numel");
+               "state tensors must be float32 with the parameter's numel");
     }
     Check(engine_->ImportState(static_cast<uint64_t>(id), master.data_ptr<float>(),
                                exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),

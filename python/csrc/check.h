@@ -45,7 +45,7 @@ std::string Concat(const Args&... args) {
 
 // Throws std::runtime_error (Python RuntimeError, as TORCH_CHECK would) with the
 // arguments concatenated when `cond` is false.
-#define TS_CHECK(cond, ...)                                                             \
-  do {                                                                                  \
+#define TS_CHECK(cond, ...)                                                                    \
+  do {                                                                                         \
     if (!(cond)) throw std::runtime_error(::trainstream::python::detail::Concat(__VA_ARGS__)); \
   } while (0)

@@ -16,11 +16,10 @@
 //                  never the host).
 #include <torch/extension.h>
 
-#include "check.h"
-
-#include <cstdint>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -28,8 +27,8 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
-#include <atomic>
 
+#include "check.h"
 #include "trainstream/wire/session_control.h"
 
 #ifdef TRAINSTREAM_WITH_CUDA
@@ -62,7 +61,8 @@ at::ScalarType ParseDType(const std::string& name) {
   if (name == "bfloat16") return at::kBFloat16;
   if (name == "float16") return at::kHalf;
   if (name == "uint8") return at::kByte;
-  throw std::invalid_argument("dtype must be one of float32, bfloat16, float16, uint8; got " + name);
+  throw std::invalid_argument("dtype must be one of float32, bfloat16, float16, uint8; got " +
+                              name);
 }
 
 // A tensor viewing `numel` elements at `address`. The caller keeps the mapping
@@ -77,14 +77,14 @@ torch::Tensor TensorFromAddress(uintptr_t address, std::vector<int64_t> shape,
 class DataPlane {
  public:
   DataPlane(uintptr_t control_address, uint64_t control_bytes, int64_t timeout_ms)
-      : header_(reinterpret_cast<SessionControlHeader*>(control_address)),
-        timeout_ms_(timeout_ms) {
+      : header_(reinterpret_cast<SessionControlHeader*>(control_address)), timeout_ms_(timeout_ms) {
     if (control_bytes < sizeof(SessionControlHeader) ||
         header_->magic != wire::kSessionControlMagic ||
         header_->version != wire::kSessionControlVersion ||
         header_->completion_ring_offset >= control_bytes ||
         header_->command_ring_offset >= control_bytes) {
-      throw std::invalid_argument("not a TrainStream session control region (bad magic, version or offsets)");
+      throw std::invalid_argument(
+          "not a TrainStream session control region (bad magic, version or offsets)");
     }
     auto* base = reinterpret_cast<char*>(header_);
     commands_ = RingView(base + header_->command_ring_offset);
@@ -106,7 +106,7 @@ class DataPlane {
   uint64_t PostGrad(uint64_t param_id, const torch::Tensor& grad, torch::Tensor slot, uint64_t step,
                     double lr, double beta1, double beta2, double eps, double weight_decay) {
     TS_CHECK(grad.numel() == slot.numel(), "gradient of param ", param_id, " has ", grad.numel(),
-                " elements but its staging slot holds ", slot.numel());
+             " elements but its staging slot holds ", slot.numel());
     CommandRecord rec = MakeRecord(Opcode::kGradReady);
     rec.param_id = param_id;
     rec.step = step;
@@ -164,7 +164,8 @@ class DataPlane {
     bool got = false;
     {
       py::gil_scoped_release release;
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+      const auto deadline =
+          std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
       while (true) {
         const int64_t left = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                  deadline - std::chrono::steady_clock::now())
@@ -194,7 +195,7 @@ class DataPlane {
   // and the current stream waits for it (no host wait).
   void CopyParam(torch::Tensor param, const torch::Tensor& slot) {
     TS_CHECK(param.numel() == slot.numel(), "parameter has ", param.numel(),
-                " elements but its staging slot holds ", slot.numel());
+             " elements but its staging slot holds ", slot.numel());
     torch::NoGradGuard no_grad;
 #ifdef TRAINSTREAM_WITH_CUDA
     if (param.is_cuda()) {
@@ -238,7 +239,8 @@ class DataPlane {
       // The daemon may itself be waiting for room on the completion ring; move
       // completions aside so neither side waits on the other.
       StashCompletions();
-      if (closing()) throw DaemonGone("the daemon closed this session (shutdown or session torn down)");
+      if (closing())
+        throw DaemonGone("the daemon closed this session (shutdown or session torn down)");
       if (std::chrono::steady_clock::now() > deadline) {
         throw DaemonGone("the daemon stopped consuming commands (ring full for " +
                          std::to_string(timeout_ms_) + " ms)");
@@ -422,9 +424,9 @@ void RegisterDataPlaneBindings(py::module_& m) {
   py::class_<DataPlane>(m, "DataPlane")
       .def(py::init<uintptr_t, uint64_t, int64_t>(), py::arg("control_address"),
            py::arg("control_bytes"), py::arg("timeout_ms") = 30000)
-      .def("post_grad", &DataPlane::PostGrad, py::arg("param_id"), py::arg("grad"),
-           py::arg("slot"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-           py::arg("eps"), py::arg("weight_decay"))
+      .def("post_grad", &DataPlane::PostGrad, py::arg("param_id"), py::arg("grad"), py::arg("slot"),
+           py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+           py::arg("weight_decay"))
       .def("post_step_end", &DataPlane::PostStepEnd, py::arg("step"), py::arg("grads_posted"))
       .def("post_state", &DataPlane::PostState, py::arg("load"), py::arg("param_id"),
            py::arg("field"), py::arg("region_id"), py::arg("region_offset"), py::arg("bytes"),

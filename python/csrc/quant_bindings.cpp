@@ -4,10 +4,9 @@
 // preconditions against direct callers.
 #include <torch/extension.h>
 
-#include "check.h"
-
 #include <string>
 
+#include "check.h"
 #include "trainstream/kernels/quant.h"
 
 #ifdef TRAINSTREAM_WITH_CUDA
@@ -48,7 +47,7 @@ tk::QuantCpuOptions CpuOptions(const std::string& isa) {
 
 tk::QuantElemType ElemType(at::ScalarType t) {
   TS_CHECK(t == at::kFloat || t == at::kBFloat16,
-              "quantization kernels take float32 or bfloat16, got ", t);
+           "quantization kernels take float32 or bfloat16, got ", t);
   return t == at::kFloat ? tk::QuantElemType::kFloat32 : tk::QuantElemType::kBFloat16;
 }
 
@@ -63,11 +62,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Quantize(const at::Tensor& t,
   const tk::QuantElemType type = ElemType(src.scalar_type());
   const auto bytes = src.options().dtype(at::kByte);
   at::Tensor data = at::empty({l.data_bytes}, bytes);
-  at::Tensor scales = l.scale_bytes_each == 4 ? at::empty({l.num_blocks}, src.options().dtype(at::kFloat))
-                                              : at::empty({l.num_blocks}, bytes);
+  at::Tensor scales = l.scale_bytes_each == 4
+                          ? at::empty({l.num_blocks}, src.options().dtype(at::kFloat))
+                          : at::empty({l.num_blocks}, bytes);
   at::Tensor tensor_scale = at::zeros({1}, src.options().dtype(at::kFloat));
-  tk::QuantBuffers out{data.data_ptr<uint8_t>(), scales.data_ptr(),
-                       tensor_scale.data_ptr<float>()};
+  tk::QuantBuffers out{data.data_ptr<uint8_t>(), scales.data_ptr(), tensor_scale.data_ptr<float>()};
   if (src.is_cpu()) {
     const tk::QuantCpuOptions opts = CpuOptions(isa);
     pybind11::gil_scoped_release no_gil;
@@ -78,16 +77,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Quantize(const at::Tensor& t,
   TS_CHECK(src.is_cuda(), "quantize: tensor must be on CPU or CUDA, got ", src.device());
   const c10::cuda::CUDAGuard guard(src.device());
   at::Tensor workspace = at::empty({1}, src.options().dtype(at::kInt));
-  const cudaError_t err =
-      tk::QuantizeCuda(fmt, l, type, src.data_ptr(), out,
-                       reinterpret_cast<uint32_t*>(workspace.data_ptr<int32_t>()),
-                       c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
-  TS_CHECK(err == cudaSuccess, "trainstream quantize (", format, ") on CUDA failed: ",
-              cudaGetErrorString(err));
+  const cudaError_t err = tk::QuantizeCuda(
+      fmt, l, type, src.data_ptr(), out, reinterpret_cast<uint32_t*>(workspace.data_ptr<int32_t>()),
+      c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
+  TS_CHECK(err == cudaSuccess, "trainstream quantize (", format,
+           ") on CUDA failed: ", cudaGetErrorString(err));
   return {data, scales, tensor_scale};
 #else
-  TS_CHECK(false, "quantize: trainstream._C was built without CUDA; tensor is on ",
-              src.device());
+  TS_CHECK(false, "quantize: trainstream._C was built without CUDA; tensor is on ", src.device());
 #endif
 }
 
@@ -98,11 +95,11 @@ at::Tensor Dequantize(const at::Tensor& data, const at::Tensor& scales,
   const tk::QuantFormat fmt = FormatOrThrow(format);
   const tk::QuantLayout l = LayoutOrThrow(fmt, numel, block_size);
   TS_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() == l.data_bytes,
-              "dequantize: data must be a contiguous uint8 tensor of ", l.data_bytes, " bytes");
+           "dequantize: data must be a contiguous uint8 tensor of ", l.data_bytes, " bytes");
   TS_CHECK(scales.is_contiguous() && scales.nbytes() == static_cast<size_t>(l.scale_bytes()),
-              "dequantize: scales must be contiguous, ", l.scale_bytes(), " bytes");
+           "dequantize: scales must be contiguous, ", l.scale_bytes(), " bytes");
   TS_CHECK(scales.device() == data.device() && tensor_scale.device() == data.device(),
-              "dequantize: data, scales and tensor_scale must be on one device");
+           "dequantize: data, scales and tensor_scale must be on one device");
   const tk::QuantElemType type = ElemType(out_dtype);
   at::Tensor out = at::empty({numel}, data.options().dtype(out_dtype));
   if (data.is_cpu()) {
@@ -119,12 +116,11 @@ at::Tensor Dequantize(const at::Tensor& data, const at::Tensor& scales,
   const cudaError_t err = tk::DequantizeCuda(
       fmt, l, data.data_ptr<uint8_t>(), scales.data_ptr(), ts.data_ptr<float>(), type,
       out.data_ptr(), c10::cuda::getCurrentCUDAStream(data.device().index()).stream());
-  TS_CHECK(err == cudaSuccess, "trainstream dequantize (", format, ") on CUDA failed: ",
-              cudaGetErrorString(err));
+  TS_CHECK(err == cudaSuccess, "trainstream dequantize (", format,
+           ") on CUDA failed: ", cudaGetErrorString(err));
   return out;
 #else
-  TS_CHECK(false, "dequantize: trainstream._C was built without CUDA; data is on ",
-              data.device());
+  TS_CHECK(false, "dequantize: trainstream._C was built without CUDA; data is on ", data.device());
 #endif
 }
 
@@ -137,12 +133,18 @@ std::tuple<at::Tensor, at::Tensor> QuantizeRowsE4m3(const at::Tensor& x) {
   TS_CHECK(x.is_cuda(), "quantize_rows_e4m3: x must be a CUDA tensor, got ", x.device());
   tk::RowElemType type;
   switch (x.scalar_type()) {
-    case at::kFloat: type = tk::RowElemType::kFloat32; break;
-    case at::kBFloat16: type = tk::RowElemType::kBFloat16; break;
-    case at::kHalf: type = tk::RowElemType::kFloat16; break;
+    case at::kFloat:
+      type = tk::RowElemType::kFloat32;
+      break;
+    case at::kBFloat16:
+      type = tk::RowElemType::kBFloat16;
+      break;
+    case at::kHalf:
+      type = tk::RowElemType::kFloat16;
+      break;
     default:
       TS_CHECK(false, "quantize_rows_e4m3: x must be float32, bfloat16 or float16, got ",
-                  x.scalar_type());
+               x.scalar_type());
   }
   const at::Tensor src = x.contiguous();
   const c10::cuda::CUDAGuard guard(src.device());
@@ -151,8 +153,8 @@ std::tuple<at::Tensor, at::Tensor> QuantizeRowsE4m3(const at::Tensor& x) {
   const cudaError_t err = tk::QuantizeRowsE4m3Cuda(
       type, src.data_ptr(), src.size(0), src.size(1), static_cast<uint8_t*>(q.data_ptr()),
       scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
-  TS_CHECK(err == cudaSuccess, "trainstream quantize_rows_e4m3 on CUDA failed: ",
-              cudaGetErrorString(err));
+  TS_CHECK(err == cudaSuccess,
+           "trainstream quantize_rows_e4m3 on CUDA failed: ", cudaGetErrorString(err));
   return {q, scale};
 #else
   TS_CHECK(false, "quantize_rows_e4m3: trainstream._C was built without CUDA");

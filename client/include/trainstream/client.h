@@ -60,7 +60,8 @@ class MappedRegion {
                     std::unique_ptr<MappedRegion>* out);
 
  private:
-  MappedRegion(RegionInfo info, void* base, size_t mapped) : info_(std::move(info)), base_(base), mapped_(mapped) {}
+  MappedRegion(RegionInfo info, void* base, size_t mapped)
+      : info_(std::move(info)), base_(base), mapped_(mapped) {}
   RegionInfo info_;
   void* base_ = nullptr;
   size_t mapped_ = 0;
@@ -123,7 +124,8 @@ class Client {
 
   // Connects to the daemon at `socket_path`. Fails with kUnavailable (naming the
   // path) when nothing answers within `timeout_ms`.
-  static Status Connect(const std::string& socket_path, int timeout_ms, std::unique_ptr<Client>* out);
+  static Status Connect(const std::string& socket_path, int timeout_ms,
+                        std::unique_ptr<Client>* out);
 
   const std::string& socket_path() const;
 
@@ -162,9 +164,10 @@ class Session {
   // Registers parameters with the daemon's optimizer and maps their staging
   // slots. May be called more than once (e.g. add_param_group); param ids must
   // be new each time.
-  Status RegisterParameters(const RegisterOptions& options, const std::vector<ParameterSpec>& params,
-                            Registration* out);
-  Status AllocateRegion(uint64_t bytes, const std::string& label, std::unique_ptr<MappedRegion>* out);
+  Status RegisterParameters(const RegisterOptions& options,
+                            const std::vector<ParameterSpec>& params, Registration* out);
+  Status AllocateRegion(uint64_t bytes, const std::string& label,
+                        std::unique_ptr<MappedRegion>* out);
   Status FreeRegion(uint64_t region_id, uint64_t* bytes_freed);
 
   // False once the daemon closed the stream or went away; `why` says what

@@ -9,13 +9,13 @@ namespace trainstream {
 
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,    // the caller asked for something malformed (names the field)
-  kNotFound,           // no such session, region, parameter or daemon socket
+  kInvalidArgument,  // the caller asked for something malformed (names the field)
+  kNotFound,         // no such session, region, parameter or daemon socket
   kAlreadyExists,
-  kPermissionDenied,   // peer not allowed, or a file the caller may not read
-  kResourceExhausted,  // budget or /dev/shm full (says asked, free and limit)
-  kFailedPrecondition, // e.g. not attached, daemon draining
-  kUnavailable,        // no daemon answers, or it went away
+  kPermissionDenied,    // peer not allowed, or a file the caller may not read
+  kResourceExhausted,   // budget or /dev/shm full (says asked, free and limit)
+  kFailedPrecondition,  // e.g. not attached, daemon draining
+  kUnavailable,         // no daemon answers, or it went away
   kDeadlineExceeded,
   kInternal,
 };

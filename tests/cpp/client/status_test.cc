@@ -11,7 +11,8 @@ TEST_CASE("Status renders code and message", "[client]") {
   Status s(StatusCode::kInvalidArgument, "bytes: must be > 0");
   CHECK_FALSE(s.ok());
   CHECK(s.ToString() == "INVALID_ARGUMENT: bytes: must be > 0");
-  CHECK(std::string(trainstream::StatusCodeName(StatusCode::kResourceExhausted)) == "RESOURCE_EXHAUSTED");
+  CHECK(std::string(trainstream::StatusCodeName(StatusCode::kResourceExhausted)) ==
+        "RESOURCE_EXHAUSTED");
 }
 
 TEST_CASE("TRAINSTREAM_SOCKET overrides the default socket", "[client]") {
@@ -36,8 +37,10 @@ TEST_CASE("MappedRegion refuses names with slashes and out-of-range regions", "[
   info.segment_name = "../etc/passwd";
   info.segment_size = 8192;
   info.length = 10;
-  CHECK(trainstream::MappedRegion::Map("/dev/shm", info, &r).code() == StatusCode::kInvalidArgument);
+  CHECK(trainstream::MappedRegion::Map("/dev/shm", info, &r).code() ==
+        StatusCode::kInvalidArgument);
   info.segment_name = "trainstream-x";
   info.offset = 8190;
-  CHECK(trainstream::MappedRegion::Map("/dev/shm", info, &r).code() == StatusCode::kInvalidArgument);
+  CHECK(trainstream::MappedRegion::Map("/dev/shm", info, &r).code() ==
+        StatusCode::kInvalidArgument);
 }

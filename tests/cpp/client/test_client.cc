@@ -15,21 +15,20 @@
 //   raw_free <region_id> [session_id] [token]
 //   fill <region_id> <byte>          memset a region this client allocated
 //   alive | wait_dead <timeout_ms> | detach | quit
+#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
-#include <nlohmann/json.hpp>
 
 #include "trainstream/client.h"
 #include "trainstream/v1/control.grpc.pb.h"
@@ -50,7 +49,9 @@ json GrpcError(const grpc::Status& s) {
       {grpc::StatusCode::UNAVAILABLE, "UNAVAILABLE"},
       {grpc::StatusCode::FAILED_PRECONDITION, "FAILED_PRECONDITION"}};
   auto it = kNames.find(s.error_code());
-  return {{"ok", false}, {"code", it == kNames.end() ? "OTHER" : it->second}, {"message", s.error_message()}};
+  return {{"ok", false},
+          {"code", it == kNames.end() ? "OTHER" : it->second},
+          {"message", s.error_message()}};
 }
 
 struct State {
@@ -97,8 +98,14 @@ json Run(State& st, const std::string& line) {
     if (!s.ok()) return Error(s);
     st.session_id = st.session->id();
     const auto& c = st.session->control().info();
-    return {{"ok", true}, {"session_id", st.session_id}, {"shm_dir", st.session->shm_dir()},
-            {"control", {{"segment", c.segment_name}, {"region_id", c.region_id}, {"offset", c.offset}, {"length", c.length}}},
+    return {{"ok", true},
+            {"session_id", st.session_id},
+            {"shm_dir", st.session->shm_dir()},
+            {"control",
+             {{"segment", c.segment_name},
+              {"region_id", c.region_id},
+              {"offset", c.offset},
+              {"length", c.length}}},
             {"pid", getpid()}};
   }
   if (!st.session && cmd != "raw_alloc" && cmd != "raw_free" && cmd != "quit") {
@@ -111,8 +118,11 @@ json Run(State& st, const std::string& line) {
     std::unique_ptr<trainstream::MappedRegion> r;
     s = st.session->AllocateRegion(bytes, label, &r);
     if (!s.ok()) return Error(s);
-    json out = {{"ok", true}, {"region_id", r->info().region_id}, {"segment", r->info().segment_name},
-                {"offset", r->info().offset}, {"length", r->info().length},
+    json out = {{"ok", true},
+                {"region_id", r->info().region_id},
+                {"segment", r->info().segment_name},
+                {"offset", r->info().offset},
+                {"length", r->info().length},
                 {"segment_size", r->info().segment_size}};
     st.regions[r->info().region_id] = std::move(r);
     return out;
@@ -130,7 +140,8 @@ json Run(State& st, const std::string& line) {
     int byte = 0;
     in >> id >> byte;
     auto it = st.regions.find(id);
-    if (it == st.regions.end()) return {{"ok", false}, {"code", "CLIENT"}, {"message", "unknown region"}};
+    if (it == st.regions.end())
+      return {{"ok", false}, {"code", "CLIENT"}, {"message", "unknown region"}};
     std::memset(it->second->data(), byte, it->second->size());
     return {{"ok", true}};
   }
@@ -165,11 +176,15 @@ json Run(State& st, const std::string& line) {
     if (!s.ok()) return Error(s);
     json slots = json::array();
     for (const auto& sl : reg.slots) {
-      slots.push_back({{"param_id", sl.param_id}, {"grad_offset", sl.grad_offset},
-                       {"param_offset", sl.param_offset}, {"numel", sl.numel}});
+      slots.push_back({{"param_id", sl.param_id},
+                       {"grad_offset", sl.grad_offset},
+                       {"param_offset", sl.param_offset},
+                       {"numel", sl.numel}});
     }
-    json out = {{"ok", true}, {"staging", reg.staging->info().segment_name},
-                {"staging_size", reg.staging->info().segment_size}, {"slots", slots}};
+    json out = {{"ok", true},
+                {"staging", reg.staging->info().segment_name},
+                {"staging_size", reg.staging->info().segment_size},
+                {"slots", slots}};
     st.registrations.push_back(std::move(reg));
     return out;
   }

@@ -1,8 +1,9 @@
+#include "budget.h"
+
 #include <atomic>
 #include <thread>
 #include <vector>
 
-#include "budget.h"
 #include "catch_compat.h"
 
 using trainstream::daemon::Budget;

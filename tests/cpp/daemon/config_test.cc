@@ -1,8 +1,10 @@
-#include "catch_compat.h"
 #include "config.h"
+
+#include <cstdint>
+
+#include "catch_compat.h"
 #include "startup_checks.h"
 #include "token.h"
-#include <cstdint>
 
 using namespace trainstream::daemon;
 
@@ -75,7 +77,8 @@ TEST_CASE("Config file: key = value, comments, quotes, errors name file:line", "
   CHECK_FALSE(ParseConfigText("budget = 200%\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("no equals sign\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("lock_memory = maybe\n", "f", &d).ok());
-  CHECK(LoadConfigFile("/nonexistent/trainstreamd.conf", &d).error_code() == grpc::StatusCode::NOT_FOUND);
+  CHECK(LoadConfigFile("/nonexistent/trainstreamd.conf", &d).error_code() ==
+        grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_CASE("Tokens are 128-bit random hex and differ", "[token]") {

@@ -1,5 +1,6 @@
-#include "catch_compat.h"
 #include "param_layout.h"
+
+#include "catch_compat.h"
 
 using namespace trainstream::daemon;
 namespace v1 = trainstream::v1;
@@ -24,7 +25,9 @@ v1::RegisterParametersRequest Request() {
   q->set_dtype(v1::DTYPE_FLOAT32);
   return r;
 }
-std::string Field(const grpc::Status& s) { return s.error_message().substr(0, s.error_message().find(':')); }
+std::string Field(const grpc::Status& s) {
+  return s.error_message().substr(0, s.error_message().find(':'));
+}
 }  // namespace
 
 TEST_CASE("Valid registrations pass; each bad field is named", "[params]") {
@@ -54,7 +57,8 @@ TEST_CASE("Valid registrations pass; each bad field is named", "[params]") {
   r = Request();
   for (int i = 0; i < 3; ++i) r.mutable_params(0)->add_shape(1 << 20);
   CHECK(Field(ValidateRegistration(r, {})) == "params[0].shape");
-  for (auto code : {ValidateRegistration(r, {}).error_code()}) CHECK(code == grpc::StatusCode::INVALID_ARGUMENT);
+  for (auto code : {ValidateRegistration(r, {}).error_code()})
+    CHECK(code == grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 TEST_CASE("Layout: aligned, disjoint slots; manifest then state tensors", "[params]") {
@@ -67,8 +71,8 @@ TEST_CASE("Layout: aligned, disjoint slots; manifest then state tensors", "[para
   CHECK(a.numel == 15);
   CHECK(b.numel == 7);
   CHECK(a.grad_offset == 4096);
-  CHECK(a.param_offset == 4096 + 64);     // 15 fp32 grads = 60 bytes, aligned up
-  CHECK(b.grad_offset == 4096 + 128);     // 15 bf16 params = 30 bytes
+  CHECK(a.param_offset == 4096 + 64);  // 15 fp32 grads = 60 bytes, aligned up
+  CHECK(b.grad_offset == 4096 + 128);  // 15 bf16 params = 30 bytes
   CHECK(b.param_offset == 4096 + 192);
   CHECK(l.staging_bytes == 8192);
   CHECK(l.manifest_offset == 4096);

@@ -5,8 +5,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <chrono>
+#include <cstdint>
 
 #include "catch_compat.h"
 #include "trainstream/wire/ring.h"
@@ -45,7 +45,8 @@ TEST_CASE("Ring push/pop across fork() with futex wake", "[ring]") {
   while (next < kRecords && std::chrono::steady_clock::now() < deadline) {
     CommandRecord r{};
     if (!ring.Pop(&r, 100000000)) continue;  // 100 ms timeout, then retry
-    in_order = in_order && r.seq == next && r.param_id == next * 3 && r.opcode == Opcode::kGradReady;
+    in_order =
+        in_order && r.seq == next && r.param_id == next * 3 && r.opcode == Opcode::kGradReady;
     ++next;
   }
   int status = 0;

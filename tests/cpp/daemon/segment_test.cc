@@ -23,13 +23,15 @@ struct TempShmDir {
   ~TempShmDir() { fs::remove_all(path); }
   size_t count() const {
     size_t n = 0;
-    for (auto& e : fs::directory_iterator(path)) n += e.path().filename().string().rfind("trainstream-", 0) == 0;
+    for (auto& e : fs::directory_iterator(path))
+      n += e.path().filename().string().rfind("trainstream-", 0) == 0;
     return n;
   }
 };
 }  // namespace
 
-TEST_CASE("Segments are created O_EXCL 0600 with a header and unlinked on destruction", "[segment]") {
+TEST_CASE("Segments are created O_EXCL 0600 with a header and unlinked on destruction",
+          "[segment]") {
   TempShmDir dir;
   SegmentOwner owner;
   owner.session_id = 42;

@@ -1,6 +1,8 @@
 // WorkerPool and AdamWEngine: the engine on several threads must give exactly
 // what the scalar kernel gives applied parameter by parameter, in eager and
 // deferred modes, and must leave state untouched for non-finite gradients.
+#include "trainstream/optimizer/adamw_engine.h"
+
 #include <atomic>
 #include <cmath>
 #include <mutex>
@@ -9,7 +11,6 @@
 
 #include "catch_compat.h"
 #include "trainstream/kernels/adamw.h"
-#include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/optimizer/worker_pool.h"
 
 using namespace trainstream::optimizer;
@@ -81,9 +82,9 @@ AdamWHyperParams Hp(size_t i) {
 void ReferenceStep(Fixture& f, uint64_t step, float scale) {
   for (size_t i = 0; i < f.t.size(); ++i) {
     Tensor& x = f.t[i];
-    trainstream::kernels::AdamWRange r{x.master.data(), x.m.data(), x.v.data(), x.grad.data(),
-                                       x.slot.data(), x.master.size(), DType::kFloat32,
-                                       DType::kFloat32, DType::kFloat32};
+    trainstream::kernels::AdamWRange r{x.master.data(), x.m.data(),      x.v.data(),
+                                       x.grad.data(),   x.slot.data(),   x.master.size(),
+                                       DType::kFloat32, DType::kFloat32, DType::kFloat32};
     trainstream::kernels::AdamWUpdate(
         r, trainstream::kernels::ComputeAdamWStepScalars(Hp(i), step, scale),
         trainstream::kernels::RoundingKey{0, i, step, 0}, Isa::kScalar);
@@ -135,54 +136,54 @@ double GlobalNorm(const Fixture& f) {
 }  // namespace
 
 TEST_CASE("eager engine on 3 threads equals the scalar kernel", "[engine]") {
- for (bool per_chunk : {false, true}) {
-  INFO("eager_check_per_chunk " << per_chunk);
-  WorkerPool pool(WorkerPoolOptions{3, false});
-  Fixture got(1), want(1);
-  EngineOptions opt;
-  opt.chunk_elems = 65536;
-  opt.eager_check_per_chunk = per_chunk;
-  AdamWEngine engine(&pool, opt);
-  REQUIRE_FALSE(engine.deferred());
-  Recorder rec;
-  rec.Attach(engine);
-  Bind(engine, got);
-  for (size_t i = 0; i < want.t.size(); ++i) {
-    want.t[i].master = want.t[i].slot;  // what Init does
-    CHECK(got.t[i].master == want.t[i].master);
-  }
-  for (uint64_t step = 1; step <= 4; ++step) {
-    got.NewGrads(static_cast<uint32_t>(step));
-    want.NewGrads(static_cast<uint32_t>(step));
-    for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).empty());
-    REQUIRE(engine.StepEnd(step).empty());
-    engine.WaitIdle();
-    ReferenceStep(want, step, 1.0f);
-  }
-  for (size_t i = 0; i < got.t.size(); ++i) {
-    CHECK(got.t[i].master == want.t[i].master);
-    CHECK(got.t[i].m == want.t[i].m);
-    CHECK(got.t[i].v == want.t[i].v);
-    CHECK(got.t[i].slot == want.t[i].slot);
-  }
-  REQUIRE(rec.steps.size() == 4);
-  CHECK(rec.params_done == 16);
-  CHECK(rec.steps.back().params_updated == 4);
-  CHECK(rec.steps.back().grad_norm == Approx(GlobalNorm(want)).epsilon(1e-12));
+  for (bool per_chunk : {false, true}) {
+    INFO("eager_check_per_chunk " << per_chunk);
+    WorkerPool pool(WorkerPoolOptions{3, false});
+    Fixture got(1), want(1);
+    EngineOptions opt;
+    opt.chunk_elems = 65536;
+    opt.eager_check_per_chunk = per_chunk;
+    AdamWEngine engine(&pool, opt);
+    REQUIRE_FALSE(engine.deferred());
+    Recorder rec;
+    rec.Attach(engine);
+    Bind(engine, got);
+    for (size_t i = 0; i < want.t.size(); ++i) {
+      want.t[i].master = want.t[i].slot;  // what Init does
+      CHECK(got.t[i].master == want.t[i].master);
+    }
+    for (uint64_t step = 1; step <= 4; ++step) {
+      got.NewGrads(static_cast<uint32_t>(step));
+      want.NewGrads(static_cast<uint32_t>(step));
+      for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).empty());
+      REQUIRE(engine.StepEnd(step).empty());
+      engine.WaitIdle();
+      ReferenceStep(want, step, 1.0f);
+    }
+    for (size_t i = 0; i < got.t.size(); ++i) {
+      CHECK(got.t[i].master == want.t[i].master);
+      CHECK(got.t[i].m == want.t[i].m);
+      CHECK(got.t[i].v == want.t[i].v);
+      CHECK(got.t[i].slot == want.t[i].slot);
+    }
+    REQUIRE(rec.steps.size() == 4);
+    CHECK(rec.params_done == 16);
+    CHECK(rec.steps.back().params_updated == 4);
+    CHECK(rec.steps.back().grad_norm == Approx(GlobalNorm(want)).epsilon(1e-12));
 
-  // state export/import round trip
-  std::vector<float> ma(4097), ea(4097), eb(4097);
-  uint64_t step = 0;
-  REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).empty());
-  CHECK(step == 4);
-  CHECK(ma == want.t[2].master);
-  CHECK(eb == want.t[2].v);
-  ma[0] = 5.0f;
-  REQUIRE(engine.ImportState(2, ma.data(), ea.data(), eb.data(), 9).empty());
-  CHECK(got.t[2].slot[0] == 5.0f);
-  REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).empty());
-  CHECK(step == 9);
- }
+    // state export/import round trip
+    std::vector<float> ma(4097), ea(4097), eb(4097);
+    uint64_t step = 0;
+    REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).empty());
+    CHECK(step == 4);
+    CHECK(ma == want.t[2].master);
+    CHECK(eb == want.t[2].v);
+    ma[0] = 5.0f;
+    REQUIRE(engine.ImportState(2, ma.data(), ea.data(), eb.data(), 9).empty());
+    CHECK(got.t[2].slot[0] == 5.0f);
+    REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).empty());
+    CHECK(step == 9);
+  }
 }
 
 TEST_CASE("deferred engine clips by the global norm like clip_grad_norm_", "[engine]") {

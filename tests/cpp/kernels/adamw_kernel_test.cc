@@ -48,9 +48,12 @@ Buffers MakeBuffers(size_t n, DType gd, DType md, DType pd, uint32_t seed) {
       reinterpret_cast<uint16_t*>(b.m.data())[i] = FloatToBf16Rne(m);
       reinterpret_cast<uint16_t*>(b.v.data())[i] = FloatToBf16Rne(v);
     }
-    if (gd == DType::kFloat32) reinterpret_cast<float*>(b.g.data())[i] = g;
-    else if (gd == DType::kBFloat16) reinterpret_cast<uint16_t*>(b.g.data())[i] = FloatToBf16Rne(g);
-    else reinterpret_cast<uint16_t*>(b.g.data())[i] = FloatToFp16Rne(g);
+    if (gd == DType::kFloat32)
+      reinterpret_cast<float*>(b.g.data())[i] = g;
+    else if (gd == DType::kBFloat16)
+      reinterpret_cast<uint16_t*>(b.g.data())[i] = FloatToBf16Rne(g);
+    else
+      reinterpret_cast<uint16_t*>(b.g.data())[i] = FloatToFp16Rne(g);
   }
   return b;
 }
@@ -87,8 +90,8 @@ void CheckPathMatchesScalar(Isa isa) {
           for (const AdamWHyperParams& hp : {hp_default, hp_big_weight}) {
             for (size_t offset : {size_t{0}, n > 3 ? size_t{3} : size_t{0}}) {
               INFO("grad " << DTypeName(gd) << " moments " << DTypeName(md) << " param "
-                           << DTypeName(pd) << " n " << n << " offset " << offset
-                           << " beta1 " << hp.beta1);
+                           << DTypeName(pd) << " n " << n << " offset " << offset << " beta1 "
+                           << hp.beta1);
               Buffers ref = MakeBuffers(n, gd, md, pd, static_cast<uint32_t>(n));
               Buffers got = ref;
               RunSteps(ref, n, gd, md, pd, hp, Isa::kScalar, offset);
@@ -125,10 +128,11 @@ TEST_CASE("fp32 param_out may alias master", "[adamw]") {
     if (!IsaSupported(isa)) continue;
     Buffers b = MakeBuffers(100, DType::kFloat32, DType::kFloat32, DType::kFloat32, 1);
     Buffers ref = b;
-    AdamWRange r{b.master.data(), b.m.data(), b.v.data(), b.g.data(), b.master.data(), 100,
+    AdamWRange r{b.master.data(), b.m.data(),      b.v.data(),     b.g.data(), b.master.data(), 100,
                  DType::kFloat32, DType::kFloat32, DType::kFloat32};
-    AdamWRange rr{ref.master.data(), ref.m.data(), ref.v.data(), ref.g.data(), ref.out.data(), 100,
-                  DType::kFloat32, DType::kFloat32, DType::kFloat32};
+    AdamWRange rr{ref.master.data(), ref.m.data(),    ref.v.data(),
+                  ref.g.data(),      ref.out.data(),  100,
+                  DType::kFloat32,   DType::kFloat32, DType::kFloat32};
     const auto s = ComputeAdamWStepScalars(AdamWHyperParams{}, 1, 1.0f);
     AdamWUpdate(r, s, RoundingKey{}, isa);
     AdamWUpdate(rr, s, RoundingKey{}, Isa::kScalar);
@@ -149,7 +153,7 @@ TEST_CASE("bf16 and fp16 conversions round to nearest even", "[adamw]") {
     if (std::isnan(f)) continue;
     REQUIRE(FloatToFp16Rne(f) == h);
   }
-  CHECK(FloatToFp16Rne(65520.0f) == 0x7C00);  // rounds to infinity
+  CHECK(FloatToFp16Rne(65520.0f) == 0x7C00);            // rounds to infinity
   CHECK(FloatToFp16Rne(1.0f + 1.0f / 2048) == 0x3C00);  // tie to even
 }
 

@@ -23,8 +23,8 @@ struct Quantized {
   float tensor_scale = 0.0f;
 };
 
-Quantized Quantize(tk::QuantFormat fmt, const std::vector<float>& x, int64_t block,
-                   tk::Isa isa, int threads = 0) {
+Quantized Quantize(tk::QuantFormat fmt, const std::vector<float>& x, int64_t block, tk::Isa isa,
+                   int threads = 0) {
   Quantized q;
   q.layout = tk::MakeQuantLayout(fmt, static_cast<int64_t>(x.size()), block);
   q.data.assign(q.layout.data_bytes, 0xAB);  // poison: every byte must be written
@@ -106,8 +106,8 @@ TEST_CASE("NF4 bytes match a hand-computed bitsandbytes example") {
   // Block 4: {2, -2, 0, 1} -> absmax 2, normalized {1, -1, 0, 0.5} -> codes
   // {15, 0, 7, 12} (0.5 lies between thresholds 0.389 and 0.502). Element 2j goes in
   // the high nibble: 0xF0, 0x7C. Second block {0.25, pad, pad, pad} -> {15, 7, 7, 7}.
-  const Quantized q = Quantize(tk::QuantFormat::kNf4, {2.0f, -2.0f, 0.0f, 1.0f, 0.25f}, 4,
-                               tk::Isa::kScalar);
+  const Quantized q =
+      Quantize(tk::QuantFormat::kNf4, {2.0f, -2.0f, 0.0f, 1.0f, 0.25f}, 4, tk::Isa::kScalar);
   REQUIRE(q.layout.padding() == 3);
   REQUIRE(q.data == std::vector<uint8_t>{0xF0, 0x7C, 0xF7, 0x77});
   float scales[2];
@@ -115,8 +115,8 @@ TEST_CASE("NF4 bytes match a hand-computed bitsandbytes example") {
   REQUIRE(scales[0] == 2.0f);
   REQUIRE(scales[1] == 0.25f);
   // bitsandbytes' all-zero block: absmax 0, 0 * (1/0) = NaN, code 0 everywhere.
-  const Quantized z = Quantize(tk::QuantFormat::kNf4, std::vector<float>(64, 0.0f), 64,
-                               tk::Isa::kScalar);
+  const Quantized z =
+      Quantize(tk::QuantFormat::kNf4, std::vector<float>(64, 0.0f), 64, tk::Isa::kScalar);
   REQUIRE(z.data == std::vector<uint8_t>(32, 0x00));
   for (float v : Dequantize(tk::QuantFormat::kNf4, z, tk::Isa::kScalar)) REQUIRE(v == 0.0f);
 }
@@ -163,7 +163,7 @@ TEST_CASE("values on each format's grid round-trip exactly") {
         case tk::QuantFormat::kFp8:
           for (int64_t i = 0; i < block; ++i)
             if ((q.data[s + i] & 0x7F) == 0x7F) q.data[s + i] = 0;  // NaN codes
-          q.data[s] = 0x7E;  // 448
+          q.data[s] = 0x7E;                                         // 448
           break;
         case tk::QuantFormat::kNvfp4:
           q.data[s / 2] = static_cast<uint8_t>(0x70 | (q.data[s / 2] & 0xF));  // 6

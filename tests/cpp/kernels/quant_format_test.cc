@@ -1,6 +1,8 @@
 // The element codecs of quant_format.h against brute-force references: NF4's tree vs
 // its branch-free count and the published code table; e4m3 and e2m1 against "nearest
 // representable value, ties to even, saturating" computed by scanning every code.
+#include "trainstream/kernels/quant_format.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -8,7 +10,6 @@
 #include <vector>
 
 #include "catch_compat.h"
-#include "trainstream/kernels/quant_format.h"
 
 namespace tk = trainstream::kernels;
 
@@ -42,13 +43,22 @@ std::vector<float> RandomProbes(uint32_t seed, int n, float lo_exp, float hi_exp
 
 TEST_CASE("NF4 code table is bitsandbytes' published table") {
   const float code[16] = {TRAINSTREAM_NF4_CODE_VALUES};
-  const double published[16] = {-1.0, -0.6961928009986877, -0.5250730514526367,
-                                 -0.39491748809814453, -0.28444138169288635,
-                                 -0.18477343022823334, -0.09105003625154495, 0.0,
-                                 0.07958029955625534, 0.16093020141124725,
-                                 0.24611230194568634, 0.33791524171829224,
-                                 0.44070982933044434, 0.5626170039176941,
-                                 0.7229568362236023, 1.0};
+  const double published[16] = {-1.0,
+                                -0.6961928009986877,
+                                -0.5250730514526367,
+                                -0.39491748809814453,
+                                -0.28444138169288635,
+                                -0.18477343022823334,
+                                -0.09105003625154495,
+                                0.0,
+                                0.07958029955625534,
+                                0.16093020141124725,
+                                0.24611230194568634,
+                                0.33791524171829224,
+                                0.44070982933044434,
+                                0.5626170039176941,
+                                0.7229568362236023,
+                                1.0};
   for (int i = 0; i < 16; ++i) REQUIRE(code[i] == static_cast<float>(published[i]));
   // Each code value encodes to itself.
   for (int i = 0; i < 16; ++i) REQUIRE(tk::Nf4Encode(code[i]) == i);
@@ -87,8 +97,8 @@ TEST_CASE("e4m3 encode is round-to-nearest-even with saturation at 448") {
   std::vector<float> probes = RandomProbes(2, 200000, -14.0f, 10.0f);
   for (int c = 0; c + 1 < 0x7F; ++c) probes.push_back(0.5f * (mags[c] + mags[c + 1]));  // ties
   for (float x : probes) {
-    const uint8_t want = static_cast<uint8_t>((std::signbit(x) ? 0x80 : 0) |
-                                              NearestEven(mags, std::fabs(x)));
+    const uint8_t want =
+        static_cast<uint8_t>((std::signbit(x) ? 0x80 : 0) | NearestEven(mags, std::fabs(x)));
     INFO("x = " << x);
     REQUIRE(int(tk::E4m3Encode(x)) == int(want));
   }

@@ -32,10 +32,10 @@ struct AdamWHyperParams {
 // _single_tensor_adam does in Python floats, then rounded to float as torch's CPU
 // kernels do when a Python scalar meets a float tensor.
 struct AdamWStepScalars {
-  float grad_scale;     // clip coefficient applied to the gradient first (1: none)
-  float decay;          // 1 - lr * weight_decay
-  float lerp_coeff;     // torch lerp_: weight (= 1 - beta1) if < 0.5, else weight - 1
-  bool lerp_from_end;   // weight >= 0.5: lerp is computed from the end (the gradient)
+  float grad_scale;    // clip coefficient applied to the gradient first (1: none)
+  float decay;         // 1 - lr * weight_decay
+  float lerp_coeff;    // torch lerp_: weight (= 1 - beta1) if < 0.5, else weight - 1
+  bool lerp_from_end;  // weight >= 0.5: lerp is computed from the end (the gradient)
   float beta2;
   float one_minus_beta2;
   float bias_correction2_sqrt;
@@ -44,8 +44,8 @@ struct AdamWStepScalars {
   // What the kernels use (Note [AdamW operation order] in adamw_impl.h): the
   // bias correction folded into the two scalars, so one division per element
   // instead of two. Both are computed in double and rounded once.
-  float eps_scaled;        // eps * sqrt(1 - beta2^step)
-  float neg_step_scaled;   // -lr / (1 - beta1^step) * sqrt(1 - beta2^step)
+  float eps_scaled;       // eps * sqrt(1 - beta2^step)
+  float neg_step_scaled;  // -lr / (1 - beta1^step) * sqrt(1 - beta2^step)
 };
 
 // `step` counts from 1 (the value of torch's state['step'] after its increment).

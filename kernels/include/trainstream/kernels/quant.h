@@ -35,8 +35,8 @@ struct QuantCpuOptions {
 // MakeQuantLayout: data_bytes, scale_bytes(), and one float for nvfp4.
 struct QuantBuffers {
   uint8_t* data = nullptr;
-  void* scales = nullptr;            // float[num_blocks] or uint8_t[num_blocks]
-  float* tensor_scale = nullptr;     // nvfp4 only (may be null otherwise)
+  void* scales = nullptr;         // float[num_blocks] or uint8_t[num_blocks]
+  float* tensor_scale = nullptr;  // nvfp4 only (may be null otherwise)
 };
 
 struct QuantConstBuffers {

@@ -24,8 +24,8 @@ cudaError_t QuantizeCuda(QuantFormat fmt, const QuantLayout& layout, QuantElemTy
 // Writes layout.numel elements of `dst_type` to `dst` (device). `tensor_scale` is a
 // device pointer to nvfp4's fp32 tensor scale (ignored by the other formats).
 cudaError_t DequantizeCuda(QuantFormat fmt, const QuantLayout& layout, const uint8_t* data,
-                           const void* scales, const float* tensor_scale,
-                           QuantElemType dst_type, void* dst, cudaStream_t stream);
+                           const void* scales, const float* tensor_scale, QuantElemType dst_type,
+                           void* dst, cudaStream_t stream);
 
 // Element types of QuantizeRowsE4m3Cuda's input (activations may be fp16 too).
 enum class RowElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -39,7 +39,7 @@ enum class RowElemType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 // eager torch expression (x.abs().amax(1).float() * (1 / 448)).clamp_min(1e-30) and
 // (x.float() / scale).to(torch.float8_e4m3fn) for finite inputs (on CUDA torch also
 // evaluates `/ 448.0` as that product).
-cudaError_t QuantizeRowsE4m3Cuda(RowElemType src_type, const void* src, int64_t rows,
-                                 int64_t cols, uint8_t* q, float* scales, cudaStream_t stream);
+cudaError_t QuantizeRowsE4m3Cuda(RowElemType src_type, const void* src, int64_t rows, int64_t cols,
+                                 uint8_t* q, float* scales, cudaStream_t stream);
 
 }  // namespace trainstream::kernels

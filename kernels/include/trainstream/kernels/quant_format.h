@@ -44,23 +44,21 @@ constexpr float kE2m1Max = 6.0f;
 // ---- NF4 ------------------------------------------------------------------------
 // bitsandbytes' NF4 code table (functional.py get_4bit_type("nf4"), kernels.cu
 // nf4_data), as a macro so CUDA can put the same literals in __constant__ memory.
-#define TRAINSTREAM_NF4_CODE_VALUES                                                  \
-  -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,          \
-      -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,     \
-      0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f,              \
-      0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,               \
-      0.7229568362236023f, 1.0f
+#define TRAINSTREAM_NF4_CODE_VALUES                                                                \
+  -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f, \
+      -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f,                    \
+      0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f,      \
+      0.5626170039176941f, 0.7229568362236023f, 1.0f
 
 // The decision thresholds of bitsandbytes' dQuantizeNF4 (its binary tree, listed in
 // ascending order). A normalized value v gets code c = number of thresholds t with
 // v > t: exactly the tree's answer, including ties (a value equal to a threshold
 // takes the lower code) and NaN (all comparisons false: code 0), which is what an
 // all-zero block produces in bitsandbytes (0 * (1/0)).
-#define TRAINSTREAM_NF4_THRESHOLDS                                                    \
-  -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f,                  \
-      -0.33967943489551544f, -0.23460740596055984f, -0.13791173323988914f,           \
-      -0.045525018125772476f, 0.03979014977812767f, 0.1202552504837513f,             \
-      0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,                 \
+#define TRAINSTREAM_NF4_THRESHOLDS                                                                \
+  -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,        \
+      -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f, \
+      0.1202552504837513f, 0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,         \
       0.5016634166240692f, 0.6427869200706482f, 0.8614784181118011f
 
 // bitsandbytes' dQuantizeNF4 tree, verbatim in behaviour. `v` = x * (1.0f / absmax).
@@ -189,8 +187,9 @@ TS_QUANT_HD uint8_t E2m1Encode(float x) {
   return static_cast<uint8_t>(sign | m);
 }
 
-#define TRAINSTREAM_E2M1_VALUES \
-  0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f
+#define TRAINSTREAM_E2M1_VALUES                                                                    \
+  0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, \
+      -6.0f
 
 // ---- bf16 / fp16 conversions that agree with torch and CUDA ------------------------
 // Round to nearest even; NaN stays NaN; subnormals are kept (no flush-to-zero, unlike

@@ -26,8 +26,8 @@ inline constexpr uint32_t kRingMagic = 0x54535247;  // "TSRG"
 
 struct alignas(64) RingHeader {
   uint32_t magic;
-  uint32_t record_size;  // bytes per record, a multiple of 8
-  uint64_t capacity;     // records, a power of two
+  uint32_t record_size;                    // bytes per record, a multiple of 8
+  uint64_t capacity;                       // records, a power of two
   alignas(64) std::atomic<uint64_t> head;  // next record to consume (consumer writes)
   alignas(64) std::atomic<uint64_t> tail;  // next record to produce (producer writes)
   // Incremented by the producer after each push; the consumer sleeps on it.

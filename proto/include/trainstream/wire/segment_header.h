@@ -15,14 +15,14 @@ inline constexpr uint64_t kSegmentHeaderBytes = 4096;  // one page; data starts 
 struct SegmentHeader {
   uint32_t magic;
   uint32_t version;
-  uint32_t kind;          // trainstream.v1.SegmentKind
+  uint32_t kind;  // trainstream.v1.SegmentKind
   uint32_t flags;
-  uint64_t total_bytes;   // the file's size
-  uint64_t session_id;    // owner, 0 for daemon-owned (bases)
+  uint64_t total_bytes;  // the file's size
+  uint64_t session_id;   // owner, 0 for daemon-owned (bases)
   uint32_t owner_uid;
   uint32_t reserved0;
   int64_t created_unix_ns;
-  char job[64];           // NUL-terminated job name of the owner
+  char job[64];  // NUL-terminated job name of the owner
   int32_t rank;
   int32_t local_rank;
   uint64_t manifest_offset;  // state segments: StateManifest location, else 0
@@ -33,22 +33,22 @@ static_assert(sizeof(SegmentHeader) == kSegmentHeaderBytes, "wire format");
 
 // State segments: one entry per parameter, after a StateManifest header.
 struct StateManifest {
-  uint32_t magic;      // kSegmentMagic
+  uint32_t magic;  // kSegmentMagic
   uint32_t entries;
   uint32_t moment_dtype;  // trainstream.v1.DType
   uint32_t reserved0;
-  uint64_t step;       // last completed optimizer step (kept current by the daemon)
+  uint64_t step;  // last completed optimizer step (kept current by the daemon)
   uint64_t seed;
 };
 
 struct StateManifestEntry {
   uint64_t param_id;
   uint64_t numel;
-  uint32_t dtype;        // training dtype (trainstream.v1.DType)
+  uint32_t dtype;  // training dtype (trainstream.v1.DType)
   uint32_t group;
-  uint64_t master_offset;     // fp32[numel], from the segment start
-  uint64_t exp_avg_offset;    // moment_dtype[numel]
-  uint64_t exp_avg_sq_offset; // moment_dtype[numel]
+  uint64_t master_offset;      // fp32[numel], from the segment start
+  uint64_t exp_avg_offset;     // moment_dtype[numel]
+  uint64_t exp_avg_sq_offset;  // moment_dtype[numel]
   uint64_t step;
   char name[120];
 };

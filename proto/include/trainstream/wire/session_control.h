@@ -48,15 +48,15 @@ enum class Opcode : uint32_t {
   kStepDone = 17,    // the step finished (status, grad norm, skipped)
   kStateDone = 18,   // a kLoadState/kExportState finished
   kSyncDone = 19,
-  kError = 20,       // a command was rejected; message says why
+  kError = 20,  // a command was rejected; message says why
 };
 
 // Which tensor of a parameter's optimizer state a kLoadState/kExportState moves.
 enum class StateField : uint32_t {
-  kMaster = 0,     // fp32 master weights
-  kExpAvg = 1,     // first moment, as fp32 on the wire
-  kExpAvgSq = 2,   // second moment, as fp32 on the wire
-  kStep = 3,       // the step count (in `step`, no payload)
+  kMaster = 0,         // fp32 master weights
+  kExpAvg = 1,         // first moment, as fp32 on the wire
+  kExpAvgSq = 2,       // second moment, as fp32 on the wire
+  kStep = 3,           // the step count (in `step`, no payload)
   kParamFromSlot = 4,  // master := the param slot's contents (initialisation)
 };
 
@@ -79,9 +79,9 @@ struct alignas(64) CommandRecord {
   // kLoadState / kExportState: which field, and where its payload lives.
   StateField field;
   uint32_t reserved0;
-  uint64_t region_id;     // a region of this session (AllocateRegion)
-  uint64_t region_offset; // byte offset inside that region
-  uint64_t bytes;         // payload bytes
+  uint64_t region_id;      // a region of this session (AllocateRegion)
+  uint64_t region_offset;  // byte offset inside that region
+  uint64_t bytes;          // payload bytes
   // kStepEnd: number of kGradReady records of this step (a cross-check).
   uint64_t grads_posted;
   uint64_t reserved[1];
@@ -98,12 +98,12 @@ enum class CompletionStatus : int32_t {
 struct alignas(64) CompletionRecord {
   Opcode opcode;
   CompletionStatus status;
-  uint64_t seq;       // of the command this answers
+  uint64_t seq;  // of the command this answers
   uint64_t param_id;
   uint64_t step;
-  double grad_norm;   // kStepDone: global L2 norm of the gradients before clipping
+  double grad_norm;         // kStepDone: global L2 norm of the gradients before clipping
   uint64_t params_updated;  // kStepDone
-  char message[80];   // NUL-terminated; empty when status is kOk
+  char message[80];         // NUL-terminated; empty when status is kOk
 };
 static_assert(sizeof(CompletionRecord) == 128, "wire format");
 

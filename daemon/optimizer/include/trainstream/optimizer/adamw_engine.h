@@ -56,11 +56,11 @@ struct ParamBinding {
 };
 
 struct EngineOptions {
-  DType moment_dtype = DType::kFloat32;  // kFloat32 or kBFloat16
-  double max_grad_norm = 0;              // > 0: clip by global L2 norm (deferred mode)
-  bool skip_nonfinite_step = false;      // deferred mode without clipping
-  uint64_t seed = 0;                     // stochastic rounding of bf16 moments
-  size_t chunk_elems = 64 * 1024;        // elements per work item
+  DType moment_dtype = DType::kFloat32;   // kFloat32 or kBFloat16
+  double max_grad_norm = 0;               // > 0: clip by global L2 norm (deferred mode)
+  bool skip_nonfinite_step = false;       // deferred mode without clipping
+  uint64_t seed = 0;                      // stochastic rounding of bf16 moments
+  size_t chunk_elems = 64 * 1024;         // elements per work item
   kernels::Isa isa = kernels::BestIsa();  // forced path (tests, benchmarks)
   // Eager mode only. false (default): a parameter's whole gradient is checked
   // before any of it is applied, so a non-finite value leaves that parameter
@@ -155,10 +155,10 @@ class AdamWEngine {
   ParamDoneCallback param_done_;
   StepDoneCallback step_done_;
 
-  std::vector<std::unique_ptr<Param>> params_;       // append-only before submissions
-  std::unordered_map<uint64_t, Param*> by_id_;       // ditto
-  std::vector<uint64_t> worker_load_;                // elements assigned per worker
-  size_t initialized_ = 0;                           // params_[0, initialized_) are set up
+  std::vector<std::unique_ptr<Param>> params_;  // append-only before submissions
+  std::unordered_map<uint64_t, Param*> by_id_;  // ditto
+  std::vector<uint64_t> worker_load_;           // elements assigned per worker
+  size_t initialized_ = 0;                      // params_[0, initialized_) are set up
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;
