@@ -17,7 +17,6 @@ fp32 figure from the same run:
 import argparse
 import json
 import subprocess
-import sys
 import time
 
 import torch

@@ -6,9 +6,8 @@ import socket
 import subprocess
 import time
 
-import pytest
 
-from conftest import Daemon, wait_until
+from conftest import wait_until
 
 MIB = 1 << 20
 
