@@ -273,19 +273,22 @@ class DataPlane {
     CommandRecord record;
   };
 
-  c10::cuda::CUDAStream& D2HStream(c10::DeviceIndex device) {
+  using StreamMap = std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream>;
+
+  // The copy stream of `device` in `streams` (d2h_streams_ or h2d_streams_),
+  // taken from torch's pool on first use.
+  c10::cuda::CUDAStream& CopyStream(StreamMap& streams, c10::DeviceIndex device) {
     std::lock_guard<std::mutex> lock(stream_mu_);
-    auto it = d2h_streams_.find(device);
-    if (it == d2h_streams_.end())
-      it = d2h_streams_.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+    auto it = streams.find(device);
+    if (it == streams.end())
+      it = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
     return it->second;
   }
+  c10::cuda::CUDAStream& D2HStream(c10::DeviceIndex device) {
+    return CopyStream(d2h_streams_, device);
+  }
   c10::cuda::CUDAStream& H2DStream(c10::DeviceIndex device) {
-    std::lock_guard<std::mutex> lock(stream_mu_);
-    auto it = h2d_streams_.find(device);
-    if (it == h2d_streams_.end())
-      it = h2d_streams_.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
-    return it->second;
+    return CopyStream(h2d_streams_, device);
   }
 
   void PostAfterCopy(const torch::Tensor& grad, torch::Tensor slot, const CommandRecord& rec) {
@@ -374,10 +377,10 @@ class DataPlane {
   std::deque<CompletionRecord> stash_;
 
 #ifdef TRAINSTREAM_WITH_CUDA
-  std::mutex stream_mu_;  // guards the two stream maps
-  std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> d2h_streams_;
-  std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> h2d_streams_;
-  std::mutex poster_mu_;  // guards queue_, in_flight_, stop_, poster_error_, poster_
+  std::mutex stream_mu_;   // guards the two stream maps
+  StreamMap d2h_streams_;  // Guarded by stream_mu_
+  StreamMap h2d_streams_;  // Guarded by stream_mu_
+  std::mutex poster_mu_;   // guards queue_, in_flight_, stop_, poster_error_, poster_
   std::condition_variable poster_cv_;
   std::condition_variable idle_cv_;
   std::deque<PendingPost> queue_;
