@@ -86,3 +86,28 @@ TEST_CASE("A blocked consumer wakes promptly on push and on WakeConsumer", "[rin
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(4));
   munmap(mem, bytes);
 }
+
+// Regression: the peer can write the shared header. A view keeps the capacity and
+// record size it saw when it was made, so a corrupted header cannot turn into an
+// out-of-bounds access on this side.
+TEST_CASE("A ring view ignores a peer's later writes to capacity and record size", "[ring]") {
+  constexpr uint64_t kCapacity = 8;
+  const size_t bytes = RingBytes(kCapacity, sizeof(CommandRecord));
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(mem != MAP_FAILED);
+  RingView::Initialize(mem, kCapacity, sizeof(CommandRecord));
+  RingView view(mem);
+  auto* header = static_cast<RingHeader*>(mem);
+  header->capacity = uint64_t{1} << 40;  // what a buggy or hostile client might write
+  header->record_size = 1u << 20;
+
+  CommandRecord rec{};
+  int pushed = 0;
+  while (view.TryPush(&rec)) ++pushed;
+  CHECK(pushed == static_cast<int>(kCapacity));  // still bounded by the original capacity
+  CommandRecord out{};
+  int popped = 0;
+  while (view.TryPop(&out)) ++popped;
+  CHECK(popped == pushed);
+  munmap(mem, bytes);
+}

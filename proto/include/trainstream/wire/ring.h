@@ -55,7 +55,13 @@ inline void FutexWake(std::atomic<uint32_t>* word) {
 class RingView {
  public:
   RingView() = default;
-  explicit RingView(void* base) : header_(static_cast<RingHeader*>(base)) {}
+  // Reads capacity and record size once, here: the peer can write the shared
+  // header, so a view never trusts those fields again (a corrupted capacity
+  // must not become an out-of-bounds access in the daemon).
+  explicit RingView(void* base)
+      : header_(static_cast<RingHeader*>(base)),
+        capacity_(header_->capacity),
+        record_size_(header_->record_size) {}
 
   // Writes a fresh, empty ring header at `base`. Only the segment's creator calls this.
   static RingView Initialize(void* base, uint64_t capacity, uint32_t record_size) {
@@ -71,8 +77,8 @@ class RingView {
   }
 
   bool valid() const {
-    return header_ != nullptr && header_->magic == kRingMagic && header_->capacity != 0 &&
-           (header_->capacity & (header_->capacity - 1)) == 0;
+    return header_ != nullptr && header_->magic == kRingMagic && capacity_ != 0 &&
+           (capacity_ & (capacity_ - 1)) == 0 && record_size_ != 0 && record_size_ % 8 == 0;
   }
   RingHeader* header() const { return header_; }
 
@@ -80,8 +86,8 @@ class RingView {
   bool TryPush(const void* record) {
     const uint64_t tail = header_->tail.load(std::memory_order_relaxed);
     const uint64_t head = header_->head.load(std::memory_order_acquire);
-    if (tail - head >= header_->capacity) return false;
-    std::memcpy(Slot(tail), record, header_->record_size);
+    if (tail - head >= capacity_) return false;
+    std::memcpy(Slot(tail), record, record_size_);
     header_->tail.store(tail + 1, std::memory_order_release);
     header_->wake_seq.fetch_add(1, std::memory_order_release);
     if (header_->sleepers.load(std::memory_order_seq_cst) != 0) FutexWake(&header_->wake_seq);
@@ -93,7 +99,7 @@ class RingView {
     const uint64_t head = header_->head.load(std::memory_order_relaxed);
     const uint64_t tail = header_->tail.load(std::memory_order_acquire);
     if (head == tail) return false;
-    std::memcpy(record, Slot(head), header_->record_size);
+    std::memcpy(record, Slot(head), record_size_);
     header_->head.store(head + 1, std::memory_order_release);
     return true;
   }
@@ -136,11 +142,12 @@ class RingView {
 
  private:
   void* Slot(uint64_t counter) const {
-    return reinterpret_cast<char*>(header_ + 1) +
-           (counter & (header_->capacity - 1)) * header_->record_size;
+    return reinterpret_cast<char*>(header_ + 1) + (counter & (capacity_ - 1)) * record_size_;
   }
 
   RingHeader* header_ = nullptr;
+  uint64_t capacity_ = 0;     // copied at construction, see the constructor
+  uint32_t record_size_ = 0;  // ditto
 };
 
 }  // namespace trainstream::wire
