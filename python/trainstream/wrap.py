@@ -93,15 +93,14 @@ def _convert(optimizer, names, config, opt_options) -> OffloadAdamW:
             raise ValueError("capturable/differentiable optimizers are not supported by OffloadAdamW")
     old_state = optimizer.state_dict()
     first, rest = optimizer.param_groups[0], optimizer.param_groups[1:]
-    lr = config["lr"] if config["lr"] is not None else first["lr"]
 
     def group_args(g):
-        return dict(lr=float(g["lr"]) if not torch.is_tensor(g["lr"]) else float(g["lr"].item()),
+        # The `lr` option, when given, overrides every group's learning rate.
+        lr = g["lr"] if config["lr"] is None else config["lr"]
+        return dict(lr=float(lr.item()) if torch.is_tensor(lr) else float(lr),
                     betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
-    args = group_args(first)
-    args["lr"] = lr
     new = OffloadAdamW([{"params": list(first["params"])}], names=names, attach=False,
-                       **args, **opt_options)
+                       **group_args(first), **opt_options)
     for g in rest:
         new.add_param_group({"params": list(g["params"]), **group_args(g)})
     new.attach()

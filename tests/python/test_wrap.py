@@ -270,3 +270,13 @@ def test_killed_client_session_is_reclaimed(daemon):
     while daemon.status()["sessions"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert daemon.status()["sessions"] == [], "the killed client's session must be reclaimed"
+
+
+def test_lr_option_overrides_every_group(daemon):
+    model = TinyGPT(GPTConfig())
+    groups = _param_groups(model, 1e-3)
+    groups[1]["lr"] = 1e-2
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(groups, lr=1e-3), socket=daemon.socket,
+                                  lr=5e-4)
+    assert [g["lr"] for g in opt.param_groups] == [5e-4, 5e-4]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
