@@ -203,7 +203,7 @@ class DataPlane {
       auto& s = H2DStream(param.device().index());
       {
         c10::cuda::CUDAStreamGuard stream_guard(s);
-        param.view(slot.sizes()).copy_(slot, /*non_blocking=*/true);
+        param.copy_(slot.view(param.sizes()), /*non_blocking=*/true);
       }
       at::cuda::CUDAEvent done;
       done.record(s);
@@ -211,7 +211,7 @@ class DataPlane {
       return;
     }
 #endif
-    param.view(slot.sizes()).copy_(slot);
+    param.copy_(slot.view(param.sizes()));  // param may be non-contiguous
   }
 
   // Blocks until every async gradient post has been pushed to the ring.

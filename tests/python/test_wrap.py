@@ -280,3 +280,23 @@ def test_lr_option_overrides_every_group(daemon):
                                   lr=5e-4)
     assert [g["lr"] for g in opt.param_groups] == [5e-4, 5e-4]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_non_contiguous_parameter_is_updated_in_place(daemon):
+    torch.manual_seed(7)
+    w0 = torch.randn(8, 4).t()  # a transposed view: not contiguous
+    ref = torch.nn.Parameter(w0.clone().t().contiguous().t())
+    ours = torch.nn.Parameter(w0.clone().t().contiguous().t())
+    assert not ours.is_contiguous()
+    holder = torch.nn.Module()
+    holder.w = ours
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
+    _, opt = trainstream.wrap(holder, torch.optim.AdamW([ours], lr=1e-2), socket=daemon.socket)
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        for p, o in ((ref, ref_opt), (ours, opt)):
+            (x @ p.t()).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert holder.w is ours and not ours.is_contiguous()
+    assert (ref - ours).abs().max().item() <= 1e-6
