@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}
+STAGES=${STAGES:-"build test bench"}  # also: offload
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -42,5 +42,13 @@ if [[ $STAGES == *bench* ]]; then
   bench adamw python3 benchmarks/adamw/bench_torch_adamw.py --bench build-gpu/bin/trainstream-bench-adamw \
     --params 67108864 --threads 1,4,8,16 --iters 10
   bench quant python3 benchmarks/quant/bench_quant.py --json "$OUT/quant_bench.json"
+fi
+# Heavier end-to-end benchmarks, each its own stage (STAGES="... offload").
+if [[ $STAGES == *offload* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python
+  echo "== offload" | tee -a "$OUT/bench.log"
+  timeout 540 python3 benchmarks/wrap/bench_offload.py --cap-gib 24 --timeout 200 \
+    > "$OUT/bench-offload.log" 2>&1 || { rc=1; echo "bench offload failed"; }
+  tail -20 "$OUT/bench-offload.log" | tee -a "$OUT/bench.log"
 fi
 exit $rc

@@ -136,6 +136,16 @@ class AdamWEngine {
   std::string ImportState(uint64_t param_id, const float* master, const float* exp_avg,
                           const float* exp_avg_sq, uint64_t step);
 
+  // One array of a parameter's state, as numel fp32 values (call only while
+  // idle). These move one field without touching the others, for state_dict
+  // transfers of one field at a time.
+  enum class StateArray { kMaster, kExpAvg, kExpAvgSq };
+  std::string ExportArray(uint64_t param_id, StateArray which, float* out) const;
+  // Importing kMaster also rewrites the param slot from it.
+  std::string ImportArray(uint64_t param_id, StateArray which, const float* in);
+  std::string GetStep(uint64_t param_id, uint64_t* step) const;
+  std::string SetStep(uint64_t param_id, uint64_t step);
+
  private:
   struct Param;
   struct Step;
