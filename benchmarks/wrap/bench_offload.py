@@ -159,7 +159,7 @@ def main() -> int:
         return 0
     results = []
     for mode in args.modes.split(","):
-        variants = [False, True] if mode.startswith("trainstream") else [False]
+        variants = [False, True] if mode.startswith("trainstream") or mode == "fsdp2" else [False]
         for ckpt in variants:
             cmd = [sys.executable, __file__, "--mode", mode, "--cap-gib", str(args.cap_gib),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
@@ -177,7 +177,7 @@ def main() -> int:
             r.setdefault("checkpointing", ckpt)
             results.append(r)
             print(json.dumps(r), flush=True)
-            if mode.startswith("trainstream") and "error" not in r:
+            if "error" not in r:
                 break  # fits without checkpointing: no need for the fallback
     stock = next((r for r in results if r["mode"] == "stock" and "error" not in r), None)
     fsdp = next((r for r in results if r["mode"] == "fsdp2" and "error" not in r), None)

@@ -327,7 +327,16 @@ class OffloadAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         if self._local is not None:
-            loss = self._local.step(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if self._options["max_grad_norm"] is not None:
+                norm = torch.nn.utils.clip_grad_norm_(
+                    [p for g in self.param_groups for p in g["params"]],
+                    self._options["max_grad_norm"])
+                self._last_grad_norm = float(norm)
+            self._local.step()
             self._step_id += 1
             self._stats["steps"] += 1
             return loss

@@ -222,3 +222,30 @@ def test_offload_auto_keeps_offloading_when_the_state_would_not_fit(daemon):
         assert opt.stats()["offloaded"] is True
     finally:
         torch.cuda.set_per_process_memory_fraction(old)
+
+
+@cuda
+@pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
+def test_gpu_mode_awkward_sizes_match_the_daemons_engine(daemon, moment_dtype):
+    """Sizes that exercise the vectorised body and the scalar tail of the kernel."""
+    torch.manual_seed(10)
+    shapes = [(1,), (7,), (4097,), (3, 5), (1 << 20) + 3]
+    results = []
+    for mode in ("cpu", "gpu"):
+        torch.manual_seed(10)
+        holder = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes])
+        _, opt = trainstream.wrap(holder, torch.optim.AdamW(holder.parameters(), lr=1e-2),
+                                  socket=daemon.socket, optimizer_mode=mode, offload=True,
+                                  moment_dtype=moment_dtype)
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        for _ in range(5):
+            loss = sum((p * torch.randn(p.shape, device="cuda", generator=gen)).sum()
+                       for p in holder)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in holder])
+        trainstream.unwrap(holder)
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"shape {shapes[i]}: {(a - b).abs().max()}"
