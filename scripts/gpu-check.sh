@@ -63,6 +63,7 @@ if [[ $STAGES == *offload* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python
   echo "== offload" | tee -a "$OUT/bench.log"
   timeout 540 python3 benchmarks/wrap/bench_offload.py --cap-gib 24 --timeout 200 \
+    ${OFFLOAD_MODES:+--modes "$OFFLOAD_MODES"} \
     > "$OUT/bench-offload.log" 2>&1 || { rc=1; echo "bench offload failed"; }
   tail -20 "$OUT/bench-offload.log" | tee -a "$OUT/bench.log"
 fi
