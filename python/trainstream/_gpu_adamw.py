@@ -231,6 +231,10 @@ class ZeroCopyAdamW:
         main.wait_stream(dev_stream)
         return result
 
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
     # ------------------------------------------------------------ state dict
     def export(self, e) -> Optional[Dict[str, torch.Tensor]]:
         self._stream.synchronize()

@@ -487,7 +487,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:
-        """Waits until the daemon has finished every command posted so far."""
+        """Waits until every update posted so far is finished (the daemon's, or with
+        optimizer_mode="gpu" the side stream's)."""
+        if self._local is not None:
+            return
+        if self._gpu is not None:
+            self._gpu.synchronize()
+            return
         self._sync()
 
     @property
@@ -614,7 +620,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             step = s["step"]
             step = int(step.item() if torch.is_tensor(step) else step)
             self._plane.post_state(True, e.param_id, _FIELD_STEP, 0, 0, 0, step)
-        self._sync()
+        if self._gpu is None:  # gpu mode registers nothing with the daemon's engine
+            self._sync()
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
