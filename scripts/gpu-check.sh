@@ -57,6 +57,7 @@ if [[ $STAGES == *bench* ]]; then
   bench adamw python3 benchmarks/adamw/bench_torch_adamw.py --bench build-gpu/bin/trainstream-bench-adamw \
     --params 67108864 --threads 1,4,8,16 --iters 10
   bench quant python3 benchmarks/quant/bench_quant.py --json "$OUT/quant_bench.json"
+  bench zero-copy python3 benchmarks/wrap/bench_zero_copy.py
 fi
 # Heavier end-to-end benchmarks, each its own stage (STAGES="... offload").
 if [[ $STAGES == *offload* ]]; then
