@@ -134,7 +134,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"option optimizer_mode='gpu' cannot run here: {why}; "
                                  "accepted here: 'cpu' or 'auto'")
             return "gpu"
-        return "cpu"
+        # "auto": the zero-copy CUDA update when it can run (it beat the daemon's host
+        # AdamW on the 1.5B benchmark, docs/offload.md); the daemon's AdamW otherwise,
+        # and always for data-parallel ranks, which share the daemon's one state.
+        if why is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return "cpu"
+        if any(not p.is_contiguous() for p in params if p.requires_grad):
+            return "cpu"
+        return "gpu"
 
     def attach(self) -> None:
         """Connects to the daemon (starting one if needed) and registers every parameter."""

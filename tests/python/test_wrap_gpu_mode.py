@@ -249,3 +249,13 @@ def test_gpu_mode_awkward_sizes_match_the_daemons_engine(daemon, moment_dtype):
         trainstream.unwrap(holder)
     for i, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), f"shape {shapes[i]}: {(a - b).abs().max()}"
+
+
+@cuda
+def test_auto_mode_picks_the_gpu_update_for_a_cuda_model(daemon):
+    _, model = _model(12)
+    model, opt = trainstream.wrap(model, socket=daemon.socket, offload=True)
+    assert opt.optimizer_mode == "gpu"
+    cpu_model = TinyGPT(GPTConfig())
+    cpu_model, cpu_opt = trainstream.wrap(cpu_model, socket=daemon.socket)
+    assert cpu_opt.optimizer_mode == "cpu"
