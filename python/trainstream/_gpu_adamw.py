@@ -172,6 +172,9 @@ class ZeroCopyAdamW:
         grad.record_stream(self._stream)
         if opt._options["free_grads"]:
             e.param.grad = None
+        else:
+            e.posted_grad = grad
+            e.posted_version = grad._version
         return True
 
     def step(self, entries) -> Dict[str, Any]:
@@ -180,6 +183,15 @@ class ZeroCopyAdamW:
         opt = self._opt
         dev_stream = self._stream
         main = torch.cuda.current_stream(dev_stream.device)
+        for e in entries:
+            if e.param_id in self._launched and e.posted_grad is not None:
+                g = e.param.grad
+                if g is not e.posted_grad or g._version != e.posted_version:
+                    raise RuntimeError(
+                        f"trainstream: the gradient of {e.name} changed after backward had already "
+                        "applied it (e.g. clip_grad_norm_ or GradScaler.unscale_). Pass "
+                        "max_grad_norm=... to wrap() for clipping, or grad_post='step' to update "
+                        "in step()")
         pending = [e for e in entries if e.param_id not in self._launched
                    and e.param.grad is not None]
         result: Dict[str, Any] = {"grad_norm": None, "skipped": []}
@@ -228,6 +240,8 @@ class ZeroCopyAdamW:
                         self._state[pid].step += 1
                 self._flags.zero_()
         self._launched.clear()
+        for e in entries:
+            e.posted_grad = None
         main.wait_stream(dev_stream)
         return result
 

@@ -259,3 +259,15 @@ def test_auto_mode_picks_the_gpu_update_for_a_cuda_model(daemon):
     cpu_model = TinyGPT(GPTConfig())
     cpu_model, cpu_opt = trainstream.wrap(cpu_model, socket=daemon.socket)
     assert cpu_opt.optimizer_mode == "cpu"
+
+
+@cuda
+def test_gpu_mode_refuses_a_gradient_edited_after_backward(daemon):
+    cfg, model = _model(13)
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1, seed=13)
+    model, opt = trainstream.wrap(model, socket=daemon.socket, optimizer_mode="gpu",
+                                  offload=True)
+    model(x.cuda(), y.cuda()).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        opt.step()
