@@ -119,6 +119,13 @@ class AdamWSessionPlane {
         eo.moment_dtype = ToKernel(options_.moment_dtype);
         eo.max_grad_norm = options_.max_grad_norm;
         eo.seed = options_.seed;
+        if (options_.threads != 0 && options_.threads < pool_->size()) {
+          // Spread limited sessions over the pool instead of stacking them all
+          // on workers 0..threads-1.
+          static std::atomic<unsigned> next_first{0};
+          eo.workers = options_.threads;
+          eo.first_worker = next_first.fetch_add(options_.threads) % pool_->size();
+        }
         engine_ = std::make_unique<optimizer::AdamWEngine>(pool_, eo);
         engine_->SetCallbacks(
             [this](uint64_t id, uint64_t step, bool updated, uint64_t param_step) {

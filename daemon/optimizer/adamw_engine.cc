@@ -101,7 +101,9 @@ AdamWEngine::AdamWEngine(WorkerPool* pool, EngineOptions options)
     : pool_(pool),
       options_(options),
       deferred_(options.max_grad_norm > 0 || options.skip_nonfinite_step),
-      worker_load_(pool->size(), 0) {}
+      worker_load_(
+          options.workers == 0 || options.workers > pool->size() ? pool->size() : options.workers,
+          0) {}
 
 AdamWEngine::~AdamWEngine() { WaitIdle(); }
 
@@ -132,7 +134,8 @@ std::string AdamWEngine::AddParam(const ParamBinding& b) {
     const unsigned worker = static_cast<unsigned>(
         std::min_element(worker_load_.begin(), worker_load_.end()) - worker_load_.begin());
     worker_load_[worker] += count;
-    p->chunks.push_back({off, count, worker});
+    p->chunks.push_back(
+        {off, count, static_cast<unsigned>((options_.first_worker + worker) % pool_->size())});
   }
   p->chunk_sumsq.assign(p->chunks.size(), 0.0);
   by_id_[b.param_id] = p.get();

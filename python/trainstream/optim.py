@@ -218,7 +218,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         moment = "float32" if moment == "auto" else moment
         staging, slots = self._call(self._session.register_parameters, groups, specs, moment,
                                     float(self._options["max_grad_norm"] or 0.0),
-                                    int(self._options["seed"]))
+                                    int(self._options["seed"]), int(self._options["threads"] or 0))
         self._regions.append(staging)
         c = _C()
         if any(e.param.is_cuda for e in entries) and c.with_cuda:

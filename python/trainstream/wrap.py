@@ -55,8 +55,7 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     if config["device"] is not None:
         model.to(config["device"])
     names = {id(p): n for n, p in model.named_parameters()}
-    opt_options = {k: v for k, v in config.items() if k not in ("device", "lr", "threads",
-                                                                 "check_memory")}
+    opt_options = {k: v for k, v in config.items() if k not in ("device", "lr", "check_memory")}
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
         lr = 1e-3 if config["lr"] is None else config["lr"]

@@ -314,3 +314,12 @@ def test_unwrap_removes_the_gradient_hooks(daemon):
     ours(x, y).backward()
     plain.step()
     assert opt.stats()["grads_posted"] == 0
+
+
+def test_threads_option_limits_the_session_and_still_matches(daemon):
+    cfg, ref, ours = _models(seed=8)
+    batches = text_batches(corpus(), cfg, batch=2, steps=4, seed=8)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 socket=daemon.socket, threads=1)
+    _assert_same(ref, ours, _train(ref, ref_opt, batches), _train(ours, opt, batches))

@@ -71,6 +71,10 @@ struct EngineOptions {
   // applied and its step count advances, and it is reported in nonfinite_params.
   // Parameters of at most chunk_elems elements behave the same either way.
   bool eager_check_per_chunk = false;
+  // Which of the pool's workers run this engine's chunks: `workers` of them
+  // (0: all) starting at `first_worker`, wrapping around the pool.
+  unsigned workers = 0;
+  unsigned first_worker = 0;
 };
 
 struct StepResult {
