@@ -79,7 +79,10 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
       // Another request is loading this key: wait for it (it may fail; then
       // the entry is gone and this request loads it itself).
       loaded_cv_.wait_for(lock, std::chrono::milliseconds(200));
-      if (progress && !progress(LoadProgress{})) {
+      lock.unlock();  // the callback may block on the client: never under mu_
+      const bool go_on = !progress || progress(LoadProgress{});
+      lock.lock();
+      if (!go_on) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "base load cancelled by the client");
       }
     }

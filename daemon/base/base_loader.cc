@@ -342,8 +342,10 @@ grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const s
       kernels::QuantizeCpu(plan.format, t.layout, type, src, out);
     }
     // The checkpoint's pages are not needed again: keep the page cache for others.
-    posix_fadvise(f.fd, static_cast<off_t>(t.src.begin), static_cast<off_t>(t.src.bytes()),
-                  POSIX_FADV_DONTNEED);
+    if (t.src.bytes() != 0) {  // length 0 would mean "to the end of the file"
+      posix_fadvise(f.fd, static_cast<off_t>(t.src.begin), static_cast<off_t>(t.src.bytes()),
+                    POSIX_FADV_DONTNEED);
+    }
     p.bytes_read += t.src.bytes();
     p.tensors_done += 1;
     if (progress && !progress(p)) {

@@ -157,7 +157,8 @@ def _bind_to_base(model: nn.Module, base: SharedBase, dtype: torch.dtype) -> Dic
             if tuple(q.shape) != tuple(lin.weight.shape):
                 raise ValueError(f"{key}: the checkpoint has shape {tuple(q.shape)}, the model "
                                  f"{tuple(lin.weight.shape)} (config and weights disagree)")
-            module = QuantLinear(q, nn.Parameter(bias) if bias is not None else None)
+            module = QuantLinear(q, nn.Parameter(bias, requires_grad=lin.bias.requires_grad)
+                                 if bias is not None else None)
             setattr(parent, child_name, module)
             stats["shared_quantized"] += 1
             stats["shared_bytes"] += q.nbytes
@@ -174,14 +175,10 @@ def _bind_to_base(model: nn.Module, base: SharedBase, dtype: torch.dtype) -> Dic
             stats["shared_bytes"] += w.numel() * w.element_size()
         lin._parameters["weight"] = nn.Parameter(w, requires_grad=False)
         if bias is not None:
-            lin._parameters["bias"] = nn.Parameter(bias, requires_grad=False)
-    missing = []
+            lin._parameters["bias"] = nn.Parameter(bias, requires_grad=lin.bias.requires_grad)
     for name, p in list(model.named_parameters(remove_duplicate=False)):
-        if not p.is_meta:
-            continue
-        if name not in base.entries:
-            missing.append(name)
-            continue
+        if not p.is_meta or name not in base.entries:
+            continue  # tied weights are re-tied below; anything else is reported then
         value = base.dequantized(name, dtype) if p.is_floating_point() else \
             base.tensor(name).clone()
         if tuple(value.shape) != tuple(p.shape):
