@@ -301,6 +301,7 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool c
     DropSegment(std::move(r.segment));
   }
   s->retired.clear();
+  for (const auto& hook : end_hooks_) hook(session_id);
   spdlog::info("session {} ended ({}): pid={} uid={} freed {} bytes", session_id, reason,
                s->creds.pid, s->creds.uid, freed);
 }

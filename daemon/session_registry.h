@@ -97,6 +97,10 @@ class SessionRegistry {
 
   void SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
                    std::function<void(uint64_t)> unwatch);
+  // Called with the session id at the end of End(), after `closed` is set and
+  // the session's memory is freed (e.g. the base cache drops its references).
+  // Set before sessions exist.
+  void AddEndHook(std::function<void(uint64_t)> hook) { end_hooks_.push_back(std::move(hook)); }
 
   // Attach: creates the session and its control segment, registers the stream.
   grpc::Status Create(const PeerCredentials& creds, const v1::AttachRequest& req,
@@ -139,6 +143,7 @@ class SessionRegistry {
   OptimizerService* const optimizer_;  // null when the optimizer service is not built in
   std::function<bool(uint64_t, pid_t)> watch_pid_;
   std::function<void(uint64_t)> unwatch_pid_;
+  std::vector<std::function<void(uint64_t)>> end_hooks_;
 
   std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // Guarded by mu_.

@@ -71,7 +71,9 @@ std::string StatusToJson(const v1::StatusResponse& s, int indent) {
     bases.push_back({{"key", x.key()},
                      {"bytes", x.bytes()},
                      {"refcount", x.refcount()},
-                     {"format", x.format()}});
+                     {"format", x.format()},
+                     {"path", x.path()},
+                     {"owner_uid", x.owner_uid()}});
   }
   doc["bases"] = bases;
   return doc.dump(indent);

@@ -49,6 +49,45 @@ struct PyRegion {
   uintptr_t base_address() const { return address() - region->info().offset; }
 };
 
+py::dict BaseInfoDict(const BaseInfo& b) {
+  py::dict d;
+  d["key"] = b.key;
+  d["path"] = b.path;
+  d["format"] = b.format;
+  d["block_size"] = b.block_size;
+  d["owner_uid"] = b.owner_uid;
+  d["segment_name"] = b.segment_name;
+  d["segment_bytes"] = b.segment_bytes;
+  d["source_bytes"] = b.source_bytes;
+  d["tensors"] = b.tensors;
+  d["quantized_tensors"] = b.quantized_tensors;
+  d["refcount"] = b.refcount;
+  d["sessions"] = b.sessions;
+  d["load_seconds"] = b.load_seconds;
+  d["scratch_peak_bytes"] = b.scratch_peak_bytes;
+  d["cached"] = b.cached;
+  return d;
+}
+
+// Progress callbacks run on the calling thread with the GIL released around
+// the RPC: take it back for the Python callable.
+BaseProgressFn WrapProgress(const py::object& progress) {
+  if (progress.is_none()) return nullptr;
+  return [progress](const BaseProgress& p) {
+    py::gil_scoped_acquire gil;
+    progress(p.bytes_read, p.bytes_total, p.tensors_done, p.tensors_total);
+  };
+}
+
+BaseLoadOptions LoadOptions(const std::string& path, const std::string& format,
+                            uint32_t block_size) {
+  BaseLoadOptions o;
+  o.path = path;
+  o.format = format;
+  o.block_size = block_size;
+  return o;
+}
+
 template <typename T>
 T GetOr(const py::dict& d, const char* key, T fallback) {
   return d.contains(key) ? d[key].cast<T>() : fallback;
@@ -197,6 +236,37 @@ class Internal(ControlError): pass
              Check(s.FreeRegion(region_id, &freed));
              return freed;
            })
+      .def(
+          "load_base",
+          [](Session& s, const std::string& path, const std::string& format, uint32_t block_size,
+             py::object progress) {
+            BaseInfo info;
+            std::unique_ptr<MappedRegion> mapped;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.LoadBase(LoadOptions(path, format, block_size), WrapProgress(progress), &info,
+                              &mapped);
+            }
+            Check(st);
+            return py::make_tuple(BaseInfoDict(info),
+                                  PyRegion{std::shared_ptr<MappedRegion>(std::move(mapped))});
+          },
+          py::arg("path"), py::arg("format") = "", py::arg("block_size") = 0,
+          py::arg("progress") = py::none(),
+          "Loads (or finds) a base, takes this session's reference and maps it read-only: "
+          "(info dict, Region)")
+      .def(
+          "release_base",
+          [](Session& s, const std::string& key) {
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.ReleaseBase(key);
+            }
+            Check(st);
+          },
+          py::arg("key"))
       .def("alive",
            [](const Session& s) {
              std::string why;
@@ -248,6 +318,37 @@ class Internal(ControlError): pass
             return sessions;
           },
           py::arg("drain") = false)
+      .def(
+          "load_base",
+          [](Client& c, const std::string& path, const std::string& format, uint32_t block_size,
+             py::object progress) {
+            BaseInfo info;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = c.LoadBase(LoadOptions(path, format, block_size), WrapProgress(progress), &info);
+            }
+            Check(st);
+            return BaseInfoDict(info);
+          },
+          py::arg("path"), py::arg("format") = "", py::arg("block_size") = 0,
+          py::arg("progress") = py::none())
+      .def("list_bases",
+           [](Client& c) {
+             std::vector<BaseInfo> bases;
+             Check(c.ListBases(&bases));
+             py::list out;
+             for (const auto& b : bases) out.append(BaseInfoDict(b));
+             return out;
+           })
+      .def(
+          "drop_base",
+          [](Client& c, const std::string& key) {
+            uint64_t freed = 0;
+            Check(c.DropBase(key, &freed));
+            return freed;
+          },
+          py::arg("key"))
       .def(
           "attach",
           [](Client& c, const std::string& job, int rank, int local_rank) {
