@@ -39,12 +39,18 @@ std::string DiffRegistration(const v1::RegisterParametersRequest& a, int ra,
   for (int i = 0; i < a.params_size(); ++i) {
     const auto& p = a.params(i);
     const auto& q = b.params(i);
-    const std::string what = "parameter " + std::to_string(i) + " ('" + q.name() + "' on " + B +
-                             ", '" + p.name() + "' on " + A + ")";
-    if (p.param_id() != q.param_id() || p.name() != q.name()) return what + ": names or ids differ";
-    if (Shape(p) != Shape(q)) return what + ": shape " + Shape(q) + " vs " + Shape(p);
-    if (p.dtype() != q.dtype() || p.grad_dtype() != q.grad_dtype()) return what + ": dtypes differ";
-    if (p.group() != q.group()) return what + ": parameter groups differ";
+    const std::string what = "parameter " + std::to_string(i) + " ('" + p.name() + "'): ";
+    auto both = [&](const std::string& x, const std::string& y) {
+      return x + " on " + B + ", " + y + " on " + A;
+    };
+    if (p.name() != q.name())
+      return what + "named " + both("'" + q.name() + "'", "'" + p.name() + "'");
+    if (p.param_id() != q.param_id())
+      return what + "id " + both(std::to_string(q.param_id()), std::to_string(p.param_id()));
+    if (Shape(p) != Shape(q)) return what + "shape " + both(Shape(q), Shape(p));
+    if (p.dtype() != q.dtype() || p.grad_dtype() != q.grad_dtype())
+      return what + "dtypes differ between " + A + " and " + B;
+    if (p.group() != q.group()) return what + "parameter groups differ between " + A + " and " + B;
   }
   if (a.groups_size() != b.groups_size()) return B + " has a different number of parameter groups";
   for (int g = 0; g < a.groups_size(); ++g) {
@@ -234,8 +240,9 @@ grpc::Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterPara
       g.spec_rank = rank;
       g.have_spec = true;
     } else if (std::string diff = DiffRegistration(g.spec, g.spec_rank, req, rank); !diff.empty()) {
-      Break(g, diff, -1);
-      result = Invalid(name + ": the ranks registered different parameters: " + diff);
+      const std::string why = "the ranks registered different parameters: " + diff;
+      Break(g, why, -1);
+      result = Invalid(name + ": " + why);
     }
     if (result.ok()) {
       me->registered = true;
