@@ -11,8 +11,8 @@ daemon's resident memory (VmRSS, of which RssShmem is shared memory it touched),
 bytes of every shared-memory segment (`trainstreamctl status --json`), and the ranks'
 private resident memory (RssAnon, summed).
 
-    python benchmarks/dp/bench_dp.py --nproc 2            # GPU host: one GPU per rank
-    python benchmarks/dp/bench_dp.py --nproc 2 --small    # CPU check of the script
+    python benchmarks/dp/bench_dp.py --ranks 2            # GPU host: one GPU per rank
+    python benchmarks/dp/bench_dp.py --ranks 2 --small    # CPU check of the script
 
 A GPT-style model (TinyGPT from tests/python, scaled by --n-embd/--n-layer/--vocab) is
 trained on random tokens; --small shrinks it for CPU machines.
@@ -138,8 +138,8 @@ def launcher(args) -> int:
             if time.monotonic() > deadline or daemon.poll() is not None:
                 sys.exit(f"trainstreamd did not start; log: {log.name}")
             time.sleep(0.05)
-        configs = [("1 rank", 1, {}), (f"{args.nproc} ranks, shared state", args.nproc, {}),
-                   (f"{args.nproc} ranks, per-rank copies (TRAINSTREAM_SHM=0)", args.nproc,
+        configs = [("1 rank", 1, {}), (f"{args.ranks} ranks, shared state", args.ranks, {}),
+                   (f"{args.ranks} ranks, per-rank copies (TRAINSTREAM_SHM=0)", args.ranks,
                     {"TRAINSTREAM_SHM": "0"})]
         passthrough = [a for a in sys.argv[1:] if a != "--worker"]
         for name, n, extra in configs:
@@ -163,15 +163,16 @@ def launcher(args) -> int:
         daemon.wait(timeout=30)
         log.close()
         shutil.rmtree(shm, ignore_errors=True)
-    gib = 2**30
+    def human(b):
+        return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
     print(f"\nmodel: {results[0]['params'] / 1e6:.1f} M parameters; "
           f"step = forward + backward + optimizer.step() per rank, median of {args.steps}")
-    print(f"{'configuration':58s} {'step s':>8s} {'daemon RSS GiB':>15s} {'shm GiB':>8s} "
-          f"{'state GiB':>10s} {'ranks anon GiB':>15s}")
+    print(f"{'configuration':50s} {'step s':>8s} {'daemon RSS':>11s} {'shm':>11s} "
+          f"{'state':>11s} {'ranks anon':>11s}")
     for r in results:
-        print(f"{r['config']:58s} {r['step_s_median']:8.4f} {r['daemon_rss'] / gib:15.2f} "
-              f"{r['shm_bytes'] / gib:8.2f} {r['state_bytes'] / gib:10.2f} "
-              f"{r['ranks_rss_anon'] / gib:15.2f}")
+        print(f"{r['config']:50s} {r['step_s_median']:8.4f} {human(r['daemon_rss']):>11s} "
+              f"{human(r['shm_bytes']):>11s} {human(r['state_bytes']):>11s} "
+              f"{human(r['ranks_rss_anon']):>11s}")
     return 0
 
 
@@ -179,7 +180,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a small model for CPU checks")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
