@@ -75,7 +75,7 @@ def _results(out: Path, ranks: int) -> list:
     return res
 
 
-def _reference(world: int, device: str = "cpu"):
+def _reference(world: int, device: str = "cpu", max_grad_norm=None):
     """One process, plain torch.optim.AdamW, on the concatenated batch of `world` ranks."""
     torch.manual_seed(0)
     cfg = GPTConfig()
@@ -86,6 +86,8 @@ def _reference(world: int, device: str = "cpu"):
                              {"params": no_decay, "weight_decay": 0.0}], lr=LR, foreach=False)
     for x, y in text_batches(corpus(), cfg, batch=BATCH * world, steps=STEPS):
         model(x.to(device), y.to(device)).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad()
     return model
@@ -158,14 +160,16 @@ def test_per_rank_copies_with_trainstream_shm_0(daemon, tmp_path):
 
 
 def test_two_machines_two_daemons(daemon_factory, tmp_path):
+    """Also clips: the global norm is that of the gradient all-reduced across machines."""
     daemons = [daemon_factory(), daemon_factory()]
     port = _free_port()
     outs = [tmp_path / "node0", tmp_path / "node1"]
     procs = []
     for node, (d, out) in enumerate(zip(daemons, outs)):
         out.mkdir()
-        procs.append(_torchrun(d, out, 2, nnodes=2, node_rank=node, port=port))
-    ref = _reference(4)
+        procs.append(_torchrun(d, out, 2, "--max-grad-norm", "0.5", nnodes=2, node_rank=node,
+                               port=port))
+    ref = _reference(4, max_grad_norm=0.5)
     for node, p in enumerate(procs):
         _finish(p, f"torchrun node {node}")
     # Global ranks 0-1 ran on node 0, 2-3 on node 1 (static rendezvous).
