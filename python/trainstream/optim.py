@@ -276,8 +276,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             if c["opcode"] == _OP_ERROR:
                 raise TrainStreamError(f"the daemon rejected a command: {c['message']}")
             if c["opcode"] == _OP_GROUP_BROKEN:
-                raise DaemonError(f"{self._dp.describe()} cannot continue: {c['message']}; "
-                                  "the daemon released the group")
+                who = self._dp.describe() if self._dp is not None else "data-parallel group"
+                raise DaemonError(f"{who} cannot continue: {c['message']}; the daemon has ended "
+                                  "the group (restart every rank of the job)")
             if want(c):
                 return
 
