@@ -167,8 +167,9 @@ class Internal(ControlError): pass
           "register_parameters",
           [](Session& s, const py::list& groups, const py::list& params,
              const std::string& moment_dtype, double max_grad_norm, uint64_t seed,
-             uint32_t threads) {
+             const std::string& weights_checksum, uint32_t threads) {
             RegisterOptions options;
+            options.weights_checksum = weights_checksum;
             for (auto g : groups) {
               auto d = g.cast<py::dict>();
               AdamWHyperParams h;
@@ -210,13 +211,15 @@ class Internal(ControlError): pass
               d["grad_offset"] = slot.grad_offset;
               d["param_offset"] = slot.param_offset;
               d["numel"] = slot.numel;
+              d["sum_offset"] = slot.sum_offset;
               slots.append(d);
             }
             return py::make_tuple(PyRegion{std::shared_ptr<MappedRegion>(std::move(reg.staging))},
                                   slots);
           },
           py::arg("groups"), py::arg("params"), py::arg("moment_dtype") = "float32",
-          py::arg("max_grad_norm") = 0.0, py::arg("seed") = 0, py::arg("threads") = 0)
+          py::arg("max_grad_norm") = 0.0, py::arg("seed") = 0, py::arg("weights_checksum") = "",
+          py::arg("threads") = 0)
       .def(
           "allocate_region",
           [](Session& s, uint64_t bytes, const std::string& label) {
@@ -351,11 +354,23 @@ class Internal(ControlError): pass
           py::arg("key"))
       .def(
           "attach",
-          [](Client& c, const std::string& job, int rank, int local_rank) {
+          [](Client& c, const std::string& job, int rank, int local_rank, const py::object& group) {
             AttachOptions options;
             options.job = job;
             options.rank = rank;
             options.local_rank = local_rank;
+            if (!group.is_none()) {
+              // {"key", "local_rank", "local_world_size", "node_rank", "nnodes",
+              //  "world_size", "timeout_s"}: GroupOptions (client.h).
+              auto d = group.cast<py::dict>();
+              options.group.key = d["key"].cast<std::string>();
+              options.group.local_rank = d["local_rank"].cast<int32_t>();
+              options.group.local_world_size = d["local_world_size"].cast<int32_t>();
+              options.group.node_rank = GetOr<int32_t>(d, "node_rank", 0);
+              options.group.nnodes = GetOr<int32_t>(d, "nnodes", 1);
+              options.group.world_size = d["world_size"].cast<int32_t>();
+              options.group.timeout_s = GetOr<double>(d, "timeout_s", 60.0);
+            }
             std::unique_ptr<Session> session;
             Status st;
             {
@@ -365,5 +380,6 @@ class Internal(ControlError): pass
             Check(st);
             return session;
           },
-          py::arg("job") = "", py::arg("rank") = -1, py::arg("local_rank") = -1);
+          py::arg("job") = "", py::arg("rank") = -1, py::arg("local_rank") = -1,
+          py::arg("group") = py::none());
 }

@@ -75,6 +75,10 @@ OPTIONS: Dict[str, tuple] = {
     "socket": (None, "None (TRAINSTREAM_SOCKET or the default) or a path", _str_or_none),
     "job": (None, "None or a job name", _str_or_none),
     "seed": (0, "an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "distributed": (None, "None (auto: data parallel when a torch.distributed process group has "
+                    "more than one rank), True or False", lambda v: v is None or isinstance(v, bool)),
+    "shared_state": (None, "None ($TRAINSTREAM_SHM, default 1), True (one optimizer state per "
+                     "machine) or False (per-rank copies)", lambda v: v is None or isinstance(v, bool)),
     "timeout_s": (60.0, "a number > 0 (seconds to wait on the daemon before DaemonError)",
                   lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0),
 }

@@ -75,11 +75,24 @@ struct PingResult {
   double uptime_s = 0;
 };
 
+// Data-parallel membership (proto GroupMembership; docs/data-parallel.md).
+// An empty key means "not in a group".
+struct GroupOptions {
+  std::string key;
+  int32_t local_rank = 0;
+  int32_t local_world_size = 1;
+  int32_t node_rank = 0;
+  int32_t nnodes = 1;
+  int32_t world_size = 1;
+  double timeout_s = 60;  // to wait for every local rank to attach and register
+};
+
 struct AttachOptions {
   std::string job;
   int32_t rank = -1;
   int32_t local_rank = -1;
   uint64_t control_bytes = 0;  // 0: the daemon's default
+  GroupOptions group;          // key empty: an independent session
 };
 
 struct AdamWHyperParams {
@@ -101,6 +114,7 @@ struct RegisterOptions {
   double max_grad_norm = 0;  // 0: no clipping
   uint64_t seed = 0;
   uint32_t threads = 0;  // daemon worker threads for this session's updates (0: all)
+  std::string weights_checksum;  // group sessions: digest of the initial weights
 };
 
 struct ParameterSlots {
@@ -108,6 +122,7 @@ struct ParameterSlots {
   uint64_t grad_offset = 0;   // into the staging region's segment
   uint64_t param_offset = 0;  // into the staging region's segment
   uint64_t numel = 0;
+  uint64_t sum_offset = 0;  // group sessions: the fp32 machine-sum slot
 };
 
 struct Registration {
