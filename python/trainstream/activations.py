@@ -87,13 +87,16 @@ class _Page:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):
+    """Whether t's elements fill its storage span without gaps or overlap (any dim
+    order), so a page of ``numel`` elements holds it with the same strides."""
+    if t.is_contiguous():
         return True
-    try:
-        from torch._prims_common import is_non_overlapping_and_dense
-        return is_non_overlapping_and_dense(t)
-    except ImportError:  # pragma: no cover (older torch)
-        return False
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.size(), t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class ActivationOffloader:
@@ -167,9 +170,9 @@ class ActivationOffloader:
             self.stats["bytes_kept"] += t.numel() * t.element_size()
             return t
         seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            page = seen[2]  # the same tensor saved again (e.g. by two ops): one copy
-            page.uses += 1
+        page = seen[2]() if seen is not None else None
+        if page is not None and seen[0]() is t and seen[1] == t._version and page.uses > 0:
+            page.uses += 1  # the same tensor saved again (e.g. by two ops): one copy
             return page
         if self._live == 0:
             self._arena.reset()
@@ -185,7 +188,7 @@ class ActivationOffloader:
         self._live += 1
         # A graph freed without backward (evaluation with grad on) must not pin the arena.
         weakref.finalize(page, self._page_done, page.done)
-        self._seen[id(t)] = (weakref.ref(t), t._version, page)
+        self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(page))
         self.stats["tensors_offloaded"] += 1
         self.stats["bytes_offloaded"] += nbytes
         self.stats["peak_host_bytes"] = max(self.stats["peak_host_bytes"], self._arena.capacity)

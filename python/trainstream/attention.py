@@ -77,10 +77,12 @@ class AttentionSelector:
                 ranked = sorted((t, n) for n, t in self.timings.items() if n in allowed)
                 self.order = [n for _, n in ranked]
         else:
-            rest = [n for n in allowed if n != self.choice]
-            self.order = ([self.choice] if self.choice in allowed else []) + rest
+            # The named backend, with math (always usable) for calls it cannot take.
+            self.order = [n for n in (self.choice, "math") if n in allowed]
+            if not self.order:
+                self.order = allowed
             if self.choice not in allowed:
-                self.event("attention", backend=self.order[0] if self.order else None,
+                self.event("attention", backend=self.order[0],
                            why=f"attention={self.choice!r} is not deterministic and "
                                "deterministic algorithms are on")
         if self.timings is not None or self.choice not in ("auto", None):

@@ -169,7 +169,10 @@ def _chosen(option, n: int) -> Optional[List[int]]:
 
 
 def _fmt(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
+    for unit, size in (("GiB", GiB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if abs(n) >= size or unit == "KiB":
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def _by_category(d: Dict[str, int]) -> str:
