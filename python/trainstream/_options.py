@@ -6,6 +6,7 @@ naming the option and the accepted values. README.md's options table mirrors thi
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any, Dict
 
 # name: (default, description of accepted values, validator)
@@ -57,6 +58,56 @@ def _str_or_none(v):
     return v is None or isinstance(v, str)
 
 
+def _int_at_least(low):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _fraction(v):
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and 0.0 <= v <= 1.0
+
+
+def _block_policy(allow_list: bool):
+    """'auto', True, False, a fraction of the blocks in [0, 1] or (allow_list) a list
+    of block indices."""
+    def check(v):
+        if v == _AUTO or isinstance(v, bool):
+            return True
+        if allow_list and isinstance(v, (list, tuple)):
+            return all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
+        return _fraction(v)
+    return check
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+          "tib": 1 << 40}
+
+
+def parse_bytes(v):
+    """An int number of bytes, or a string such as '24GiB', '512M', '1.5 GB'; None if invalid."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v if v > 0 else None
+    if isinstance(v, float):
+        return int(v) if v >= 1 else None
+    if not isinstance(v, str):
+        return None
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", v)
+    if not m or m.group(2).lower() not in _UNITS:
+        return None
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return n if n > 0 else None
+
+
+def _bytes_or_none(v):
+    return v is None or parse_bytes(v) is not None
+
+
+_QUANT_FORMATS = ("int8", "nf4", "fp8", "nvfp4")
+
+
 OPTIONS: Dict[str, tuple] = {
     "optimizer_mode": ("auto", *_one_of("auto", "cpu", "gpu")[::-1]),
     "offload": ("auto", "'auto' or True", _offload),
@@ -79,9 +130,41 @@ OPTIONS: Dict[str, tuple] = {
                     "more than one rank), True or False", lambda v: v is None or isinstance(v, bool)),
     "shared_state": (None, "None ($TRAINSTREAM_SHM, default 1), True (one optimizer state per "
                      "machine) or False (per-rank copies)", lambda v: v is None or isinstance(v, bool)),
+    # Paging and the memory planner (docs/paging.md).
+    "param_offload": ("auto", "'auto', True, False, a fraction in [0, 1] of the blocks, or a "
+                      "list of block indices", _block_policy(True)),
+    "activation_offload": ("auto", "'auto', True, False or a fraction in [0, 1] of the blocks",
+                           _block_policy(False)),
+    "recompute": ("auto", "'auto', True, False, a fraction in [0, 1] of the blocks, or a list of "
+                  "block indices", _block_policy(True)),
+    "prefetch_depth": (2, "an integer >= 1 (blocks, or saved tensors, fetched ahead)",
+                       _int_at_least(1)),
+    "min_offload_bytes": (1 << 20, "an integer >= 0 (smaller saved tensors stay on the device)",
+                          _int_at_least(0)),
+    "max_inflight_bytes": (1 << 30, "an integer >= 1 (bytes of copies in flight each way)",
+                           _int_at_least(1)),
+    "max_activation_slowdown": (0.15, "a number >= 0 (fraction of step time activation paging "
+                                "may add)",
+                                lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                and v >= 0),
+    "attention": ("auto", *_one_of("auto", "cudnn", "efficient", "flash", "math", None)[::-1]),
+    "vram_limit": (None, "None (TRAINSTREAM_VRAM_LIMIT, else the whole device), a number of "
+                   "bytes > 0 or a string such as '24GiB'", _bytes_or_none),
+    "vram_headroom": (0.10, "a number in [0, 0.9] (fraction of the device memory kept free)",
+                      lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
+                      and 0.0 <= v <= 0.9),
+    "quantize": ("auto", *_one_of("auto", None, *_QUANT_FORMATS)[::-1]),
+    "prefer": ("exact", *_one_of("exact", "speed")[::-1]),
     "timeout_s": (60.0, "a number > 0 (seconds to wait on the daemon before DaemonError)",
                   lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0),
 }
+
+
+def check_value(name: str, value: Any) -> None:
+    """Raises ValueError unless ``value`` is accepted for option ``name``."""
+    _, accepted, check = OPTIONS[name]
+    if not check(value):
+        raise ValueError(f"option {name}={value!r} is not accepted; accepted: {accepted}")
 
 
 def validate(options: Dict[str, Any]) -> Dict[str, Any]:
@@ -94,7 +177,14 @@ def validate(options: Dict[str, Any]) -> Dict[str, Any]:
     out = {}
     for name, (default, accepted, check) in OPTIONS.items():
         value = options.get(name, default)
-        if not check(value):
-            raise ValueError(f"option {name}={value!r} is not accepted; accepted: {accepted}")
+        check_value(name, value)
         out[name] = value
+    if out["vram_limit"] is None and os.environ.get("TRAINSTREAM_VRAM_LIMIT"):
+        env = os.environ["TRAINSTREAM_VRAM_LIMIT"]
+        if parse_bytes(env) is None:
+            raise ValueError(f"TRAINSTREAM_VRAM_LIMIT={env!r} is not accepted; accepted: a "
+                             "number of bytes > 0 or a string such as '24GiB'")
+        out["vram_limit"] = env
+    if out["vram_limit"] is not None:
+        out["vram_limit"] = parse_bytes(out["vram_limit"])
     return out

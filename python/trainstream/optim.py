@@ -63,6 +63,10 @@ class _Param:
     posted_grad: Optional[torch.Tensor] = None
     posted_version: int = -1
     hook: Any = None
+    # Weight paging (paging.py): the gradient arrives through accept_grad, never in
+    # p.grad; with accumulation it is summed here until it is final.
+    external: bool = False
+    external_grad: Optional[torch.Tensor] = None
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -273,7 +277,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------- data plane
     def _on_grad_final(self, p: torch.Tensor) -> None:
         e = self._entries.get(id(p))
-        if e is None or self._plane is None:
+        if e is None or self._plane is None or p.grad is None:
+            # (None: a paged weight, whose gradient went to accept_grad; autograd still
+            # runs the hook with nothing accumulated.)
             return
         e.backward_count += 1
         n = self._options["accumulation_steps"]
@@ -289,9 +295,32 @@ class OffloadAdamW(torch.optim.Optimizer):
             else:
                 self._post_grad(e)
 
-    def _post_grad(self, e: _Param) -> None:
+    def accept_grad(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Takes a gradient of ``p`` computed where ``p.grad`` never holds it (weight
+        paging: the weight's device copy is gone once its block's backward ran).
+        Counted like the post-accumulate-grad hook and posted when final. Returns
+        False when ``p`` is not this optimizer's (the caller then keeps the gradient)."""
+        e = self._entries.get(id(p))
+        if e is None or self._plane is None:
+            return False
+        e.external = True
+        # The same sum AccumulateGrad computes for p.grad.
+        e.external_grad = grad if e.external_grad is None else e.external_grad + grad
+        e.backward_count += 1
+        n = self._options["accumulation_steps"]
+        if e.backward_count > n:
+            raise RuntimeError(
+                f"trainstream: backward() reached {e.name} {e.backward_count} times since the last "
+                f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
+                f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
+        if e.backward_count == n and self._options["grad_post"] == "backward":
+            self._post_grad(e, e.external_grad)
+            e.external_grad = None
+        return True
+
+    def _post_grad(self, e: _Param, grad: Optional[torch.Tensor] = None) -> None:
         g = self.param_groups[e.group]
-        grad = p_grad = e.param.grad
+        grad = p_grad = e.param.grad if grad is None else grad
         if grad.is_sparse:
             raise RuntimeError("OffloadAdamW does not support sparse gradients")
         if grad.dtype != e.grad_slot.dtype:
@@ -404,12 +433,17 @@ class OffloadAdamW(torch.optim.Optimizer):
             for e in self._entries.values():
                 p = e.param
                 if e.posted_step == step:
-                    if p.grad is not e.posted_grad or p.grad._version != e.posted_version:
+                    changed = p.grad is not e.posted_grad or p.grad._version != e.posted_version
+                    if not e.external and changed:
                         raise RuntimeError(
                             f"trainstream: the gradient of {e.name} changed after backward handed it "
                             "to the daemon (e.g. clip_grad_norm_ or GradScaler.unscale_). Pass "
                             "max_grad_norm=... to wrap() for clipping, or grad_post='step' to hand "
                             "gradients over in step()")
+                    posted.append(e)
+                elif e.external_grad is not None:
+                    self._post_grad(e, e.external_grad)
+                    e.external_grad = None
                     posted.append(e)
                 elif p.grad is not None:
                     self._post_grad(e)
@@ -424,8 +458,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             op = c["opcode"]
             if op == _OP_PARAM_READY and c["step"] == step:
                 e = self._by_id[c["param_id"]]
-                self._plane.copy_param(e.param, e.param_slot)
-                self._stats["bytes_h2d"] += e.param_slot.numel() * e.param_slot.element_size()
+                if e.param.data_ptr() != e.param_slot.data_ptr():
+                    # (A paged weight's home is its param slot: nothing to copy.)
+                    self._plane.copy_param(e.param, e.param_slot)
+                    self._stats["bytes_h2d"] += e.param_slot.numel() * e.param_slot.element_size()
                 pending.discard(e.param_id)
             elif op == _OP_STEP_DONE and c["step"] == step:
                 result.update(c)
@@ -446,6 +482,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             e.backward_count = 0
             e.posted_step = 0
             e.posted_grad = None
+            e.external = False
         self._step_id = step
         norm = result.get("grad_norm", float("nan"))
         self._last_grad_norm = norm if norm >= 0 else None

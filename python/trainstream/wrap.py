@@ -21,6 +21,12 @@ class TrainStreamSession:
     optimizer: Optional[OffloadAdamW]
     events: List[Dict[str, Any]] = field(default_factory=list)
     adapting: bool = False
+    # Paging (docs/paging.md); None when wrap() decided nothing pages.
+    plan: Any = None
+    pager: Any = None
+    adapter: Any = None
+    attention: Any = None
+    hooks: List[Any] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -52,10 +58,11 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     if getattr(model, _SESSION_ATTR, None) is not None:
         raise ValueError("this model is already wrapped; call trainstream.unwrap(model) first")
     config = validate(options)
-    if config["device"] is not None:
-        model.to(config["device"])
+    from . import memory_plan
+    prepared = memory_plan.prepare(model, config)   # may raise MemoryError, before any copy
     names = {id(p): n for n, p in model.named_parameters()}
     opt_options = {k: v for k, v in config.items() if k not in ("device", "lr", "check_memory")}
+    opt_options["moment_dtype"] = prepared.moment_dtype
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
         lr = 1e-3 if config["lr"] is None else config["lr"]
@@ -66,6 +73,7 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     new._event_sink = session.event
     session.event("attached", session_id=new.stats()["session_id"],
                   params=len(new._entries), numel=new.stats()["numel"])
+    memory_plan.install(model, new, session, prepared)
     setattr(model, _SESSION_ATTR, session)
     return model, new
 
@@ -120,6 +128,8 @@ def unwrap(model: nn.Module) -> nn.Module:
         if hasattr(model, _SESSION_ATTR):
             delattr(model, _SESSION_ATTR)
         return model
+    from . import memory_plan
+    memory_plan.uninstall(model, session)
     if session.optimizer is not None:
         session.optimizer.detach()
         session.optimizer.release_hooks()
@@ -150,7 +160,9 @@ def memory_report(model: nn.Module) -> Dict[str, Any]:
         gpu = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
                "peak_allocated": torch.cuda.max_memory_allocated()}
     params = list(model.parameters())
+    from . import memory_plan
     return {
+        **memory_plan.report_sections(session),
         "events": list(session.events),
         "gpu": gpu,
         "pinned": pinned_stats(opt),

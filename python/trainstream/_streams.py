@@ -1,0 +1,93 @@
+"""Copies between host memory and the training device on dedicated streams.
+
+One seam for weight paging and activation paging (DESIGN.md, "Fake hardware seams"):
+with a CUDA device, copies run on a dedicated H2D or D2H stream ordered against the
+compute stream with events (the host never waits); with a CPU "device" (CI, or
+tests that declare a capacity) the same calls are plain synchronous copies, so the
+paged code path runs unchanged and its results can be compared bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class CopyEngine:
+    """Owns the two copy streams of one device. Not thread-safe: used from the
+    training thread and autograd's (one at a time, as autograd runs backward)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.h2d = torch.cuda.Stream(self.device)
+            self.d2h = torch.cuda.Stream(self.device)
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+
+    def compute_stream(self):
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 host buffer, pinned when the device is a GPU."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Optional[torch.cuda.Event]:
+        """dst.copy_(src) after every compute-stream write to src issued so far.
+        Returns the event that marks the copy done (None: already done). The caller
+        keeps src alive until then."""
+        self.bytes_d2h += src.numel() * src.element_size()
+        if not self.cuda or not src.is_cuda:
+            dst.copy_(src)
+            return None
+        produced = torch.cuda.Event()
+        produced.record(self.compute_stream())
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(produced)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+        return done
+
+    def to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Optional[torch.cuda.Event]:
+        """dst.copy_(src) on the H2D stream, after the compute stream has reached this
+        point (dst was allocated on it). The compute stream must wait on the returned
+        event (``wait``) before reading dst."""
+        self.bytes_h2d += src.numel() * src.element_size()
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        allocated = torch.cuda.Event()
+        allocated.record(self.compute_stream())
+        with torch.cuda.stream(self.h2d):
+            self.h2d.wait_event(allocated)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.h2d)
+        return done
+
+    def to_device_many(self, pairs) -> Optional[torch.cuda.Event]:
+        """``to_device`` for several (src, dst) pairs, with one event for all."""
+        if not self.cuda:
+            for src, dst in pairs:
+                self.bytes_h2d += src.numel() * src.element_size()
+                dst.copy_(src)
+            return None
+        allocated = torch.cuda.Event()
+        allocated.record(self.compute_stream())
+        with torch.cuda.stream(self.h2d):
+            self.h2d.wait_event(allocated)
+            for src, dst in pairs:
+                self.bytes_h2d += src.numel() * src.element_size()
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.h2d)
+        return done
+
+    def wait(self, event: Optional[torch.cuda.Event]) -> None:
+        """Orders the compute stream after ``event`` (no host wait)."""
+        if event is not None:
+            self.compute_stream().wait_event(event)

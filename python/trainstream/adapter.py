@@ -1,0 +1,164 @@
+"""The planner's runtime half: measured peaks set the activation policy and move blocks.
+
+wrap() plans weights before any step has run; activations depend on the batch, so
+they are decided from measurements:
+
+1. Calibration (first training forward): with ``activation_offload="auto"`` every
+   block pages its activations, so calibration itself cannot overcommit the device.
+   The step's peak and the bytes each block saved are measured.
+2. Second forward: the last blocks keep their activations, as many as the measured
+   room allows (backward reads them first, so paging them would gain least); the
+   others page. If paging them would cost more than ``max_activation_slowdown`` of
+   the step at the measured PCIe bandwidth and ``recompute="auto"``, the excess
+   blocks recompute instead.
+3. Later steps: a peak above the usable memory moves a kept block to paging (or a
+   resident weight block to paged); two steps in a row within it settle the plan
+   (``session.adapting`` becomes False). After that a watchdog does the same if a
+   later step grows.
+
+Every decision is an event in ``memory_report(model)["events"]``. Adaptation needs
+measured peaks, so it runs on CUDA devices; elsewhere the policy is the static one.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .paging import KEEP, OFFLOAD, RECOMPUTE, BlockPager, in_backward
+from .planner import Plan, _chosen, _fmt
+
+SETTLE_STEPS = 2
+
+
+class Adapter:
+    def __init__(self, session, pager: BlockPager, plan: Plan, config: Dict[str, Any],
+                 h2d_gb_s: float):
+        self.session = session
+        self.pager = pager
+        self.plan = plan
+        self.config = config
+        self.h2d_gb_s = h2d_gb_s or 0.0
+        self.n = len(pager.blocks)
+        self.measure = pager.engine.cuda and plan.usable_vram is not None
+        self.step = 0
+        self.stable = 0
+        self.settled = False
+        self.t_start: Optional[float] = None
+        self.offloaded_at_start = 0
+        self.act_per_block = 0
+        self.history: List[Dict[str, Any]] = []
+        self._static_policy()
+
+    # -------------------------------------------------------------- policies
+    def _static_policy(self) -> None:
+        act = self.config["activation_offload"]
+        rec = _chosen(self.config["recompute"], self.n) or []
+        calibrate = act == "auto" and self.measure
+        if act == "auto":
+            offload = list(range(self.n)) if calibrate else []
+        else:
+            offload = _chosen(act, self.n)
+        for i in range(self.n):
+            policy = RECOMPUTE if i in rec else OFFLOAD if i in offload else KEEP
+            self.pager.set_policy(i, policy)
+        self.session.adapting = calibrate
+        self.session.event("plan", what="activations", policy=self.policies(),
+                           why="calibration: every block pages its activations" if calibrate
+                           else f"activation_offload={act!r}, recompute={self.config['recompute']!r}")
+
+    def policies(self) -> Dict[str, List[int]]:
+        out = {KEEP: [], OFFLOAD: [], RECOMPUTE: []}
+        for i, p in enumerate(self.pager.policy):
+            out[p].append(i)
+        return out
+
+    # ------------------------------------------------------------ each step
+    def on_forward(self, module, args) -> None:
+        """Model forward pre-hook: runs once per training step, before block 0."""
+        if not torch.is_grad_enabled() or in_backward() or not self.measure:
+            return
+        now = self._sync_time()
+        if self.t_start is not None:
+            peak = torch.cuda.max_memory_allocated(self.pager.device)
+            offloaded = self._offloaded() - self.offloaded_at_start
+            self.history.append({"step": self.step, "peak": peak, "seconds": now - self.t_start,
+                                 "activation_bytes_paged": offloaded})
+            self._decide(peak, now - self.t_start, offloaded)
+            self.step += 1
+        torch.cuda.reset_peak_memory_stats(self.pager.device)
+        self.t_start = now
+        self.offloaded_at_start = self._offloaded()
+
+    def _sync_time(self) -> float:
+        torch.cuda.synchronize(self.pager.device)
+        return time.perf_counter()
+
+    def _offloaded(self) -> int:
+        off = self.pager.offloader
+        return off.stats["bytes_offloaded"] if off is not None else 0
+
+    def _decide(self, peak: int, seconds: float, offloaded: int) -> None:
+        usable = self.plan.usable_vram
+        ev = self.session.event
+        if self.step == 0 and self.config["activation_offload"] == "auto":
+            paging_blocks = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
+            self.act_per_block = offloaded // max(1, len(paging_blocks))
+            room = usable - peak
+            keep = 0 if self.act_per_block == 0 else int(0.9 * room // self.act_per_block)
+            keep = max(0, min(keep, len(paging_blocks)))
+            if self.act_per_block == 0:
+                keep = len(paging_blocks)
+            kept = paging_blocks[len(paging_blocks) - keep:] if keep else []
+            for i in kept:
+                self.pager.set_policy(i, KEEP)
+            paged = [i for i in paging_blocks if i not in kept]
+            why = (f"calibration step: peak {_fmt(peak)} of usable {_fmt(usable)} with every "
+                   f"block paged; {self.act_per_block / 2**20:.1f} MiB of activations per block")
+            # Paging costs a D2H and an H2D per byte; what the step cannot hide is the excess
+            # over its own duration.
+            paging_s = 2 * self.act_per_block * len(paged) / (self.h2d_gb_s * 1e9) \
+                if self.h2d_gb_s else 0.0
+            allowed = self.config["max_activation_slowdown"] * seconds
+            if self.config["recompute"] == "auto" and paging_s > seconds + allowed and paged:
+                per_block = paging_s / len(paged)
+                excess = paging_s - seconds - allowed
+                count = min(len(paged), int(excess // per_block) + 1)
+                for i in paged[:count]:
+                    self.pager.set_policy(i, RECOMPUTE)
+                why += (f"; paging {len(paged)} blocks would take {paging_s:.3f} s against a "
+                        f"{seconds:.3f} s step: {count} recompute instead")
+            ev("plan", what="activations", policy=self.policies(), why=why)
+            return
+        if peak > usable:
+            self.stable = 0
+            moved = self._tighten()
+            kind = "watchdog" if self.settled else "plan"
+            ev(kind, what="tighten", peak=peak, usable=usable, moved=moved,
+               why=f"step peak {_fmt(peak)} above usable {_fmt(usable)}")
+            self.session.adapting = True
+            self.settled = False
+            return
+        self.stable += 1
+        if not self.settled and self.stable >= SETTLE_STEPS:
+            self.settled = True
+            self.session.adapting = False
+            ev("plan", what="settled", peak=peak, usable=usable, policy=self.policies(),
+               paged_blocks=list(self.pager.paged),
+               why=f"{SETTLE_STEPS} steps within usable memory (peak {_fmt(peak)})")
+
+    def _tighten(self) -> str:
+        kept = [i for i, p in enumerate(self.pager.policy) if p == KEEP]
+        if kept:
+            self.pager.set_policy(kept[0], OFFLOAD)
+            return f"block {kept[0]} activations: keep -> offload"
+        resident = [i for i in range(self.n) if i not in self.pager.paged]
+        if resident:
+            self.pager.page_out(resident[0])
+            return f"block {resident[0]} weights: resident -> paged"
+        offloaded = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
+        if offloaded:
+            self.pager.set_policy(offloaded[0], RECOMPUTE)
+            return f"block {offloaded[0]} activations: offload -> recompute"
+        return "nothing left to move"

@@ -1,0 +1,375 @@
+"""Weight paging and the per-block activation policy of a block stack.
+
+``BlockPager(blocks, device, paged=[...], policy=[...])`` takes over each block's
+``forward``:
+
+* A paged block's weights live in host memory: a trained weight in its home (the
+  optimizer's param slot in the daemon session, which the daemon rewrites after
+  each update, or pinned memory without a session), a frozen weight or buffer in
+  pinned memory. Before the block runs, its weights are copied to the device on a
+  dedicated H2D stream, ``prefetch_depth`` blocks ahead, and the compute stream
+  waits on the copy's event (never the host). The block runs on the device copies,
+  substituted for its parameters and buffers for the duration of the call; the
+  copies are dropped when it returns.
+* Saved-tensor hooks turn a weight that autograd saves for backward into a
+  reference; backward fetches the block again (prefetching the blocks before it)
+  and the reference resolves to the new device copy. So the device holds the
+  weights of a few blocks at a time, in forward and in backward.
+* A trained weight enters the block through ``_PagedWeight``: its gradient goes to
+  ``grad_sink`` (``OffloadAdamW.accept_grad``: D2H into the param's grad slot),
+  never into ``p.grad`` on the device; with no sink it is accumulated into ``p.grad``
+  on the host like any gradient.
+* Per block, activations are kept, paged (``ActivationOffloader``) or recomputed
+  (``torch.utils.checkpoint``, non-reentrant: the recomputation fetches the weights
+  again).
+
+With a CPU ``device`` the same code runs with synchronous copies (CI's exactness
+test). Everything is undone by ``remove()``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ._streams import CopyEngine
+from .activations import ActivationOffloader
+
+KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
+POLICIES = (KEEP, OFFLOAD, RECOMPUTE)
+
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PagedWeight(torch.autograd.Function):
+    """Makes a fetched device copy stand in for a host parameter in autograd."""
+
+    @staticmethod
+    def forward(ctx, param, holder):
+        ctx.param = param
+        ctx.sink = holder.sink
+        return holder.tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.sink is not None and ctx.sink(ctx.param, grad):
+            return None, None
+        return grad.to(ctx.param.device), None
+
+
+class _Holder:  # carries non-tensor arguments into _PagedWeight
+    __slots__ = ("tensor", "sink")
+
+    def __init__(self, tensor, sink):
+        self.tensor, self.sink = tensor, sink
+
+
+class _Slot:
+    """One paged tensor of a block: where it is substituted and its host home."""
+    __slots__ = ("module", "kind", "name", "host", "param", "nbytes")
+
+    def __init__(self, module, kind, name, host, param):
+        self.module, self.kind, self.name, self.host, self.param = module, kind, name, host, param
+        self.nbytes = host.numel() * host.element_size()
+
+
+class _Fetch:
+    """A block's weights on the device: one fetch, used by forward or by backward."""
+    __slots__ = ("tensors", "event", "given", "nodes", "bases")
+
+    def __init__(self, tensors, event):
+        self.tensors = tensors
+        self.event = event
+        self.given: Dict[int, int] = {}   # id(tensor handed to the block) -> slot index
+        self.nodes: Dict[int, int] = {}   # id(_PagedWeight node) -> slot index
+        self.bases: List[Any] = []        # keeps the handed tensors alive while mapped
+
+
+class _WeightRef:
+    """A saved weight (or a view or cast of one), resolved again in backward."""
+    __slots__ = ("block", "index", "size", "stride", "offset", "dtype")
+
+    def __init__(self, block, index, t: Optional[torch.Tensor], dtype=None):
+        self.block, self.index = block, index
+        self.size = self.stride = self.offset = None
+        if t is not None:
+            self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.dtype = dtype
+
+
+class BlockPager:
+    """Pages the weights of ``paged`` blocks and applies ``policy[i]`` (keep /
+    offload / recompute) to each block's activations. Caller owns it; ``remove()``
+    restores the blocks (their paged tensors stay in host memory)."""
+
+    def __init__(self, blocks: Sequence[nn.Module], device, *, paged: Sequence[int] = (),
+                 policy: Optional[Sequence[str]] = None, prefetch_depth: int = 2,
+                 offloader: Optional[ActivationOffloader] = None,
+                 grad_sink: Optional[Callable[[nn.Parameter, torch.Tensor], bool]] = None,
+                 host_home: Optional[Callable[[nn.Parameter], Optional[torch.Tensor]]] = None,
+                 min_paged_bytes: int = 1 << 20):
+        self.blocks = list(blocks)
+        self.engine = offloader.engine if offloader is not None else CopyEngine(device)
+        self.device = self.engine.device
+        n = len(self.blocks)
+        self.paged = sorted(set(paged))
+        if any(i < 0 or i >= n for i in self.paged):
+            raise ValueError(f"param_offload block indices {self.paged} out of range: the model "
+                             f"has {n} blocks (0..{n - 1})")
+        self.policy = list(policy) if policy is not None else [KEEP] * n
+        if len(self.policy) != n or any(p not in POLICIES for p in self.policy):
+            raise ValueError(f"policy must list one of {POLICIES} per block ({n} blocks)")
+        self.prefetch_depth = prefetch_depth
+        self.offloader = offloader
+        self.grad_sink = grad_sink
+        # Smaller tensors of a paged block stay on the device (LoRA adapters, norms):
+        # trained ones then take the optimizer's ordinary path, accumulation included.
+        self.min_paged_bytes = min_paged_bytes
+        self._slots: Dict[int, List[_Slot]] = {}
+        self._fetches: Dict[int, _Fetch] = {}
+        self._refs: Dict[int, int] = {}   # block -> weight references saved, not yet unpacked
+        self._forwards: Dict[int, Any] = {}
+        self.stats = {"fetches_forward": 0, "fetches_backward": 0, "fetch_misses": 0,
+                      "bytes_h2d": 0}
+        self.block_bytes: Dict[int, int] = {}
+        self._host_home = host_home
+        # attention.py's choice, entered around every block call (recomputation too).
+        self.attention_context: Callable[[], Any] = contextlib.nullcontext
+        for i, block in enumerate(self.blocks):
+            if i in self.paged:
+                self._slots[i] = self._page_out(block, host_home)
+                self.block_bytes[i] = sum(s.nbytes for s in self._slots[i])
+            else:
+                block.to(self.device)
+            self._forwards[i] = block.forward
+            block.forward = self._make_forward(i)
+
+    # ------------------------------------------------------------------ setup
+    def _page_out(self, block: nn.Module, host_home) -> List[_Slot]:
+        slots: List[_Slot] = []
+        pin = self.engine.cuda
+        for module in block.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                nbytes = p.numel() * p.element_size()
+                if nbytes < self.min_paged_bytes:
+                    p.data = p.data.to(self.device)
+                    continue
+                home = host_home(p) if (host_home is not None and p.requires_grad) else None
+                if home is None:
+                    home = p.data.to("cpu")
+                    if pin:
+                        home = home.pin_memory()
+                p.data = home
+                slots.append(_Slot(module, "param", name, home, p))
+            for name, b in list(module._buffers.items()):
+                if b is None:
+                    continue
+                if b.numel() * b.element_size() < self.min_paged_bytes:
+                    module._buffers[name] = b.to(self.device)
+                    continue
+                home = b.to("cpu")
+                if pin:
+                    home = home.pin_memory()
+                module._buffers[name] = home
+                slots.append(_Slot(module, "buffer", name, home, None))
+        return slots
+
+    def remove(self) -> None:
+        """Gives each block its own forward back."""
+        for i, block in enumerate(self.blocks):
+            if "forward" in block.__dict__:
+                del block.forward
+        self._fetches.clear()
+
+    def make_resident(self, i: int) -> None:
+        """Moves paged block i's tensors to the device for good (the planner found room)."""
+        if i not in self._slots:
+            return
+        self._fetches.pop(i, None)
+        for s in self._slots.pop(i):
+            t = s.host.to(self.device)
+            if s.param is not None:
+                s.param.data = t
+            else:
+                s.module._buffers[s.name] = t
+        self.paged.remove(i)
+        self.block_bytes.pop(i, None)
+
+    def page_out(self, i: int) -> None:
+        """Moves resident block i's tensors to host memory and pages them from now on."""
+        if i in self._slots:
+            return
+        self._slots[i] = self._page_out(self.blocks[i], self._host_home)
+        self.block_bytes[i] = sum(s.nbytes for s in self._slots[i])
+        self.paged = sorted(self.paged + [i])
+
+    def restore_to_host(self) -> None:
+        """Gives every paged tensor a private host copy (unwrap: the session's slots,
+        the homes of trained weights, are about to be unmapped)."""
+        with torch.no_grad():
+            for slots in self._slots.values():
+                for s in slots:
+                    copy = s.host.clone()
+                    if s.param is not None:
+                        s.param.data = copy
+                    else:
+                        s.module._buffers[s.name] = copy
+        self._slots.clear()
+        self.paged = []
+
+    def set_policy(self, i: int, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}: accepted: {POLICIES}")
+        self.policy[i] = policy
+
+    # ---------------------------------------------------------------- fetching
+    def _fetch(self, i: int) -> _Fetch:
+        slots = self._slots[i]
+        if self.engine.cuda:
+            tensors = [torch.empty_like(s.host, device=self.device) for s in slots]
+        else:
+            tensors = [torch.empty_like(s.host) for s in slots]
+        event = self.engine.to_device_many([(s.host, t) for s, t in zip(slots, tensors)])
+        self.stats["bytes_h2d"] += self.block_bytes[i]
+        return _Fetch(tensors, event)
+
+    def _acquire(self, i: int, backward: bool) -> _Fetch:
+        """Block i's weights on the device (fetched now if no prefetch was issued),
+        after issuing prefetches for the next ``prefetch_depth`` paged blocks in the
+        direction of travel."""
+        f = self._fetches.get(i)
+        if f is None:
+            self.stats["fetch_misses"] += 1
+            f = self._fetches[i] = self._fetch(i)
+        self.stats["fetches_backward" if backward else "fetches_forward"] += 1
+        step = -1 if backward else 1
+        ahead = [j for j in self.paged if (j - i) * step > 0]
+        ahead.sort(key=lambda j: (j - i) * step)
+        for j in ahead[:self.prefetch_depth]:
+            if j not in self._fetches:
+                self._fetches[j] = self._fetch(j)
+        self.engine.wait(f.event)
+        return f
+
+    def _release(self, i: int) -> None:
+        self._fetches.pop(i, None)
+
+    # ---------------------------------------------------------------- forward
+    def _make_forward(self, i: int):
+        def forward(*args, **kwargs):
+            if self.policy[i] == RECOMPUTE and torch.is_grad_enabled():
+                return checkpoint(self._run, i, False, *args, use_reentrant=False, **kwargs)
+            return self._run(i, True, *args, **kwargs)
+        return forward
+
+    def _run(self, i: int, hooks: bool, *args, **kwargs):
+        forward = self._forwards[i]
+
+        def original(*a, **k):
+            with self.attention_context():
+                return forward(*a, **k)
+        if i not in self._slots:
+            if hooks and self.policy[i] == OFFLOAD and self.offloader is not None \
+                    and torch.is_grad_enabled():
+                with self.offloader:
+                    return original(*args, **kwargs)
+            return original(*args, **kwargs)
+        backward = in_backward()
+        if not backward and i == self.paged[0]:
+            self._fetches.clear()  # a new forward: whatever the last one left is stale
+            self._refs.clear()
+        f = self._acquire(i, backward)
+        slots = self._slots[i]
+        saved = []
+        grad = torch.is_grad_enabled()
+        try:
+            for k, (s, t) in enumerate(zip(slots, f.tensors)):
+                table = s.module._parameters if s.kind == "param" else s.module._buffers
+                saved.append((table, s.name, table[s.name]))
+                given = t
+                if s.param is not None and s.param.requires_grad and grad:
+                    given = _PagedWeight.apply(s.param, _Holder(t, self.grad_sink))
+                    f.nodes[id(given.grad_fn)] = k
+                    f.bases.append(given.grad_fn)
+                f.given[id(given)] = k
+                f.bases.append(given)
+                table[s.name] = given
+            if hooks and grad:
+                with torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: self._pack(i, f, t), self._unpack):
+                    out = original(*args, **kwargs)
+            else:
+                out = original(*args, **kwargs)
+        finally:
+            for table, name, value in saved:
+                table[name] = value
+        # The saved references hold no device memory: backward fetches again. The last
+        # paged block stays, since backward starts with it.
+        if backward or not self._refs.get(i) or i != self.paged[-1]:
+            self._release(i)
+        return out
+
+    # ------------------------------------------------------------ saved tensors
+    def _pack(self, i: int, f: _Fetch, t: torch.Tensor):
+        ref = self._weight_ref(i, f, t)
+        if ref is not None:
+            self._refs[i] = self._refs.get(i, 0) + 1
+            return ref
+        if self.policy[i] == OFFLOAD and self.offloader is not None:
+            return self.offloader.pack(t)
+        return t
+
+    def _weight_ref(self, i: int, f: _Fetch, t: torch.Tensor) -> Optional[_WeightRef]:
+        k = f.given.get(id(t))
+        if k is not None and self._is_given(f, k, t):
+            return _WeightRef(i, k, None)
+        base = t._base
+        if base is not None:
+            k = f.given.get(id(base))
+            if k is not None and self._is_given(f, k, base):
+                return _WeightRef(i, k, t)
+        node = t.grad_fn
+        if node is not None and type(node).__name__ == "ToCopyBackward0":
+            nxt = node.next_functions[0][0] if node.next_functions else None
+            k = f.nodes.get(id(nxt))
+            if k is not None:
+                return _WeightRef(i, k, None, dtype=t.dtype)
+        return None
+
+    @staticmethod
+    def _is_given(f: _Fetch, k: int, t: torch.Tensor) -> bool:
+        return any(b is t for b in f.bases)
+
+    def _unpack(self, packed):
+        if isinstance(packed, _WeightRef):
+            f = self._acquire(packed.block, True)
+            t = f.tensors[packed.index]
+            if packed.size is not None:
+                t = t.as_strided(packed.size, packed.stride, packed.offset)
+            if packed.dtype is not None:
+                t = t.to(packed.dtype)
+            left = self._refs.get(packed.block, 0) - 1
+            self._refs[packed.block] = left
+            if left <= 0:
+                self._release(packed.block)
+            return t
+        if self.offloader is not None:
+            return self.offloader.unpack(packed)
+        return packed
+
+    # ------------------------------------------------------------------ report
+    def report(self) -> Dict[str, Any]:
+        return {"paged_blocks": list(self.paged), "resident_blocks":
+                [i for i in range(len(self.blocks)) if i not in self._slots],
+                "paged_bytes": sum(self.block_bytes.values()),
+                "bytes_per_paged_block": max(self.block_bytes.values(), default=0),
+                "prefetch_depth": self.prefetch_depth, **self.stats}

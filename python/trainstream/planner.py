@@ -1,0 +1,352 @@
+"""The memory planner: what stays on the device, what pages, in which precision.
+
+``plan(summary, capacity, config)`` is a pure function of three things, so it can be
+tested with any capacity (``tests/python/test_planner.py``):
+
+* ``ModelSummary``: the bytes of every block of the block stack (trained and frozen
+  tensors, what quantizing the frozen linear weights would leave) and of everything
+  outside it, read from the model's tensors (a model on the ``meta`` device works,
+  so a model too big to build can be planned and refused);
+* ``Capacity``: usable device memory (``vram_limit`` or the free memory, less
+  ``vram_headroom``), available host RAM, the daemon's free budget and PCIe H2D
+  bandwidth (``profile_hardware``);
+* the validated options.
+
+Device memory model (bytes that are live at the peak of a step):
+  outside the blocks: weights + gradients of trained tensors;
+  a resident block: weights + gradients of trained tensors;
+  paging: (prefetch_depth + 2) blocks of paged weights in flight and in use, one
+  block of trained gradients on their way to the host, plus every paged block's
+  small resident tensors (and their gradients);
+  activations: unknown until a step has run, so ``ACTIVATION_RESERVE`` of the
+  usable memory is set aside for them at wrap(); the first steps then measure
+  (``Adapter`` in wrap.py's session) and move blocks.
+Host memory model: the daemon's fp32 master and two moments per trained element,
+its staging slots (a gradient and a weight slot in the parameter's dtype) and the
+pinned copies of paged frozen tensors.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from torch import nn
+
+ACTIVATION_RESERVE = 0.25
+GiB = float(1 << 30)
+
+
+@dataclass
+class BlockSummary:
+    trained_bytes: int = 0        # trained tensors at or above min_paged_bytes (pageable)
+    trained_numel: int = 0        # every trained element of the block
+    small_trained_bytes: int = 0  # trained tensors below min_paged_bytes (stay on the device)
+    frozen_bytes: int = 0         # frozen parameters and buffers as stored now
+    quantizable_bytes: int = 0    # frozen nn.Linear weights as stored now
+    quantized_bytes: int = 0      # the same after quantization (plan.quantize)
+
+    def weight_bytes(self, quantize: bool) -> int:
+        frozen = self.frozen_bytes - (self.quantizable_bytes - self.quantized_bytes
+                                      if quantize else 0)
+        return self.trained_bytes + self.small_trained_bytes + frozen
+
+    def paged_bytes(self, quantize: bool) -> int:
+        return self.weight_bytes(quantize) - self.small_trained_bytes
+
+    def grad_bytes(self) -> int:
+        return self.trained_bytes + self.small_trained_bytes
+
+
+@dataclass
+class ModelSummary:
+    blocks: List[BlockSummary]
+    outside_bytes: int            # every tensor outside the block stack
+    outside_grad_bytes: int       # trained tensors outside the block stack
+    trained_numel: int            # every trained element of the model
+    trained_bytes: int            # ... in the parameters' dtype
+
+
+@dataclass
+class Capacity:
+    device: str
+    vram_bytes: Optional[int]     # usable device memory before headroom; None: unlimited
+    ram_available: int
+    daemon_free: Optional[int]    # None: not known (no daemon asked)
+    h2d_gb_s: float = 0.0
+    source: str = ""
+
+
+@dataclass
+class Plan:
+    paged: List[int]
+    moment_dtype: str
+    quantize: Optional[str]
+    activation_offload: Any
+    recompute: Any
+    device_bytes: Dict[str, int] = field(default_factory=dict)
+    host_bytes: Dict[str, int] = field(default_factory=dict)
+    usable_vram: Optional[int] = None
+    decisions: List[str] = field(default_factory=list)
+    pcie_bytes_per_step: int = 0
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"paged_blocks": list(self.paged), "moment_dtype": self.moment_dtype,
+                "quantize": self.quantize, "activation_offload": self.activation_offload,
+                "recompute": self.recompute, "device_bytes": dict(self.device_bytes),
+                "host_bytes": dict(self.host_bytes), "usable_vram": self.usable_vram,
+                "pcie_bytes_per_step": self.pcie_bytes_per_step,
+                "decisions": list(self.decisions)}
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: int,
+              quant_format: Optional[str] = "nf4", quant_block_size: int = 64) -> ModelSummary:
+    """Reads the sizes the planner needs from the model's tensors (no data touched)."""
+    from .quantization import _quantized_bytes
+    in_blocks = set()
+    out: List[BlockSummary] = []
+    for block in blocks:
+        b = BlockSummary()
+        linear_weights = {id(m.weight) for m in block.modules() if isinstance(m, nn.Linear)}
+        for p in block.parameters():
+            in_blocks.add(id(p))
+            n = _nbytes(p)
+            if p.requires_grad:
+                b.trained_numel += p.numel()
+                if n >= min_paged_bytes:
+                    b.trained_bytes += n
+                else:
+                    b.small_trained_bytes += n
+            else:
+                b.frozen_bytes += n
+                if id(p) in linear_weights:
+                    b.quantizable_bytes += n
+                    b.quantized_bytes += _quantized_bytes(quant_format or "nf4", p.numel(),
+                                                          quant_block_size)
+        for m in block.modules():
+            for buf in m.buffers(recurse=False):
+                in_blocks.add(id(buf))
+                b.frozen_bytes += _nbytes(buf)
+        out.append(b)
+    outside = outside_grad = trained_numel = trained_bytes = 0
+    seen = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trained_numel += p.numel()
+            trained_bytes += _nbytes(p)
+        if id(p) not in in_blocks:
+            outside += _nbytes(p)
+            if p.requires_grad:
+                outside_grad += _nbytes(p)
+    for buf in model.buffers():
+        if id(buf) not in in_blocks:
+            outside += _nbytes(buf)
+    return ModelSummary(out, outside, outside_grad, trained_numel, trained_bytes)
+
+
+def _chosen(option, n: int) -> Optional[List[int]]:
+    """Block indices an explicit param_offload / recompute value names (None: 'auto')."""
+    if option == "auto":
+        return None
+    if option is True:
+        return list(range(n))
+    if option is False:
+        return []
+    if isinstance(option, (list, tuple)):
+        bad = [i for i in option if i >= n]
+        if bad:
+            raise ValueError(f"block indices {bad} out of range: the model has {n} blocks")
+        return sorted(set(option))
+    return list(range(int(round(option * n))))
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if abs(n) >= size or unit == "KiB":
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _by_category(d: Dict[str, int]) -> str:
+    return ", ".join(f"{k} {_fmt(v)}" for k, v in d.items() if v)
+
+
+def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> Plan:
+    """Decides paged blocks, moment precision and quantization; raises MemoryError
+    (with the numbers, by category) when nothing fits and ``check_memory`` is on."""
+    n = len(summary.blocks)
+    decisions: List[str] = []
+    check = config.get("check_memory", True)
+    depth = config.get("prefetch_depth", 2)
+
+    # ---- host side: moments, slots, pinned frozen weights
+    def host_need(moment_bytes: int, quantize: bool, paged: Sequence[int]) -> Dict[str, int]:
+        frozen = sum(summary.blocks[i].paged_bytes(quantize) - summary.blocks[i].trained_bytes
+                     for i in paged)
+        return {"daemon master weights (fp32)": 4 * summary.trained_numel,
+                f"daemon moments ({'bf16' if moment_bytes == 2 else 'fp32'})":
+                    2 * moment_bytes * summary.trained_numel,
+                "staging slots (gradient + weight)": 2 * summary.trained_bytes,
+                "pinned frozen weights of paged blocks": frozen}
+
+    quant_opt = config.get("quantize", "auto")
+    prefer = config.get("prefer", "exact")
+    frozen_quantizable = sum(b.quantizable_bytes for b in summary.blocks)
+    quantize: Optional[str] = quant_opt if quant_opt not in ("auto", None) else None
+
+    # ---- device side
+    usable = None
+    if capacity.vram_bytes is not None:
+        usable = int(capacity.vram_bytes * (1.0 - config.get("vram_headroom", 0.10)))
+
+    def device_need(paged: Sequence[int], q: bool) -> Dict[str, int]:
+        resident = [i for i in range(n) if i not in paged]
+        blocks = summary.blocks
+        transient = 0
+        if paged:
+            biggest = max(blocks[i].paged_bytes(q) for i in paged)
+            grads = max(blocks[i].trained_bytes for i in paged)
+            transient = (depth + 2) * biggest + grads
+        return {
+            "weights outside the blocks": summary.outside_bytes,
+            "gradients outside the blocks": summary.outside_grad_bytes,
+            "resident blocks (weights + gradients)":
+                sum(blocks[i].weight_bytes(q) + blocks[i].grad_bytes() for i in resident),
+            "paged blocks' resident small tensors (+ gradients)":
+                sum(2 * blocks[i].small_trained_bytes for i in paged),
+            "paged weights in flight": transient,
+        }
+
+    wanted = _chosen(config.get("param_offload", "auto"), n)
+    q_now = quantize is not None
+    if usable is None:
+        paged = wanted or []
+        if wanted is None:
+            decisions.append("no device memory limit known: every block stays resident")
+    else:
+        reserve = int(usable * ACTIVATION_RESERVE)
+        budget = usable - reserve
+        if wanted is not None:
+            paged = wanted
+        else:
+            paged = []
+            # Page from the first block on: backward starts at the last blocks, which
+            # stay resident and give the prefetch of the paged ones time.
+            while sum(device_need(paged, q_now).values()) > budget and len(paged) < n:
+                paged.append(len(paged))
+            if (quant_opt == "auto" and frozen_quantizable and paged and prefer == "speed"
+                    and not q_now):
+                quantize, q_now = "nf4", True
+                decisions.append("quantize='auto', prefer='speed': frozen linear weights of "
+                                 "the blocks to NF4 (fewer bytes to page)")
+                paged = []
+                while sum(device_need(paged, q_now).values()) > budget and len(paged) < n:
+                    paged.append(len(paged))
+            decisions.append(f"param_offload='auto': {len(paged)} of {n} blocks paged "
+                             f"(resident budget {_fmt(budget)} = usable {_fmt(usable)} less "
+                             f"{ACTIVATION_RESERVE:.0%} kept for activations)")
+        need = device_need(paged, q_now)
+        if sum(need.values()) > usable and check:
+            raise MemoryError(
+                f"trainstream: the model does not fit on {capacity.device}: needs "
+                f"{_fmt(sum(need.values()))} with {len(paged)} of {n} blocks paged "
+                f"({_by_category(need)}), usable {_fmt(usable)} ({capacity.source}, "
+                f"vram_headroom={config.get('vram_headroom', 0.10)}). Options: a larger "
+                "vram_limit, param_offload=True, quantize='nf4' for a frozen base, a smaller "
+                "model; check_memory=False skips this check")
+
+    # ---- moments and host memory
+    moment_opt = config.get("moment_dtype", "float32")
+    host_limit = capacity.ram_available
+    if capacity.daemon_free is not None:
+        host_limit = min(host_limit, capacity.daemon_free)
+    moment_bytes = 2 if moment_opt == "bfloat16" else 4
+    need_host = host_need(moment_bytes, q_now, paged)
+    if moment_opt == "auto":
+        if sum(need_host.values()) > host_limit:
+            moment_bytes = 2
+            need_host = host_need(2, q_now, paged)
+            decisions.append("moment_dtype='auto': bf16 moments (fp32 ones would not fit in "
+                             f"{_fmt(host_limit)} of host memory)")
+        else:
+            decisions.append("moment_dtype='auto': fp32 moments")
+    if (sum(need_host.values()) > host_limit and quant_opt == "auto" and not q_now
+            and frozen_quantizable and paged):
+        q_try = host_need(moment_bytes, True, paged)
+        if sum(q_try.values()) <= host_limit:
+            quantize, q_now, need_host = "nf4", True, q_try
+            decisions.append("quantize='auto': frozen linear weights of the blocks to NF4 "
+                             "(the pinned bf16 copies would not fit in host memory)")
+    if sum(need_host.values()) > host_limit and check:
+        where = (f"available RAM {_fmt(capacity.ram_available)}" +
+                 (f", daemon budget free {_fmt(capacity.daemon_free)}"
+                  if capacity.daemon_free is not None else ""))
+        raise MemoryError(
+            f"trainstream: host memory does not fit: needs {_fmt(sum(need_host.values()))} "
+            f"({_by_category(need_host)}), {where}. Options: moment_dtype='bfloat16', "
+            "quantize='nf4' for a frozen base, a larger daemon --budget, fewer trained "
+            "parameters (LoRA); check_memory=False skips this check")
+    if quantize is not None and not any(d.startswith("quantize") for d in decisions):
+        decisions.append(f"quantize={quantize!r}: frozen linear weights of the blocks")
+
+    pcie = 0
+    for i in paged:
+        b = summary.blocks[i]
+        pcie += 2 * b.paged_bytes(q_now) + b.trained_bytes  # H2D fwd + bwd, grads D2H
+    return Plan(paged=list(paged), moment_dtype="bfloat16" if moment_bytes == 2 else "float32",
+                quantize=quantize, activation_offload=config.get("activation_offload", "auto"),
+                recompute=config.get("recompute", "auto"),
+                device_bytes=device_need(paged, q_now) if usable is not None else {},
+                host_bytes=need_host, usable_vram=usable, decisions=decisions,
+                pcie_bytes_per_step=pcie)
+
+
+def ram_available() -> int:
+    """MemAvailable from /proc/meminfo (bytes); total physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def measure_capacity(device, vram_limit: Optional[int], daemon_free: Optional[int],
+                     model_device_bytes: int = 0) -> Capacity:
+    """Capacity of ``device`` now. With CUDA, ``vram_limit`` also caps this process's
+    allocator (``torch.cuda.set_per_process_memory_fraction``)."""
+    import torch
+    device = torch.device(device)
+    ram = ram_available()
+    if device.type != "cuda":
+        return Capacity(str(device), vram_limit, ram, daemon_free,
+                        source="declared vram_limit" if vram_limit else "")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    free, _ = torch.cuda.mem_get_info(index)
+    reserved = torch.cuda.memory_reserved(index)
+    allocated = torch.cuda.memory_allocated(index)
+    cap = total
+    source = f"{_fmt(total)} device"
+    if vram_limit is not None:
+        cap = min(vram_limit, total)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+        source = f"vram_limit {_fmt(cap)}"
+    usable = min(cap, free + reserved) - max(0, allocated - model_device_bytes)
+    from .hardware import profile_hardware
+    h2d = profile_hardware().get("h2d_gb_s", 0.0)
+    return Capacity(str(device), max(0, usable), ram, daemon_free, h2d_gb_s=h2d, source=source)
+
+
+def transfer_seconds(nbytes: int, gb_s: float) -> float:
+    return nbytes / (gb_s * 1e9) if gb_s > 0 else math.inf

@@ -1,0 +1,363 @@
+"""Weight and activation paging, recompute, the memory planner and attention selection
+(docs/paging.md). On CPU the paged code path runs with the CPU as the "device", so
+paged training is compared bit for bit with unpaged training here; test_paging_cuda.py
+does the same on a GPU."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trainstream
+from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches
+from trainstream import planner
+from trainstream.activations import ActivationOffloader
+from trainstream.attention import AttentionSelector, allowed_backends
+from trainstream.paging import OFFLOAD, RECOMPUTE, BlockPager
+
+STEPS = 10
+
+
+def _pair(seed=0, n_layer=4):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(n_layer=n_layer)
+    ref = TinyGPT(cfg)
+    return cfg, ref, copy.deepcopy(ref)
+
+
+def _assert_grads_equal(ref, ours, step):
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert (a.grad is None) == (b.grad is None), f"step {step}: {name}"
+        if a.grad is not None:
+            assert torch.equal(a.grad, b.grad), f"step {step}: gradient of {name} differs"
+
+
+# ------------------------------------------------------------------ ActivationOffloader
+def test_activation_offloader_alone_is_exact_and_pages():
+    cfg, ref, ours = _pair()
+    (x, y), = text_batches(corpus(), cfg, batch=4, steps=1)
+    ref(x, y).backward()
+    off = ActivationOffloader(ours, device="cpu", min_offload_bytes=4096, prefetch_depth=2)
+    with off:
+        loss = ours(x, y)
+    assert off.stats["tensors_offloaded"] > 0 and off.stats["bytes_offloaded"] > 0
+    assert off.stats["tensors_kept"] > 0, "tensors under min_offload_bytes stay"
+    loss.backward()
+    _assert_grads_equal(ref, ours, 0)
+    assert off.stats["prefetch_hits"] > 0, "backward must find prefetched pages"
+    assert off._live == 0, "every page consumed by backward"
+    before = dict(off.stats)
+    off.remove()
+    ours(x, y).backward()  # no longer paging
+    assert off.stats["tensors_offloaded"] == before["tensors_offloaded"]
+
+
+def test_activation_offloader_frees_pages_of_a_graph_dropped_without_backward():
+    cfg, _, ours = _pair()
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    off = ActivationOffloader(ours, device="cpu", min_offload_bytes=0)
+    with off:
+        loss = ours(x, y)
+    assert off._live > 0
+    del loss
+    assert off._live == 0, "a freed graph must release its pages (arena reuse)"
+
+
+def test_activation_offloader_rejects_bad_values():
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        ActivationOffloader(device="cpu", prefetch_depth=0)
+    with pytest.raises(ValueError, match="min_offload_bytes"):
+        ActivationOffloader(device="cpu", min_offload_bytes=-1)
+
+
+# ------------------------------------------------------------------------- BlockPager
+@pytest.mark.parametrize("policy, steps", [("mixed", STEPS), (OFFLOAD, 3), (RECOMPUTE, 3)])
+def test_everything_paged_is_bit_identical_over_10_steps(policy, steps):
+    """Weights and activations of every block paged (no daemon: gradients land in
+    p.grad on the host) against plain PyTorch: fp32 losses and gradients identical
+    (10 steps with keep, offload and recompute blocks; 3 with one policy throughout)."""
+    cfg, ref, ours = _pair(n_layer=4)
+    policies = [OFFLOAD, "keep", RECOMPUTE, OFFLOAD] if policy == "mixed" else [policy] * 4
+    off = ActivationOffloader(ours, device="cpu", min_offload_bytes=0)
+    pager = BlockPager(list(ours.blocks), "cpu", paged=range(4), policy=policies, offloader=off,
+                       min_paged_bytes=0)
+    assert pager.report()["paged_bytes"] == sum(
+        p.numel() * 4 for b in ours.blocks for p in b.parameters())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
+    our_opt = torch.optim.AdamW(ours.parameters(), lr=3e-3, foreach=False)
+    for step, (x, y) in enumerate(text_batches(corpus(), cfg, batch=4, steps=steps)):
+        a, b = ref(x, y), ours(x, y)
+        assert a.item() == b.item(), f"step {step}: loss {b.item()} vs {a.item()}"
+        a.backward()
+        b.backward()
+        _assert_grads_equal(ref, ours, step)
+        for o in (ref_opt, our_opt):
+            o.step()
+            o.zero_grad()
+    stats = pager.report()
+    assert stats["bytes_h2d"] > 0 and stats["fetches_backward"] > 0
+    if policy != RECOMPUTE:
+        assert off.stats["bytes_offloaded"] > 0
+    pager.remove()
+    assert "forward" not in ours.blocks[0].__dict__
+
+
+def test_pager_holds_only_a_few_blocks_at_a_time():
+    cfg, _, ours = _pair(n_layer=6)
+    pager = BlockPager(list(ours.blocks), "cpu", paged=range(6), prefetch_depth=2,
+                       min_paged_bytes=0)
+    seen = []
+    real = pager._fetch
+
+    def counting(i):
+        f = real(i)
+        seen.append(len(pager._fetches) + 1)
+        return f
+    pager._fetch = counting
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    ours(x, y).backward()
+    assert max(seen) <= 2 + 2, f"blocks on the device at once: {max(seen)}"
+    assert pager._fetches == {} or set(pager._fetches) <= {0}
+
+
+def test_pager_rejects_bad_block_indices():
+    _, _, ours = _pair()
+    with pytest.raises(ValueError, match="out of range"):
+        BlockPager(list(ours.blocks), "cpu", paged=[7])
+
+
+# ------------------------------------------------------------------------- via wrap()
+def _train(model, opt, batches, accumulation=1):
+    losses = []
+    for x, y in batches:
+        for xm, ym in zip(x.chunk(accumulation), y.chunk(accumulation)):
+            loss = model(xm, ym) / accumulation
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_wrap_everything_paged_matches_unpaged_bit_for_bit(daemon, accumulation):
+    cfg, ref, ours = _pair(seed=1)
+    steps = STEPS if accumulation == 1 else 4
+    batches = text_batches(corpus(), cfg, batch=4, steps=steps, seed=1)
+    ref, ref_opt = trainstream.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3),
+                                    socket=daemon.socket, accumulation_steps=accumulation)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 socket=daemon.socket, accumulation_steps=accumulation,
+                                 param_offload=True, activation_offload=True,
+                                 min_offload_bytes=0, recompute=[1])
+    session = ours._trainstream_session
+    # A trained paged weight's home is its param slot in the session's shared memory.
+    e = opt._entries[id(ours.blocks[0].mlp[0].weight)]
+    assert ours.blocks[0].mlp[0].weight.data_ptr() == e.param_slot.data_ptr()
+    ref_losses = _train(ref, ref_opt, batches, accumulation)
+    our_losses = _train(ours, opt, batches, accumulation)
+    assert ref_losses == our_losses
+    assert our_losses[-1] < our_losses[0]
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(p, q), f"{name} differs after {steps} steps"
+    report = trainstream.memory_report(ours)
+    assert report["params"]["paged_blocks"] == [0, 1, 2, 3]
+    assert report["params"]["bytes_h2d"] > 0
+    assert report["activations"]["policy"][RECOMPUTE] == [1]
+    assert report["activations"]["bytes_offloaded"] > 0
+    assert report["plan"]["paged_blocks"] == [0, 1, 2, 3]
+    assert any(ev["kind"] == "plan" for ev in report["events"])
+    assert session.adapting is False
+    trainstream.unwrap(ours)
+    x, y = batches[0]
+    assert torch.isfinite(ours(x, y)), "an unwrapped model still runs on its own copies"
+
+
+def test_declared_vram_limit_pages_some_blocks_and_stays_exact(daemon):
+    cfg, ref, ours = _pair(seed=2, n_layer=6)
+    block_bytes = sum(p.numel() * 4 for p in ours.blocks[0].parameters())
+    outside = sum(p.numel() * 4 for n, p in ours.named_parameters() if not n.startswith("blocks"))
+    # Room for the outside weights and gradients, paging, and about 3 resident blocks.
+    limit = int((2 * outside + 4 * block_bytes + 3 * 2 * block_bytes) / 0.9 / 0.75) + 1
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3),
+                                 socket=daemon.socket, vram_limit=limit, min_offload_bytes=0)
+    plan = ours._trainstream_session.plan
+    assert 0 < len(plan.paged) < 6, plan.decisions
+    assert plan.paged == list(range(len(plan.paged))), "the first blocks page"
+    ref, ref_opt = trainstream.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3),
+                                    socket=daemon.socket)
+    batches = text_batches(corpus(), cfg, batch=2, steps=3, seed=2)
+    assert _train(ref, ref_opt, batches) == _train(ours, opt, batches)
+
+
+def test_vram_limit_too_small_raises_memory_error_with_numbers(daemon):
+    _, _, model = _pair()
+    with pytest.raises(MemoryError) as info:
+        trainstream.wrap(model, socket=daemon.socket, vram_limit=64 << 10, min_offload_bytes=0)
+    msg = str(info.value)
+    for fragment in ("does not fit", "needs", "usable", "weights outside the blocks",
+                     "paged weights in flight", "vram_limit"):
+        assert fragment in msg, msg
+    assert daemon.status()["sessions"] == [], "nothing attached when the plan fails"
+
+
+def test_env_vram_limit(monkeypatch):
+    from trainstream._options import validate
+    monkeypatch.setenv("TRAINSTREAM_VRAM_LIMIT", "24GiB")
+    assert validate({})["vram_limit"] == 24 << 30
+    assert validate({"vram_limit": "1G"})["vram_limit"] == 1 << 30
+    monkeypatch.setenv("TRAINSTREAM_VRAM_LIMIT", "lots")
+    with pytest.raises(ValueError, match="TRAINSTREAM_VRAM_LIMIT"):
+        validate({})
+
+
+def test_meta_model_that_cannot_fit_raises_memory_error_at_wrap(daemon):
+    """A 72B-shaped full fine-tune, built on the meta device: refused at wrap() with the
+    numbers, before a byte is allocated."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, vocab_size=152064)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    with pytest.raises(MemoryError) as info:
+        trainstream.wrap(model, socket=daemon.socket, device="cpu", vram_limit="24GiB",
+                         moment_dtype="auto")
+    msg = str(info.value)
+    assert "host memory does not fit" in msg and "daemon master weights" in msg, msg
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"param_offload": 1.5}, "param_offload"),
+    ({"param_offload": [-1]}, "param_offload"),
+    ({"activation_offload": [0]}, "activation_offload"),
+    ({"recompute": "sometimes"}, "recompute"),
+    ({"attention": "fast"}, "attention"),
+    ({"vram_limit": "abc"}, "vram_limit"),
+    ({"vram_headroom": 0.95}, "vram_headroom"),
+    ({"quantize": "int4"}, "quantize"),
+    ({"prefer": "fast"}, "prefer"),
+    ({"max_activation_slowdown": -0.1}, "max_activation_slowdown"),
+    ({"max_inflight_bytes": 0}, "max_inflight_bytes"),
+])
+def test_bad_paging_options_raise_value_error(options, fragment):
+    with pytest.raises(ValueError, match=f"option {fragment}=.*accepted"):
+        trainstream.wrap(TinyGPT(GPTConfig()), **options)
+
+
+# --------------------------------------------------------------------------- planner
+def _summary(n=8, trained=100 << 20, frozen=0, outside=50 << 20):
+    blocks = [planner.BlockSummary(trained_bytes=trained, trained_numel=trained // 4,
+                                   frozen_bytes=frozen, quantizable_bytes=frozen,
+                                   quantized_bytes=frozen // 4 + 1) for _ in range(n)]
+    return planner.ModelSummary(blocks, outside, outside, n * trained // 4 + outside // 4,
+                                n * trained + outside)
+
+
+def _config(**kw):
+    from trainstream._options import validate
+    return validate(kw)
+
+
+def _cap(vram_gib, ram_gib=64.0, daemon_gib=None):
+    return planner.Capacity("cuda", int(vram_gib * 2**30), int(ram_gib * 2**30),
+                            None if daemon_gib is None else int(daemon_gib * 2**30), 50.0,
+                            source="test")
+
+
+def test_planner_pages_fewer_blocks_with_more_memory():
+    s = _summary()
+    small = planner.plan(s, _cap(1.5), _config())
+    large = planner.plan(s, _cap(3.0), _config())
+    huge = planner.plan(s, _cap(100.0), _config())
+    assert len(small.paged) > len(large.paged) > len(huge.paged) == 0
+    usable = small.usable_vram * (1 - planner.ACTIVATION_RESERVE)
+    assert sum(small.device_bytes.values()) <= usable
+    assert small.pcie_bytes_per_step > large.pcie_bytes_per_step
+
+
+def test_planner_explicit_choices():
+    s = _summary()
+    assert planner.plan(s, _cap(100), _config(param_offload=True)).paged == list(range(8))
+    assert planner.plan(s, _cap(100), _config(param_offload=0.5)).paged == [0, 1, 2, 3]
+    assert planner.plan(s, _cap(100), _config(param_offload=[5, 2])).paged == [2, 5]
+    with pytest.raises(ValueError, match="out of range"):
+        planner.plan(s, _cap(100), _config(param_offload=[8]))
+
+
+def test_planner_memory_error_names_device_categories():
+    with pytest.raises(MemoryError) as info:
+        planner.plan(_summary(outside=4 << 30), _cap(2.0), _config())
+    msg = str(info.value)
+    assert "weights outside the blocks 4.00 GiB" in msg and "usable 1.80 GiB" in msg, msg
+    # check_memory=False: the plan is returned anyway.
+    p = planner.plan(_summary(outside=4 << 30), _cap(2.0), _config(check_memory=False))
+    assert p.paged == list(range(8))
+
+
+def test_planner_moment_dtype_auto_and_host_memory_error():
+    s = _summary(n=8, trained=1 << 30)  # 8 GiB of fp32 weights trained: 2 Gi elements
+    fp32 = planner.plan(s, _cap(100, ram_gib=200), _config(moment_dtype="auto"))
+    assert fp32.moment_dtype == "float32"
+    bf16 = planner.plan(s, _cap(100, ram_gib=100, daemon_gib=60), _config(moment_dtype="auto"))
+    assert bf16.moment_dtype == "bfloat16"
+    assert any("bf16 moments" in d for d in bf16.decisions)
+    with pytest.raises(MemoryError, match="daemon budget free 20.00 GiB"):
+        planner.plan(s, _cap(100, ram_gib=100, daemon_gib=20), _config(moment_dtype="auto"))
+
+
+def test_planner_quantize_auto():
+    s = _summary(trained=0, frozen=1 << 30)
+    exact = planner.plan(s, _cap(4.0), _config())
+    assert exact.quantize is None and exact.paged
+    speed = planner.plan(s, _cap(4.0), _config(prefer="speed"))
+    assert speed.quantize == "nf4" and len(speed.paged) < len(exact.paged)
+    tight_host = planner.plan(s, _cap(4.0, ram_gib=3.0), _config())
+    assert tight_host.quantize == "nf4", tight_host.decisions
+
+
+# ------------------------------------------------------------------------- attention
+def test_allowed_backends_follow_determinism():
+    assert allowed_backends(False, False) == ["cudnn", "flash", "efficient", "math"]
+    assert allowed_backends(True, False) == ["efficient", "math"]
+    assert allowed_backends(True, True) == ["math"]
+
+
+def test_attention_choice_is_reread_each_time():
+    events = []
+    sel = AttentionSelector("flash", torch.device("cpu"), lambda *a, **k: events.append(k))
+    assert sel.order[0] == "flash"
+    try:
+        torch.use_deterministic_algorithms(True)
+        sel.refresh()
+        assert sel.order == ["math"], "flash is left out; math remains"
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        sel.refresh()
+        assert sel.order == ["math"]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    sel.refresh()
+    assert sel.order[0] == "flash"
+    assert any("not deterministic" in str(e.get("why", "")) for e in events)
+
+
+def test_attention_math_backend_applies_inside_blocks(daemon):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cfg, ref, ours = _pair(seed=3)
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = ref(x, y)
+    ours, _ = trainstream.wrap(ours, socket=daemon.socket, attention="math")
+    calls = []
+    orig = F.scaled_dot_product_attention
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is orig:
+                calls.append(torch._C._get_math_sdp_enabled()
+                             and not torch._C._get_flash_sdp_enabled())
+            return func(*args, **(kwargs or {}))
+    with Spy():
+        got = ours(x, y)
+    assert calls and all(calls), "every attention call runs with only the math backend"
+    assert torch.equal(want, got)
+    assert trainstream.memory_report(ours)["attention"]["order"][0] == "math"
