@@ -421,3 +421,31 @@ def test_ctl_base_commands(daemon, tmp_path):
     assert r.returncode == 0 and "dropped" in r.stdout
     r = daemon.ctl("base", "load", str(tmp_path / "nope"))
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr
+
+
+def test_concurrent_loads_of_one_base_load_it_once(daemon, tmp_path):
+    import threading
+    g = torch.Generator().manual_seed(9)
+    write_safetensors(tmp_path / "m.safetensors",
+                      {f"model.layers.{i}.w.weight": torch.randn(1024, 1024, generator=g).bfloat16()
+                       for i in range(16)})
+    results, errors = [], []
+
+    def load():
+        try:
+            results.append(load_base(str(tmp_path), "nf4", socket=daemon.socket))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len({b.key for b in results}) == 1
+    assert sum(not b.info["cached"] for b in results) == 1
+    st = daemon.status()
+    assert len(st["bases"]) == 1 and st["bases"][0]["refcount"] == 3
+    for b in results:
+        b.release()
