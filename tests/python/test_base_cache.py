@@ -66,6 +66,7 @@ def test_unquantized_base_equals_plain_reader_and_is_a_view(daemon, tmp_path):
             if v.numel():
                 assert inside(v, base), f"{name} is not a view of the shared segment"
         assert base._region.read_only
+        assert base.cuda_registered == torch.cuda.is_available()
         info = base.info
         assert info["tensors"] == len(tensors) and info["quantized_tensors"] == 0
         assert info["refcount"] == 1 and info["source_bytes"] == sum(
@@ -206,6 +207,8 @@ def test_bad_requests_name_the_field(daemon, tmp_path):
         c.drop_base("nope")
     with pytest.raises(ValueError, match="format='q3'"):
         load_base(str(tmp_path), "q3", socket=daemon.socket)
+    with pytest.raises(ValueError, match="register_cuda='x'"):
+        load_base(str(tmp_path), socket=daemon.socket, register_cuda="x")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client under another uid")
