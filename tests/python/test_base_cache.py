@@ -452,3 +452,31 @@ def test_concurrent_loads_of_one_base_load_it_once(daemon, tmp_path):
     assert len(st["bases"]) == 1 and st["bases"][0]["refcount"] == 3
     for b in results:
         b.release()
+
+
+def test_client_dying_mid_load_leaves_nothing_behind(daemon, tmp_path):
+    g = torch.Generator().manual_seed(11)
+    write_safetensors(tmp_path / "m.safetensors",
+                      {f"model.layers.{i}.w.weight": torch.randn(2048, 1024, generator=g).bfloat16()
+                       for i in range(48)})  # 192 MiB: long enough to be killed mid-way
+    code = textwrap.dedent(f"""
+        import trainstream._control as c
+        client = c.Client.connect({daemon.socket!r})
+        def progress(done, total, tensors, ntensors):
+            print(tensors, ntensors, flush=True)
+        client.load_base({str(tmp_path)!r}, "nf4", 64, progress)
+        print("finished", flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    first = p.stdout.readline().split()
+    p.kill()
+    p.wait()
+    assert first and first[0] != "finished" and int(first[0]) < int(first[1]), first
+    # The load stops (cancelled), its segment and budget are freed, the key is not
+    # left "loading": a new load of the same files works.
+    wait_until(lambda: "cancelled" in daemon.log(), 30, what="the load to be cancelled")
+    wait_until(lambda: daemon.status()["budget"]["used"] == 0, 30, what="budget back to 0")
+    assert daemon.status()["bases"] == [] and daemon.segment_files() == []
+    base = load_base(str(tmp_path), "nf4", socket=daemon.socket)
+    assert base.info["tensors"] == 48 and not base.info["cached"]
+    base.release()
