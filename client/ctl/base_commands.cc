@@ -41,8 +41,8 @@ Status RunBaseCommand(Client& client, const std::string& what, const BaseLoadOpt
         load,
         [tty](const BaseProgress& p) {
           if (!tty || p.bytes_total == 0) return;
-          std::fprintf(stderr, "\rloading: %u/%u tensors, %.1f%%", p.tensors_done,
-                       p.tensors_total, 100.0 * p.bytes_read / p.bytes_total);
+          std::fprintf(stderr, "\rloading: %u/%u tensors, %.1f%%", p.tensors_done, p.tensors_total,
+                       100.0 * p.bytes_read / p.bytes_total);
         },
         &info);
     if (tty) std::fprintf(stderr, "\n");

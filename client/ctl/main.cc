@@ -91,9 +91,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (base_cmd->parsed()) {
-    s = trainstream::ctl::RunBaseCommand(
-        *client, base_load->parsed() ? "load" : base_list->parsed() ? "list" : "drop",
-        load_options, drop_key, base_json);
+    s = trainstream::ctl::RunBaseCommand(*client,
+                                         base_load->parsed()   ? "load"
+                                         : base_list->parsed() ? "list"
+                                                               : "drop",
+                                         load_options, drop_key, base_json);
     return s.ok() ? 0 : Fail(s);
   }
   if (shutdown_cmd->parsed()) {

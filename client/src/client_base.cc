@@ -89,8 +89,8 @@ Status Client::ListBases(std::vector<BaseInfo>* out) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(kUnaryTimeoutS));
   v1::ListBasesResponse resp;
-  Status s = FromGrpc(impl_->stub->ListBases(&ctx, v1::ListBasesRequest(), &resp),
-                      impl_->socket_path);
+  Status s =
+      FromGrpc(impl_->stub->ListBases(&ctx, v1::ListBasesRequest(), &resp), impl_->socket_path);
   if (!s.ok()) return s;
   out->clear();
   for (const auto& b : resp.bases()) {

@@ -160,9 +160,9 @@ grpc::Status BaseCache::Release(uint64_t session_id, const std::string& key) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(key);
   if (it == entries_.end() || it->second.sessions.erase(session_id) == 0) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        "key: session " + std::to_string(session_id) +
-                            " holds no reference to base '" + key.substr(0, 128) + "'");
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, "key: session " + std::to_string(session_id) +
+                                                         " holds no reference to base '" +
+                                                         key.substr(0, 128) + "'");
   }
   it->second.last_used = ++tick_;
   return grpc::Status::OK;
@@ -187,8 +187,7 @@ grpc::Status BaseCache::Drop(const PeerCredentials& caller, const std::string& k
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(key);
-    if (it == entries_.end() ||
-        (!caller.admin && caller.uid != it->second.info.owner_uid)) {
+    if (it == entries_.end() || (!caller.admin && caller.uid != it->second.info.owner_uid)) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND,
                           "key: no base '" + key.substr(0, 128) +
                               "' of yours is cached (see `trainstreamctl base list`)");

@@ -107,7 +107,7 @@ class BaseCache {
   const DaemonConfig config_;
   Budget* const budget_;
   mutable std::mutex mu_;
-  std::condition_variable loaded_cv_;    // signalled when a load finishes or fails
+  std::condition_variable loaded_cv_;     // signalled when a load finishes or fails
   std::map<std::string, Entry> entries_;  // Guarded by mu_.
   uint64_t tick_ = 0;                     // Guarded by mu_.
 };

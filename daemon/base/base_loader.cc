@@ -44,16 +44,15 @@ float HalfToFloat(uint16_t h) {
     const float v = std::ldexp(static_cast<float>(man), -24);  // zero or subnormal, exact
     return sign ? -v : v;
   }
-  const uint32_t bits = exp == 0x1f ? sign | 0x7f800000u | (man << 13)
-                                    : sign | ((exp + 112u) << 23) | (man << 13);
+  const uint32_t bits =
+      exp == 0x1f ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112u) << 23) | (man << 13);
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
 
 bool IsFloat(SafetensorsDType d) {
-  return d == SafetensorsDType::kF32 || d == SafetensorsDType::kF16 ||
-         d == SafetensorsDType::kBF16;
+  return d == SafetensorsDType::kF32 || d == SafetensorsDType::kF16 || d == SafetensorsDType::kBF16;
 }
 
 // Reads exactly `bytes` at `offset`; an error names the file and the tensor.
@@ -65,8 +64,8 @@ grpc::Status ReadFully(const SourceFile& f, const std::string& tensor, uint64_t 
     const ssize_t r = pread(f.fd, dst + done, chunk, static_cast<off_t>(offset + done));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
-      return grpc::Status(grpc::StatusCode::DATA_LOSS, f.path + ": reading tensor \"" + tensor +
-                                                           "\": " + std::strerror(errno));
+      return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                          f.path + ": reading tensor \"" + tensor + "\": " + std::strerror(errno));
     }
     if (r == 0) {
       return grpc::Status(grpc::StatusCode::DATA_LOSS,
@@ -133,9 +132,8 @@ bool IsBlockLinearWeight(const SafetensorsTensor& t) {
     size_t dot = t.name.find('.', start);
     if (dot == std::string::npos) dot = t.name.size();
     const std::string part = t.name.substr(start, dot - start);
-    if (!part.empty() && std::all_of(part.begin(), part.end(), [](char c) {
-          return c >= '0' && c <= '9';
-        }))
+    if (!part.empty() &&
+        std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; }))
       return true;
     start = dot + 1;
   }
@@ -163,7 +161,8 @@ grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan) {
     for (auto& t : header.tensors) {
       auto [it, fresh] = seen.emplace(t.name, f.path);
       if (!fresh) {
-        return Invalid("tensor \"" + t.name + "\" appears in both " + it->second + " and " + f.path);
+        return Invalid("tensor \"" + t.name + "\" appears in both " + it->second + " and " +
+                       f.path);
       }
       if (sources.has_index) {
         auto w = sources.index.weight_map.find(t.name);
@@ -212,7 +211,8 @@ grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan) {
     t.bytes = static_cast<uint64_t>(t.layout.data_bytes);
     cursor = AlignUp(cursor + t.bytes, wire::kBaseTensorAlign);
     t.scales_offset = cursor;
-    cursor = AlignUp(cursor + static_cast<uint64_t>(t.layout.scale_bytes()), wire::kBaseTensorAlign);
+    cursor =
+        AlignUp(cursor + static_cast<uint64_t>(t.layout.scale_bytes()), wire::kBaseTensorAlign);
     t.tensor_scale_offset = cursor;
     cursor = AlignUp(cursor + sizeof(float), wire::kBaseTensorAlign);
   }
@@ -302,9 +302,9 @@ grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const s
       if (!st.ok()) return st;
     } else {
       // Source bytes, plus an fp32 copy for F16 (the kernels read fp32 or bf16).
-      const uint64_t need = t.src.bytes() + (t.src.dtype == SafetensorsDType::kF16
-                                                 ? t.src.numel() * sizeof(float)
-                                                 : 0);
+      const uint64_t need =
+          t.src.bytes() +
+          (t.src.dtype == SafetensorsDType::kF16 ? t.src.numel() * sizeof(float) : 0);
       if (need > scratch_bytes) {
         scratch.reset();  // free first: peak is one buffer, not two
         scratch.reset(new (std::nothrow) char[need]);
@@ -320,8 +320,10 @@ grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const s
       if (!st.ok()) return st;
       const int64_t bad = FirstNonFinite(t, scratch.get());
       if (bad >= 0) {
-        return Invalid(f.path + ": tensor \"" + t.src.name + "\" has a non-finite value (NaN or "
-                       "inf) at element " + std::to_string(bad) +
+        return Invalid(f.path + ": tensor \"" + t.src.name +
+                       "\" has a non-finite value (NaN or "
+                       "inf) at element " +
+                       std::to_string(bad) +
                        "; only finite weights can be quantized (load it with format none)");
       }
       const void* src = scratch.get();

@@ -43,12 +43,12 @@ struct BasePlan {
   bool quantize = false;
   kernels::QuantFormat format = kernels::QuantFormat::kNf4;
   int64_t block_size = 0;
-  std::string format_name;  // "none" or the kernel's name
+  std::string format_name;     // "none" or the kernel's name
   uint64_t identity_hash = 0;  // files' (dev, ino, size, mtime) and header hashes
   uint64_t source_bytes = 0;   // tensor bytes read from the checkpoint
   uint64_t manifest_offset = 0;
   uint64_t data_offset = 0;
-  uint64_t total_bytes = 0;    // the segment's size, header included
+  uint64_t total_bytes = 0;  // the segment's size, header included
   uint32_t quantized_tensors = 0;
   std::vector<PlannedTensor> tensors;  // file by file, in data order
 };

@@ -17,7 +17,8 @@ constexpr const char* kIndexName = "model.safetensors.index.json";
 constexpr uint64_t kMaxIndexBytes = 64ull << 20;
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 grpc::Status Errno(int err, const std::string& what, const PeerCredentials& caller) {
@@ -43,8 +44,9 @@ grpc::Status OpenRegular(int dirfd, const std::string& name, const std::string& 
   if (fstat(fd, &out->st) != 0) return Errno(errno, label, caller);
   if (!S_ISREG(out->st.st_mode)) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        label + ": not a regular file (a .safetensors file or a model folder "
-                                "is accepted)");
+                        label +
+                            ": not a regular file (a .safetensors file or a model folder "
+                            "is accepted)");
   }
   // Back to blocking reads.
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
@@ -57,15 +59,15 @@ grpc::Status OpenFolder(const PeerCredentials& caller, const std::string& dir, i
   grpc::Status st = OpenRegular(dirfd, kIndexName, dir + "/" + kIndexName, caller, &index_file);
   if (st.ok()) {
     if (static_cast<uint64_t>(index_file.st.st_size) > kMaxIndexBytes) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          index_file.path + ": larger than " + std::to_string(kMaxIndexBytes) +
-                              " bytes; not a shard index");
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, index_file.path + ": larger than " +
+                                                                  std::to_string(kMaxIndexBytes) +
+                                                                  " bytes; not a shard index");
     }
     std::string text(static_cast<size_t>(index_file.st.st_size), '\0');
     size_t done = 0;
     while (done < text.size()) {
-      const ssize_t r = pread(index_file.fd, text.data() + done, text.size() - done,
-                              static_cast<off_t>(done));
+      const ssize_t r =
+          pread(index_file.fd, text.data() + done, text.size() - done, static_cast<off_t>(done));
       if (r < 0 && errno == EINTR) continue;
       if (r <= 0) return Errno(r < 0 ? errno : EIO, index_file.path, caller);
       done += static_cast<size_t>(r);
@@ -73,8 +75,9 @@ grpc::Status OpenFolder(const PeerCredentials& caller, const std::string& dir, i
     std::string err = ParseShardIndex(index_file.path, text, &out->index);
     if (!err.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, err);
     if (out->index.shards.size() > kMaxShards) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          index_file.path + ": more than " + std::to_string(kMaxShards) + " shards");
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          index_file.path + ": more than " + std::to_string(kMaxShards) + " shards");
     }
     out->has_index = true;
     for (const auto& shard : out->index.shards) {
@@ -186,8 +189,8 @@ grpc::Status OpenModelAsCaller(const PeerCredentials& caller, const std::string&
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                         "path: trainstreamd runs as uid " + std::to_string(daemon_uid) +
                             ", not root, so it cannot check what uid " +
-                            std::to_string(caller.uid) +
-                            " may read; load bases as uid " + std::to_string(daemon_uid) +
+                            std::to_string(caller.uid) + " may read; load bases as uid " +
+                            std::to_string(daemon_uid) +
                             " or run the daemon as root (the system service)");
   }
   grpc::Status result;
@@ -199,10 +202,10 @@ grpc::Status OpenModelAsCaller(const PeerCredentials& caller, const std::string&
           syscall(SYS_setfsgid, caller.gid) < 0 || syscall(SYS_setfsuid, caller.uid) < 0 ||
           static_cast<uid_t>(syscall(SYS_setfsuid, static_cast<uid_t>(-1))) != caller.uid ||
           static_cast<gid_t>(syscall(SYS_setfsgid, static_cast<gid_t>(-1))) != caller.gid) {
-        result = grpc::Status(grpc::StatusCode::INTERNAL,
-                              "cannot take uid " + std::to_string(caller.uid) +
-                                  "'s filesystem credentials to open " + path + ": " +
-                                  std::strerror(errno));
+        result = grpc::Status(grpc::StatusCode::INTERNAL, "cannot take uid " +
+                                                              std::to_string(caller.uid) +
+                                                              "'s filesystem credentials to open " +
+                                                              path + ": " + std::strerror(errno));
         return;
       }
     }

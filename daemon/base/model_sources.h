@@ -45,10 +45,10 @@ struct SourceFile {
 };
 
 struct ModelSources {
-  std::string path;                // as the caller named it
-  std::vector<SourceFile> files;   // sorted by path
+  std::string path;               // as the caller named it
+  std::vector<SourceFile> files;  // sorted by path
   bool has_index = false;
-  ShardIndex index;                // when has_index
+  ShardIndex index;  // when has_index
 };
 
 // Opens the checkpoint at `path` as `caller` (see the Note). Errors:

@@ -21,12 +21,12 @@ struct DTypeInfo {
 };
 
 constexpr DTypeInfo kDTypes[] = {
-    {"F64", SafetensorsDType::kF64, 8},         {"F32", SafetensorsDType::kF32, 4},
-    {"F16", SafetensorsDType::kF16, 2},         {"BF16", SafetensorsDType::kBF16, 2},
-    {"I64", SafetensorsDType::kI64, 8},         {"I32", SafetensorsDType::kI32, 4},
-    {"I16", SafetensorsDType::kI16, 2},         {"I8", SafetensorsDType::kI8, 1},
-    {"U8", SafetensorsDType::kU8, 1},           {"BOOL", SafetensorsDType::kBool, 1},
-    {"F8_E4M3", SafetensorsDType::kF8E4M3, 1},  {"F8_E5M2", SafetensorsDType::kF8E5M2, 1},
+    {"F64", SafetensorsDType::kF64, 8},        {"F32", SafetensorsDType::kF32, 4},
+    {"F16", SafetensorsDType::kF16, 2},        {"BF16", SafetensorsDType::kBF16, 2},
+    {"I64", SafetensorsDType::kI64, 8},        {"I32", SafetensorsDType::kI32, 4},
+    {"I16", SafetensorsDType::kI16, 2},        {"I8", SafetensorsDType::kI8, 1},
+    {"U8", SafetensorsDType::kU8, 1},          {"BOOL", SafetensorsDType::kBool, 1},
+    {"F8_E4M3", SafetensorsDType::kF8E4M3, 1}, {"F8_E5M2", SafetensorsDType::kF8E5M2, 1},
 };
 
 uint64_t Fnv1a64(std::string_view bytes) {
@@ -126,8 +126,8 @@ std::string ParseTensor(const std::string& where, const json& v, uint64_t data_b
   }
   const std::string dtype = v["dtype"].get<std::string>();
   if (!ParseSafetensorsDType(dtype, &t->dtype)) {
-    return where + ": dtype " + Quote(dtype) + " is not one this reader knows (accepted: " +
-           kSafetensorsDTypes + ")";
+    return where + ": dtype " + Quote(dtype) +
+           " is not one this reader knows (accepted: " + kSafetensorsDTypes + ")";
   }
   if (!v.contains("shape") || !v["shape"].is_array()) {
     return where + ": \"shape\" is missing or not an array of non-negative integers";
@@ -229,8 +229,8 @@ std::string ParseSafetensorsJson(const std::string& file_label, std::string_view
       if (!it->is_object()) return file_label + ": __metadata__ must be an object of strings";
       for (auto m = it->begin(); m != it->end(); ++m) {
         if (!m->is_string()) {
-          return file_label + ": __metadata__ field " + Quote(m.key()) +
-                 " must be a string, got " + m->type_name();
+          return file_label + ": __metadata__ field " + Quote(m.key()) + " must be a string, got " +
+                 m->type_name();
         }
         out->metadata[m.key()] = m->get<std::string>();
       }
@@ -285,15 +285,15 @@ std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t*
            std::to_string(kMaxHeaderBytes) + "-byte limit (not a safetensors file?)";
   }
   if (n > size - 8) {
-    return file_label + ": header length " + std::to_string(n) + " runs past the end of the file (" +
-           std::to_string(size) + " bytes): truncated or not a safetensors file";
+    return file_label + ": header length " + std::to_string(n) +
+           " runs past the end of the file (" + std::to_string(size) +
+           " bytes): truncated or not a safetensors file";
   }
   return ParseSafetensorsJson(
       file_label, std::string_view(reinterpret_cast<const char*>(data) + 8, n), size, out);
 }
 
-std::string ReadSafetensorsHeader(int fd, const std::string& file_label,
-                                  SafetensorsHeader* out) {
+std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out) {
   const off_t end = lseek(fd, 0, SEEK_END);
   if (end < 0) return file_label + ": cannot seek: " + std::strerror(errno);
   const uint64_t size = static_cast<uint64_t>(end);
@@ -312,8 +312,9 @@ std::string ReadSafetensorsHeader(int fd, const std::string& file_label,
            std::to_string(kMaxHeaderBytes) + "-byte limit (not a safetensors file?)";
   }
   if (n > size - 8) {
-    return file_label + ": header length " + std::to_string(n) + " runs past the end of the file (" +
-           std::to_string(size) + " bytes): truncated or not a safetensors file";
+    return file_label + ": header length " + std::to_string(n) +
+           " runs past the end of the file (" + std::to_string(size) +
+           " bytes): truncated or not a safetensors file";
   }
   std::string text(n, '\0');
   uint64_t done = 0;
@@ -326,15 +327,15 @@ std::string ReadSafetensorsHeader(int fd, const std::string& file_label,
   return ParseSafetensorsJson(file_label, text, size, out);
 }
 
-std::string ParseShardIndex(const std::string& file_label, std::string_view text,
-                            ShardIndex* out) {
+std::string ParseShardIndex(const std::string& file_label, std::string_view text, ShardIndex* out) {
   *out = ShardIndex();
   json doc;
   std::string err = StrictParse(text, &doc);
   if (!err.empty()) return file_label + ": " + err;
   if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
-    return file_label + ": must be an object with a \"weight_map\" object (tensor name -> shard "
-                        "file name)";
+    return file_label +
+           ": must be an object with a \"weight_map\" object (tensor name -> shard "
+           "file name)";
   }
   std::set<std::string> shards;
   for (auto it = doc["weight_map"].begin(); it != doc["weight_map"].end(); ++it) {

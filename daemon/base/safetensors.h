@@ -63,9 +63,9 @@ struct SafetensorsHeader {
   uint64_t header_bytes = 0;  // N
   uint64_t data_start = 0;    // 8 + N: file offset of the data area
   uint64_t file_size = 0;
-  uint64_t header_hash = 0;   // FNV-1a 64 of the N header bytes (part of a base's key)
+  uint64_t header_hash = 0;  // FNV-1a 64 of the N header bytes (part of a base's key)
   std::map<std::string, std::string> metadata;  // "__metadata__"
-  std::vector<SafetensorsTensor> tensors;        // in data order (sorted by begin)
+  std::vector<SafetensorsTensor> tensors;       // in data order (sorted by begin)
 };
 
 // Parses a header whose JSON is `json` (N bytes) for a file of `file_size` bytes.
@@ -79,8 +79,7 @@ std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t*
 
 // Reads and parses the header of the open file `fd` (pread; the file offset is
 // not moved). `file_label` is the path shown in errors.
-std::string ReadSafetensorsHeader(int fd, const std::string& file_label,
-                                  SafetensorsHeader* out);
+std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out);
 
 // A parsed `model.safetensors.index.json`: tensor name -> shard file name (a
 // plain file name in the same folder: no '/', not "." or "..").
@@ -89,7 +88,6 @@ struct ShardIndex {
   std::vector<std::string> shards;  // distinct file names, sorted
 };
 
-std::string ParseShardIndex(const std::string& file_label, std::string_view json,
-                            ShardIndex* out);
+std::string ParseShardIndex(const std::string& file_label, std::string_view json, ShardIndex* out);
 
 }  // namespace trainstream::daemon::base

@@ -16,7 +16,8 @@ from __future__ import annotations
 import ctypes
 import json
 import struct
-from typing import Any, Callable, Dict, List, Optional
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -72,6 +73,35 @@ class SharedBase:
         from . import _C
         # One uint8 tensor over the whole (read-only) segment; every tensor is a view of it.
         self._bytes = _C.tensor_from_address(addr, [size], "uint8")
+        self._cuda_chunks: List[int] = []  # addresses registered with CUDA
+
+    @property
+    def cuda_registered(self) -> bool:
+        return bool(self._cuda_chunks)
+
+    def register_cuda(self) -> Tuple[bool, str]:
+        """Registers the mapping with CUDA read-only (cudaHostRegisterReadOnly, in
+        chunks of at most 64 GiB), so copies to the GPU run at pinned speed. Returns
+        (registered, why not). Costs about 0.8 s/GiB once per process (DESIGN.md)."""
+        from . import _C
+        if self._cuda_chunks:
+            return True, ""
+        if not getattr(_C, "with_cuda", False) or not torch.cuda.is_available():
+            return False, "no CUDA device (or trainstream._C built without CUDA)"
+        addr, size, chunk = self._region.address, self._region.size, 64 << 30
+        for start in range(0, size, chunk):
+            ok, why = _C.register_host(addr + start, min(chunk, size - start), read_only=True)
+            if not ok:
+                self._unregister_cuda()
+                return False, why
+            self._cuda_chunks.append(addr + start)
+        return True, ""
+
+    def _unregister_cuda(self) -> None:
+        from . import _C
+        for a in self._cuda_chunks:
+            _C.unregister_host(a)
+        self._cuda_chunks = []
 
     @property
     def format(self) -> str:
@@ -131,11 +161,19 @@ class SharedBase:
         if self._released:
             return
         self._released = True
+        self._unregister_cuda()
         try:
             self.session.release_base(self.key)
         finally:
             if self._owns_session:
                 self.session.detach()
+
+    def __del__(self):
+        # The mapping goes away with this object: drop its CUDA registration first.
+        try:
+            self._unregister_cuda()
+        except Exception:  # interpreter shutdown
+            pass
 
     def __repr__(self) -> str:
         return (f"SharedBase(key={self.key!r}, format={self.format!r}, "
@@ -144,7 +182,8 @@ class SharedBase:
 
 def load_base(path: str, format: str = "none", block_size: int = 64, *,
               socket: Optional[str] = None, session=None, job: str = "",
-              progress: Optional[Callable[[int, int, int, int], None]] = None) -> SharedBase:
+              progress: Optional[Callable[[int, int, int, int], None]] = None,
+              register_cuda: Any = "auto") -> SharedBase:
     """Loads (or finds cached) the checkpoint at ``path`` in the daemon and maps it.
 
     ``path``: a ``.safetensors`` file or a model folder. ``format``: "none" (keep
@@ -153,7 +192,11 @@ def load_base(path: str, format: str = "none", block_size: int = 64, *,
     ``_control.Session`` to hold the reference (default: a new one, ended by
     ``release()`` or when the process exits). ``progress(bytes_read, bytes_total,
     tensors_done, tensors_total)`` is called while the daemon loads.
+    ``register_cuda``: "auto" registers the mapping with CUDA read-only when a GPU is
+    present (a failure only warns), True requires it, False skips it.
     """
+    if register_cuda not in ("auto", True, False):
+        raise ValueError(f"register_cuda={register_cuda!r}: use 'auto', True or False")
     fmt = _check_format(format)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 \
             or block_size % 2:
@@ -171,4 +214,13 @@ def load_base(path: str, format: str = "none", block_size: int = 64, *,
         if owns:
             session.detach()
         raise
-    return SharedBase(session, info, region, owns_session=owns)
+    base = SharedBase(session, info, region, owns_session=owns)
+    if register_cuda is not False and torch.cuda.is_available():
+        ok, why = base.register_cuda()
+        if not ok and register_cuda is True:
+            base.release()
+            raise RuntimeError(f"cannot register base {base.key} with CUDA: {why}")
+        if not ok:
+            warnings.warn(f"base {base.key} is not registered with CUDA ({why}): copies to "
+                          "the GPU run at pageable speed", stacklevel=2)
+    return base

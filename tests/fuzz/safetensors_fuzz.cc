@@ -23,7 +23,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (h.data_start + cursor != size) std::abort();
   }
   ShardIndex idx;
-  ParseShardIndex("fuzz.index.json",
-                  std::string_view(reinterpret_cast<const char*>(data), size), &idx);
+  ParseShardIndex("fuzz.index.json", std::string_view(reinterpret_cast<const char*>(data), size),
+                  &idx);
   return 0;
 }

@@ -66,6 +66,7 @@ def test_unquantized_base_equals_plain_reader_and_is_a_view(daemon, tmp_path):
             if v.numel():
                 assert inside(v, base), f"{name} is not a view of the shared segment"
         assert base._region.read_only
+        assert base.cuda_registered == torch.cuda.is_available()
         info = base.info
         assert info["tensors"] == len(tensors) and info["quantized_tensors"] == 0
         assert info["refcount"] == 1 and info["source_bytes"] == sum(
@@ -206,6 +207,8 @@ def test_bad_requests_name_the_field(daemon, tmp_path):
         c.drop_base("nope")
     with pytest.raises(ValueError, match="format='q3'"):
         load_base(str(tmp_path), "q3", socket=daemon.socket)
+    with pytest.raises(ValueError, match="register_cuda='x'"):
+        load_base(str(tmp_path), socket=daemon.socket, register_cuda="x")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client under another uid")
@@ -421,3 +424,59 @@ def test_ctl_base_commands(daemon, tmp_path):
     assert r.returncode == 0 and "dropped" in r.stdout
     r = daemon.ctl("base", "load", str(tmp_path / "nope"))
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr
+
+
+def test_concurrent_loads_of_one_base_load_it_once(daemon, tmp_path):
+    import threading
+    g = torch.Generator().manual_seed(9)
+    write_safetensors(tmp_path / "m.safetensors",
+                      {f"model.layers.{i}.w.weight": torch.randn(1024, 1024, generator=g).bfloat16()
+                       for i in range(16)})
+    results, errors = [], []
+
+    def load():
+        try:
+            results.append(load_base(str(tmp_path), "nf4", socket=daemon.socket))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len({b.key for b in results}) == 1
+    assert sum(not b.info["cached"] for b in results) == 1
+    st = daemon.status()
+    assert len(st["bases"]) == 1 and st["bases"][0]["refcount"] == 3
+    for b in results:
+        b.release()
+
+
+def test_client_dying_mid_load_leaves_nothing_behind(daemon, tmp_path):
+    g = torch.Generator().manual_seed(11)
+    write_safetensors(tmp_path / "m.safetensors",
+                      {f"model.layers.{i}.w.weight": torch.randn(2048, 1024, generator=g).bfloat16()
+                       for i in range(48)})  # 192 MiB: long enough to be killed mid-way
+    code = textwrap.dedent(f"""
+        import trainstream._control as c
+        client = c.Client.connect({daemon.socket!r})
+        def progress(done, total, tensors, ntensors):
+            print(tensors, ntensors, flush=True)
+        client.load_base({str(tmp_path)!r}, "nf4", 64, progress)
+        print("finished", flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    first = p.stdout.readline().split()
+    p.kill()
+    p.wait()
+    assert first and first[0] != "finished" and int(first[0]) < int(first[1]), first
+    # The load stops (cancelled), its segment and budget are freed, the key is not
+    # left "loading": a new load of the same files works.
+    wait_until(lambda: "cancelled" in daemon.log(), 30, what="the load to be cancelled")
+    wait_until(lambda: daemon.status()["budget"]["used"] == 0, 30, what="budget back to 0")
+    assert daemon.status()["bases"] == [] and daemon.segment_files() == []
+    base = load_base(str(tmp_path), "nf4", socket=daemon.socket)
+    assert base.info["tensors"] == 48 and not base.info["cached"]
+    base.release()

@@ -10,24 +10,21 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_base_mapping_registers_read_only_and_copies_to_gpu(daemon, tmp_path):
-    from trainstream import _C
     from trainstream.base import load_base
     g = torch.Generator().manual_seed(0)
     tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(2048, 1024, generator=g).bfloat16()
                for i in range(4)}
     write_safetensors(tmp_path / "m.safetensors", tensors)
-    base = load_base(str(tmp_path), socket=daemon.socket)
+    base = load_base(str(tmp_path), socket=daemon.socket, register_cuda=True)
     try:
-        ok, why = _C.register_host(base._region.address, base._region.size, read_only=True)
-        assert ok, why
-        try:
-            for name, t in tensors.items():
-                v = base.tensor(name)
-                assert torch.equal(v.to("cuda", non_blocking=True).cpu(), t)
-        finally:
-            _C.unregister_host(base._region.address)
+        assert base.cuda_registered
+        for name, t in tensors.items():
+            v = base.tensor(name)
+            assert v.is_pinned()  # registered memory: DMA copies
+            assert torch.equal(v.to("cuda", non_blocking=True).cpu(), t)
     finally:
         base.release()
+    assert not base.cuda_registered
 
 
 def test_nf4_model_over_the_base_runs_on_gpu(daemon, tmp_path):

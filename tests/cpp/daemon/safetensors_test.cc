@@ -33,11 +33,10 @@ bool Has(const std::string& s, const std::string& part) {
 }  // namespace
 
 TEST_CASE("A well-formed file parses, tensors sorted by offset", "[safetensors]") {
-  const std::string json =
-      R"({"__metadata__":{"format":"pt"},)"
-      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]},)"
-      R"("a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},)"
-      R"("e":{"dtype":"I8","shape":[0,3],"data_offsets":[12,12]}}   )";
+  const std::string json = R"({"__metadata__":{"format":"pt"},)"
+                           R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]},)"
+                           R"("a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},)"
+                           R"("e":{"dtype":"I8","shape":[0,3],"data_offsets":[12,12]}}   )";
   SafetensorsHeader h;
   REQUIRE(Parse(File(json, std::string(12, 'x')), &h) == "");
   REQUIRE(h.tensors.size() == 3);
@@ -133,8 +132,8 @@ TEST_CASE("ReadSafetensorsHeader reads through an fd", "[safetensors]") {
   char path[] = "/tmp/ts-st-XXXXXX";
   const int fd = mkstemp(path);
   REQUIRE(fd >= 0);
-  const std::string f = File(R"({"t":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})",
-                             std::string(8, '\1'));
+  const std::string f =
+      File(R"({"t":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", std::string(8, '\1'));
   REQUIRE(write(fd, f.data(), f.size()) == static_cast<ssize_t>(f.size()));
   SafetensorsHeader h;
   CHECK(ReadSafetensorsHeader(fd, path, &h) == "");
