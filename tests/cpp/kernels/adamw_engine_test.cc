@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <vector>
@@ -291,4 +292,20 @@ TEST_CASE("eager per-chunk check leaves exactly the non-finite chunk untouched",
   uint64_t step = 0;
   REQUIRE(engine.ExportState(3, a.data(), b.data(), c.data(), &step).empty());
   CHECK(step == 1);  // other chunks were applied
+}
+
+// Regression: a client that died between its gradients and STEP_END left a
+// deferred step in flight, and the engine's destructor (the daemon's session
+// teardown) waited for it forever.
+TEST_CASE("destroying a deferred engine with a step never ended returns", "[engine]") {
+  WorkerPool pool(WorkerPoolOptions{2, false});
+  Fixture f(3);
+  EngineOptions opt;
+  opt.max_grad_norm = 1.0;
+  auto engine = std::make_unique<AdamWEngine>(&pool, opt);
+  Bind(*engine, f);
+  f.NewGrads(5);
+  for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine->SubmitGrad(i, 1, Hp(i)).empty());
+  engine.reset();  // no StepEnd(1): must not hang
+  SUCCEED("destroyed");
 }
