@@ -3,9 +3,10 @@
 // Note [Polling several rings]. A futex waits on one word, and each member's
 // ring has its own, so the group thread cannot sleep on all of them at once.
 // It drains every ring in turn and, when all are empty, backs off: a few
-// yields, then sleeps of kIdleSleepUs. A command arriving at an idle group is
-// noticed within that sleep; during a step commands arrive back to back and
-// are taken without sleeping.
+// yields, then sleeps of kIdleSleepUs, and kLongIdleSleepUs once the group has
+// been idle for a while (a forward pass, evaluation, checkpointing). A command
+// arriving at an idle group is noticed within that sleep; during backward
+// commands arrive back to back and are taken without sleeping.
 #include "group_plane.h"
 
 #include <spdlog/spdlog.h>
@@ -37,7 +38,9 @@ using wire::RingView;
 using wire::StateField;
 
 constexpr int kIdleYields = 200;
-constexpr int kIdleSleepUs = 50;               // see Note [Polling several rings]
+constexpr int kIdleSleepUs = 50;             // see Note [Polling several rings]
+constexpr int kIdleSleepsBeforeLong = 2000;  // ~0.1 s of short sleeps
+constexpr int kLongIdleSleepUs = 500;
 constexpr size_t kCommandsPerTurn = 64;        // per ring, so one rank cannot starve the rest
 constexpr size_t kSumBlockElems = 4096;        // summed block by block, in cache
 constexpr size_t kParallelSumElems = 1 << 18;  // larger sums are split over the worker pool
@@ -143,10 +146,15 @@ struct GroupPlane::Impl {
       }
       if (any) {
         idle = 0;
-      } else if (++idle < kIdleYields) {
+        continue;
+      }
+      if (idle <= kIdleYields + kIdleSleepsBeforeLong) ++idle;  // capped: no overflow
+      if (idle < kIdleYields) {
         std::this_thread::yield();
       } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(kIdleSleepUs));
+        const bool long_idle = idle > kIdleYields + kIdleSleepsBeforeLong;
+        std::this_thread::sleep_for(
+            std::chrono::microseconds(long_idle ? kLongIdleSleepUs : kIdleSleepUs));
       }
     }
   }

@@ -530,9 +530,9 @@ grpc::Status SessionRegistry::FreeRegion(Session& s, const v1::FreeRegionRequest
     s.regions.erase(it);
   }
   *bytes_freed = region.segment->size();
-  if (s.optimizer_started && !s.param_ids.empty()) {
-    // The optimizer may still be copying from it (a kLoadState/kExportState of
-    // a registered parameter in flight):
+  if ((s.optimizer_started || !s.group.empty()) && !s.param_ids.empty()) {
+    // The optimizer (the session's or its group's) may still be copying from
+    // it (a kLoadState/kExportState of a registered parameter in flight):
     // remove the name now, keep the mapping (and its budget) until teardown.
     region.segment->Unlink();
     s.retired.push_back(std::move(region));

@@ -13,6 +13,7 @@ private resident memory (RssAnon, summed).
 
     python benchmarks/dp/bench_dp.py --ranks 2            # GPU host: one GPU per rank
     python benchmarks/dp/bench_dp.py --ranks 2 --small    # CPU check of the script
+    python benchmarks/dp/bench_dp.py --nodes 2 --ranks 1  # 2 "machines" x 1 GPU: gloo vs NCCL
 
 A GPT-style model (TinyGPT from tests/python, scaled by --n-embd/--n-layer/--vocab) is
 trained on random tokens; --small shrinks it for CPU machines.
@@ -120,24 +121,96 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Daemon:
+    """A trainstreamd on a temporary socket and shm directory (one per simulated machine)."""
+
+    def __init__(self, budget: str):
+        from trainstream import _daemon
+        binary = _daemon.daemon_binary()
+        if binary is None:
+            sys.exit("trainstreamd not found: build first or set TRAINSTREAM_DAEMON")
+        self.tmp = tempfile.mkdtemp(prefix="bench-dp-")
+        self.socket = os.path.join(self.tmp, "trainstreamd.sock")
+        self.shm = tempfile.mkdtemp(prefix="bench-dp-shm-", dir="/dev/shm")
+        self.log = open(os.path.join(self.tmp, "trainstreamd.log"), "w")
+        self.proc = subprocess.Popen([binary, "--foreground", "--socket", self.socket,
+                                      "--shm-dir", self.shm, "--budget", budget],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.socket):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                sys.exit(f"trainstreamd did not start; log: {self.log.name}")
+            time.sleep(0.05)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def _result(name: str, stdout: str, stderr: str, code: int):
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if code != 0 or not lines:
+        print(f"{name}: failed (exit {code})\n{stdout}\n{stderr}")
+        return None
+    r = json.loads(lines[0][len("RESULT "):])
+    r["config"] = name
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def launch_nodes(args) -> int:
+    """--nodes N: N simulated machines on this host (a daemon and a torchrun each, node k
+    on GPUs k*ranks ..), once with gloo and once with NCCL for the cross-machine
+    all-reduce of the machine sums (TRAINSTREAM_DP_REDUCE)."""
+    import torch
+    cuda = torch.cuda.device_count() >= args.nodes * args.ranks
+    passthrough = [a for a in sys.argv[1:] if a != "--worker"]
+    results = []
+    for backend in ("gloo", "nccl") if cuda else ("gloo",):
+        daemons = [Daemon(args.budget) for _ in range(args.nodes)]
+        port = _free_port()
+        procs = []
+        try:
+            for k, d in enumerate(daemons):
+                env = dict(os.environ, TRAINSTREAM_SOCKET=d.socket, TRAINSTREAM_DP_REDUCE=backend,
+                           BENCH_MODE=f"{args.nodes} machines, {backend}")
+                env.setdefault("OMP_NUM_THREADS", "1")
+                if cuda:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                        str(k * args.ranks + i) for i in range(args.ranks))
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nodes),
+                       "--node-rank", str(k), "--master-addr", "127.0.0.1", "--master-port",
+                       str(port), "--nproc-per-node", str(args.ranks), os.path.abspath(__file__),
+                       "--worker", *passthrough]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True))
+            outs = [p.communicate(timeout=args.timeout_s) for p in procs]
+            r = _result(f"{args.nodes} machines x {args.ranks} ranks, all-reduce via {backend}",
+                        outs[0][0], outs[0][1], procs[0].returncode)
+            if r is None:
+                return 1
+            results.append(r)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for d in daemons:
+                d.stop()
+    for r in results:
+        print(f"{r['config']:50s} step {r['step_s_median']:.4f} s, all-reduce "
+              f"{r['allreduce_s']:.3f} s in total")
+    return 0
+
+
 def launcher(args) -> int:
-    from trainstream import _daemon
-    binary = _daemon.daemon_binary()
-    if binary is None:
-        sys.exit("trainstreamd not found: build first or set TRAINSTREAM_DAEMON")
-    tmp = tempfile.mkdtemp(prefix="bench-dp-")
-    sock = os.path.join(tmp, "trainstreamd.sock")
-    shm = tempfile.mkdtemp(prefix="bench-dp-shm-", dir="/dev/shm")
-    log = open(os.path.join(tmp, "trainstreamd.log"), "w")
-    daemon = subprocess.Popen([binary, "--foreground", "--socket", sock, "--shm-dir", shm,
-                               "--budget", args.budget], stdout=log, stderr=subprocess.STDOUT)
+    if args.nodes > 1:
+        return launch_nodes(args)
+    daemon = Daemon(args.budget)
+    sock = daemon.socket
     results = []
     try:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(sock):
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                sys.exit(f"trainstreamd did not start; log: {log.name}")
-            time.sleep(0.05)
         configs = [("1 rank", 1, {}), (f"{args.ranks} ranks, shared state", args.ranks, {}),
                    (f"{args.ranks} ranks, per-rank copies (TRAINSTREAM_SHM=0)", args.ranks,
                     {"TRAINSTREAM_SHM": "0"})]
@@ -150,19 +223,12 @@ def launcher(args) -> int:
                    *passthrough]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                  timeout=args.timeout_s)
-            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-            if out.returncode != 0 or not lines:
-                print(f"{name}: failed (exit {out.returncode})\n{out.stdout}\n{out.stderr}")
+            r = _result(name, out.stdout, out.stderr, out.returncode)
+            if r is None:
                 return 1
-            r = json.loads(lines[0][len("RESULT "):])
-            r["config"] = name
-            print(json.dumps(r), flush=True)
             results.append(r)
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=30)
-        log.close()
-        shutil.rmtree(shm, ignore_errors=True)
+        daemon.stop()
     def human(b):
         return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
     print(f"\nmodel: {results[0]['params'] / 1e6:.1f} M parameters; "
@@ -181,6 +247,9 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="simulate this many machines (a daemon each); compares gloo and NCCL "
+                         "for the cross-machine all-reduce")
     ap.add_argument("--small", action="store_true", help="a small model for CPU checks")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)

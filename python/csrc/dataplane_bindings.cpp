@@ -445,8 +445,7 @@ void RegisterDataPlaneBindings(py::module_& m) {
       .def("post_state", &DataPlane::PostState, py::arg("load"), py::arg("param_id"),
            py::arg("field"), py::arg("region_id"), py::arg("region_offset"), py::arg("bytes"),
            py::arg("step") = 0)
-      .def("post_grad_reduced", &DataPlane::PostGradReduced, py::arg("param_id"),
-           py::arg("step"))
+      .def("post_grad_reduced", &DataPlane::PostGradReduced, py::arg("param_id"), py::arg("step"))
       .def("post_sync", &DataPlane::PostSync)
       .def("poll", &DataPlane::Poll, py::arg("timeout_ms"))
       .def("copy_param", &DataPlane::CopyParam, py::arg("param"), py::arg("slot"))

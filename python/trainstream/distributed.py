@@ -68,6 +68,7 @@ class DataParallelPlan:
     nnodes: int
     timeout_s: float
     leaders: Any = None       # process group of the local rank 0s (group mode, nnodes > 1)
+    reduce_backend: str = "gloo"  # $TRAINSTREAM_DP_REDUCE: how the leaders all-reduce
     stats: Dict[str, float] = field(default_factory=lambda: {"allreduce_s": 0.0,
                                                              "allreduce_bytes": 0})
 
@@ -91,8 +92,15 @@ class DataParallelPlan:
         if self.mode != "group" or self.nnodes == 1:
             return
         dist = _dist()
+        backend = os.environ.get("TRAINSTREAM_DP_REDUCE", "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"TRAINSTREAM_DP_REDUCE={backend!r}: accepted: 'gloo' (on the "
+                             "shared-memory sum) or 'nccl' (through a GPU buffer)")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("TRAINSTREAM_DP_REDUCE='nccl' needs CUDA; use 'gloo'")
+        self.reduce_backend = backend
         ranks = [n * self.local_world_size for n in range(self.nnodes)]
-        self.leaders = dist.new_group(ranks=ranks, backend="gloo",
+        self.leaders = dist.new_group(ranks=ranks, backend=backend,
                                       timeout=timedelta(seconds=self.timeout_s))
 
     def check_same_weights(self, checksum: str) -> None:
@@ -147,7 +155,12 @@ class DataParallelPlan:
             while done[0] < len(order) and order[done[0]].param_id in ready:
                 e = order[done[0]]
                 t0 = time.monotonic()
-                dist.all_reduce(e.sum_slot, group=self.leaders)
+                if self.reduce_backend == "nccl":
+                    buf = e.sum_slot.to(torch.cuda.current_device())
+                    dist.all_reduce(buf, group=self.leaders)
+                    e.sum_slot.copy_(buf)  # synchronous: the daemon reads it next
+                else:
+                    dist.all_reduce(e.sum_slot, group=self.leaders)
                 self.stats["allreduce_s"] += time.monotonic() - t0
                 self.stats["allreduce_bytes"] += e.sum_slot.numel() * 4
                 post_reduced(e.param_id, step)

@@ -4,8 +4,8 @@ process with RANK/LOCAL_RANK/... set by the test (then with --no-process-group).
 Trains TinyGPT for --steps steps. Each step's global batch has batch * WORLD_SIZE rows
 (text_batches with seed 0, the same batches the test's single-process reference
 trains on); this rank takes rows [rank * batch, (rank + 1) * batch). Writes
-<out>/rank<R>.pt: {"params", "losses", "status" (local rank 0, while every rank is
-still attached), "stats", "error", "error_time"}; exits 3 on an error.
+<out>/rank<R>.pt: {"params", "losses", "status" and "opt_state" (local rank 0, while
+every rank is still attached), "stats", "error", "error_time"}; exits 3 on an error.
 """
 from __future__ import annotations
 
@@ -84,6 +84,8 @@ def main() -> int:
             opt.zero_grad()
             result["losses"].append(loss.item())
         result["stats"] = opt.stats()
+        if local_rank == 0:  # the group's one state, read through this rank
+            result["opt_state"] = opt.state_dict()
         if dist is not None:
             dist.barrier()  # every rank still attached while local rank 0 reads status
         if local_rank == 0:

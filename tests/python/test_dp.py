@@ -90,6 +90,7 @@ def _reference(world: int, device: str = "cpu", max_grad_norm=None):
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad()
+    model.reference_optimizer = opt
     return model
 
 
@@ -134,6 +135,16 @@ def test_two_ranks_share_one_state_and_match_one_process(daemon, tmp_path):
         assert torch.equal(p, r1["params"][name]), f"{name}: ranks 0 and 1 differ"
     assert r0["stats"]["data_parallel"]["mode"] == "group"
     assert r0["losses"][-1] < r0["losses"][0], "the model should learn"
+    # The group's one optimizer state, exported through rank 0, is torch's.
+    theirs = ref.reference_optimizer.state_dict()["state"]
+    ours = r0["opt_state"]["state"]
+    assert sorted(ours) == sorted(theirs)
+    for idx, st in theirs.items():
+        assert int(ours[idx]["step"]) == int(st["step"]) == STEPS
+        for k in ("exp_avg", "exp_avg_sq"):
+            # Summing two half-batch gradients rounds differently from one full batch.
+            err = (ours[idx][k] - st[k]).abs().max().item()
+            assert err <= 1e-5 * st[k].abs().max().item(), (idx, k, err)
 
     status = r0["status"]
     groups = [g for g in status["groups"] if g["state"] == "running"]
