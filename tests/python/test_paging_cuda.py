@@ -1,0 +1,111 @@
+"""Paging on a CUDA device: exactness against unpaged training, the VRAM cap, the
+adapter and attention timing. Runs on the GPU host (scripts/gpu-check.sh)."""
+import copy
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import trainstream
+from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches
+from trainstream.activations import ActivationOffloader
+from trainstream.paging import OFFLOAD, RECOMPUTE, BlockPager
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (run scripts/gpu-check.sh on the GPU host)")
+
+
+@pytest.fixture(autouse=True)
+def _fp32_exact():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+
+
+def _pair(seed=0, n_layer=4):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=n_layer, n_head=4, n_embd=256)
+    ref = TinyGPT(cfg)
+    return cfg, ref, copy.deepcopy(ref)
+
+
+def test_cuda_everything_paged_is_bit_identical_over_10_steps():
+    cfg, ref, ours = _pair()
+    ref.cuda()
+    for name, m in ours.named_children():  # everything but the blocks on the GPU
+        if name != "blocks":
+            m.cuda()
+    off = ActivationOffloader(ours, device="cuda", min_offload_bytes=0, prefetch_depth=2)
+    pager = BlockPager(list(ours.blocks), "cuda", paged=range(4),
+                       policy=[OFFLOAD, "keep", RECOMPUTE, OFFLOAD], offloader=off,
+                       min_paged_bytes=0)
+    assert all(not p.is_cuda for p in ours.blocks[0].parameters()), "paged weights on the host"
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    our_opt = torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=False)
+    for step, (x, y) in enumerate(text_batches(corpus(), cfg, batch=4, steps=10)):
+        x, y = x.cuda(), y.cuda()
+        with sdpa_kernel([SDPBackend.MATH]):  # deterministic backward on both sides
+            a, b = ref(x, y), ours(x, y)
+            assert a.item() == b.item(), f"step {step}"
+            a.backward()
+            b.backward()
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            assert torch.equal(p.grad.cpu(), q.grad.cpu()), f"step {step}: {name}"
+        for o in (ref_opt, our_opt):
+            o.step()
+            o.zero_grad()
+    assert off.stats["bytes_offloaded"] > 0 and pager.report()["bytes_h2d"] > 0
+
+
+def test_cuda_wrap_paged_matches_unpaged(daemon):
+    cfg, ref, ours = _pair(seed=1)
+    ref, ref_opt = trainstream.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3),
+                                    socket=daemon.socket, device="cuda",
+                                    activation_offload=False, attention="math")
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3),
+                                 socket=daemon.socket, device="cuda", param_offload=True,
+                                 activation_offload=True, min_offload_bytes=0, attention="math")
+    assert ours._trainstream_session.pager.paged == [0, 1, 2, 3]
+    for x, y in text_batches(corpus(), cfg, batch=4, steps=10, seed=1):
+        x, y = x.cuda(), y.cuda()
+        losses = []
+        for m, o in ((ref, ref_opt), (ours, opt)):
+            loss = m(x, y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+
+
+def test_cuda_vram_limit_caps_and_adapter_settles(daemon):
+    cfg, _, model = _pair(seed=2, n_layer=8)
+    limit = 64 << 20
+    model, opt = trainstream.wrap(model, socket=daemon.socket, device="cuda", vram_limit=limit,
+                                  min_offload_bytes=1 << 16)
+    session = model._trainstream_session
+    assert session.plan.paged, "a 64 MiB cap must page some of the 8 blocks"
+    assert session.adapting, "calibration first"
+    torch.cuda.reset_peak_memory_stats()
+    for x, y in text_batches(corpus(), cfg, batch=16, steps=8, seed=2):
+        loss = model(x.cuda(), y.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    report = trainstream.memory_report(model)
+    assert not session.adapting, report["events"]
+    kinds = [(e["kind"], e.get("what")) for e in report["events"]]
+    assert ("plan", "settled") in kinds
+    assert torch.cuda.max_memory_allocated() <= limit
+
+
+def test_cuda_attention_auto_times_backends(daemon):
+    cfg, _, model = _pair(seed=3)
+    model, opt = trainstream.wrap(model.to(torch.bfloat16), socket=daemon.socket, device="cuda")
+    x, y = text_batches(corpus(), cfg, batch=4, steps=1)[0]
+    model(x.cuda(), y.cuda()).backward()
+    att = trainstream.memory_report(model)["attention"]
+    assert att["choice"] == "auto" and att["timings_s"] and att["order"]
+    assert att["order"][0] == min(att["timings_s"], key=att["timings_s"].get)
