@@ -299,7 +299,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: checks the script on CPU")
-    ap.add_argument("--tiny-cap-kib", type=int, default=2048,
+    ap.add_argument("--tiny-cap-kib", type=int, default=1024,
                     help="declared device capacity for --tiny on a CPU machine")
     ap.add_argument("--socket", default=None, help="an existing daemon (else a private one)")
     ap.add_argument("--budget", default="90%", help="shared-memory budget of the private daemon")

@@ -140,6 +140,7 @@ class BlockPager:
                       "bytes_h2d": 0}
         self.block_bytes: Dict[int, int] = {}
         self._host_home = host_home
+        self._registered: List[int] = []  # host buffers registered with CUDA (block homes)
         # attention.py's choice, entered around every block call (recomputation too).
         self.attention_context: Callable[[], Any] = contextlib.nullcontext
         for i, block in enumerate(self.blocks):
@@ -153,21 +154,23 @@ class BlockPager:
 
     # ------------------------------------------------------------------ setup
     def _page_out(self, block: nn.Module, host_home) -> List[_Slot]:
+        """Moves the block's small tensors to the device and its big ones to their host
+        homes: a trained weight's home from ``host_home`` (the param slot), the others
+        into one host buffer for the block, registered with CUDA (pinned without the
+        power-of-two rounding of torch's pinned allocator)."""
         slots: List[_Slot] = []
-        pin = self.engine.cuda
+        pending = []  # (module, kind, name, tensor, param): need a home in the block buffer
         for module in block.modules():
             for name, p in list(module._parameters.items()):
                 if p is None:
                     continue
-                nbytes = p.numel() * p.element_size()
-                if nbytes < self.min_paged_bytes:
+                if p.numel() * p.element_size() < self.min_paged_bytes:
                     p.data = p.data.to(self.device)
                     continue
                 home = host_home(p) if (host_home is not None and p.requires_grad) else None
                 if home is None:
-                    home = p.data.to("cpu")
-                    if pin:
-                        home = home.pin_memory()
+                    pending.append((module, "param", name, p.data, p))
+                    continue
                 p.data = home
                 slots.append(_Slot(module, "param", name, home, p))
             for name, b in list(module._buffers.items()):
@@ -176,12 +179,37 @@ class BlockPager:
                 if b.numel() * b.element_size() < self.min_paged_bytes:
                     module._buffers[name] = b.to(self.device)
                     continue
-                home = b.to("cpu")
-                if pin:
-                    home = home.pin_memory()
-                module._buffers[name] = home
-                slots.append(_Slot(module, "buffer", name, home, None))
+                pending.append((module, "buffer", name, b, None))
+        if pending:
+            align = 256
+            offsets, total = [], 0
+            for *_, t, _p in pending:
+                offsets.append(total)
+                total += (t.numel() * t.element_size() + align - 1) // align * align
+            buf = self._host_buffer(total)
+            with torch.no_grad():
+                for (module, kind, name, t, p), off in zip(pending, offsets):
+                    n = t.numel() * t.element_size()
+                    home = buf[off:off + n].view(t.dtype).view(t.shape)
+                    home.copy_(t)
+                    if p is not None:
+                        p.data = home
+                    else:
+                        module._buffers[name] = home
+                    slots.append(_Slot(module, kind, name, home, p))
         return slots
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if self.engine.cuda:
+            from . import _C
+            ok, _ = _C.register_host(buf.data_ptr(), nbytes, False) if _C.with_cuda \
+                else (False, "")
+            if ok:
+                self._registered.append(buf.data_ptr())
+            else:
+                buf = buf.pin_memory()
+        return buf
 
     def remove(self) -> None:
         """Gives each block its own forward back."""
@@ -189,20 +217,6 @@ class BlockPager:
             if "forward" in block.__dict__:
                 del block.forward
         self._fetches.clear()
-
-    def make_resident(self, i: int) -> None:
-        """Moves paged block i's tensors to the device for good (the planner found room)."""
-        if i not in self._slots:
-            return
-        self._fetches.pop(i, None)
-        for s in self._slots.pop(i):
-            t = s.host.to(self.device)
-            if s.param is not None:
-                s.param.data = t
-            else:
-                s.module._buffers[s.name] = t
-        self.paged.remove(i)
-        self.block_bytes.pop(i, None)
 
     def page_out(self, i: int) -> None:
         """Moves resident block i's tensors to host memory and pages them from now on."""
@@ -225,6 +239,11 @@ class BlockPager:
                         s.module._buffers[s.name] = copy
         self._slots.clear()
         self.paged = []
+        if self._registered:
+            from . import _C
+            for address in self._registered:
+                _C.unregister_host(address)
+            self._registered.clear()
 
     def set_policy(self, i: int, policy: str) -> None:
         if policy not in POLICIES:
