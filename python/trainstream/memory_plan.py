@@ -174,6 +174,10 @@ def _session_chunk(opt, nbytes: int, regions: List[Any], offloader) -> torch.Ten
 
 
 def uninstall(model: nn.Module, session) -> None:
+    cap = session.plan is not None and session.config["vram_limit"] is not None
+    if cap and session.pager is not None and session.pager.engine.cuda:
+        # wrap() capped this process's allocator; the cap goes with the session.
+        torch.cuda.set_per_process_memory_fraction(1.0, session.pager.device)
     for h in session.hooks:
         h.remove()
     session.hooks.clear()

@@ -362,3 +362,31 @@ def test_attention_math_backend_applies_inside_blocks(daemon):
     assert calls and all(calls), "every attention call runs with only the math backend"
     assert torch.equal(want, got)
     assert trainstream.memory_report(ours)["attention"]["order"][0] == "math"
+
+
+def test_frozen_and_quantized_weights_page_exactly():
+    """A frozen base (plain and NF4 QuantLinear weights) with small trained adapters:
+    paged (frozen tensors in the block's host buffer, adapters resident) vs not."""
+    from trainstream.quantization import QuantLinear
+    cfg, ref, ours = _pair(seed=5)
+    for model in (ref, ours):
+        model.requires_grad_(False)
+        for block in model.blocks:
+            block.mlp[0] = QuantLinear.from_linear(block.mlp[0], "nf4")  # same bytes in both
+            block.ln1.requires_grad_(True)  # small trained tensors stay on the device
+    ours_blocks = list(ours.blocks)
+    pager = BlockPager(ours_blocks, "cpu", paged=range(4), min_paged_bytes=1024,
+                       offloader=ActivationOffloader(ours, device="cpu", min_offload_bytes=0),
+                       policy=[OFFLOAD, "keep", RECOMPUTE, OFFLOAD])
+    homes = {s.name for s in pager._slots[0]}
+    assert {"weight", "qdata"} <= homes, homes
+    assert pager._slots[0][0].host.data_ptr() != 0
+    for step, (x, y) in enumerate(text_batches(corpus(), cfg, batch=4, steps=3, seed=5)):
+        a, b = ref(x, y), ours(x, y)
+        assert a.item() == b.item(), f"step {step}"
+        a.backward()
+        b.backward()
+        _assert_grads_equal(ref, ours, step)
+        for m in (ref, ours):
+            m.zero_grad()
+    assert pager.report()["fetches_backward"] > 0
