@@ -13,7 +13,7 @@ from . import planner
 from .activations import ActivationOffloader, HostArena
 from .adapter import Adapter
 from .attention import AttentionSelector, selector_report
-from .paging import BlockPager
+from .paging import BlockPager, in_backward
 
 
 @dataclass
@@ -150,9 +150,10 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                       prepared.capacity.h2d_gb_s if prepared.capacity else 0.0)
 
     def before_forward(module, args):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not in_backward():
             attention.refresh()
             adapter.on_forward(module, args)
+            pager.begin_forward()
     session.pager, session.adapter, session.attention = pager, adapter, attention
     session.hooks.append(model.register_forward_pre_hook(before_forward))
 

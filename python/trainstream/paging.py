@@ -135,6 +135,7 @@ class BlockPager:
         self._slots: Dict[int, List[_Slot]] = {}
         self._fetches: Dict[int, _Fetch] = {}
         self._refs: Dict[int, int] = {}   # block -> weight references saved, not yet unpacked
+        self._began = False               # begin_forward() ran for the coming forward
         self._forwards: Dict[int, Any] = {}
         self.stats = {"fetches_forward": 0, "fetches_backward": 0, "fetch_misses": 0,
                       "bytes_h2d": 0}
@@ -279,6 +280,16 @@ class BlockPager:
         self.engine.wait(f.event)
         return f
 
+    def begin_forward(self) -> None:
+        """Called as a training forward starts (before the layers that precede the
+        blocks): drops what the last step left and prefetches the first paged blocks,
+        so their copies overlap the embedding instead of stalling block 0."""
+        self._fetches.clear()
+        self._refs.clear()
+        for j in self.paged[:self.prefetch_depth + 1]:
+            self._fetches[j] = self._fetch(j)
+        self._began = bool(self.paged)
+
     def _release(self, i: int) -> None:
         self._fetches.pop(i, None)
 
@@ -304,8 +315,10 @@ class BlockPager:
             return original(*args, **kwargs)
         backward = in_backward()
         if not backward and i == self.paged[0]:
-            self._fetches.clear()  # a new forward: whatever the last one left is stale
-            self._refs.clear()
+            if not self._began:  # a new forward: whatever the last one left is stale
+                self._fetches.clear()
+                self._refs.clear()
+            self._began = False
         f = self._acquire(i, backward)
         slots = self._slots[i]
         saved = []

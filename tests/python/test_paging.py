@@ -214,11 +214,11 @@ def test_env_vram_limit(monkeypatch):
 def test_meta_model_that_cannot_fit_raises_memory_error_at_wrap(daemon):
     """A 72B-shaped full fine-tune, built on the meta device: refused at wrap() with the
     numbers, before a byte is allocated."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+    transformers = pytest.importorskip("transformers", reason="builds a Qwen2 shape from its config")
+    cfg = transformers.Qwen2Config(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
                       num_attention_heads=64, num_key_value_heads=8, vocab_size=152064)
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     with pytest.raises(MemoryError) as info:
         trainstream.wrap(model, socket=daemon.socket, device="cpu", vram_limit="24GiB",
                          moment_dtype="auto")
