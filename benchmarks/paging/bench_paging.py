@@ -262,7 +262,8 @@ def run_case(args) -> dict:
         # gradients and updates are negligible; activation paging is counted too.
         result["pcie_floor_s"] = round(per_step / (PCIE_GB_S * 1e9), 4)
         result["paged_blocks"] = len(paged.get("paged_blocks", []))
-    trainstream.unwrap(model)
+    # No unwrap(): it would copy the paged trained weights out of the daemon's slots,
+    # and the process ends here anyway.
     return result
 
 

@@ -228,23 +228,17 @@ class BlockPager:
         self.paged = sorted(self.paged + [i])
 
     def restore_to_host(self) -> None:
-        """Gives every paged tensor a private host copy (unwrap: the session's slots,
-        the homes of trained weights, are about to be unmapped)."""
+        """Leaves every paged tensor in host memory it owns (unwrap): trained weights get
+        a private copy of their home, the session's param slot, which is about to be
+        unmapped; frozen ones keep the block's host buffer (still registered with CUDA,
+        so the model can be paged again)."""
         with torch.no_grad():
             for slots in self._slots.values():
                 for s in slots:
-                    copy = s.host.clone()
-                    if s.param is not None:
-                        s.param.data = copy
-                    else:
-                        s.module._buffers[s.name] = copy
+                    if s.param is not None and s.param.requires_grad:
+                        s.param.data = s.host.clone()
         self._slots.clear()
         self.paged = []
-        if self._registered:
-            from . import _C
-            for address in self._registered:
-                _C.unregister_host(address)
-            self._registered.clear()
 
     def set_policy(self, i: int, policy: str) -> None:
         if policy not in POLICIES:
@@ -404,4 +398,5 @@ class BlockPager:
                 [i for i in range(len(self.blocks)) if i not in self._slots],
                 "paged_bytes": sum(self.block_bytes.values()),
                 "bytes_per_paged_block": max(self.block_bytes.values(), default=0),
-                "prefetch_depth": self.prefetch_depth, **self.stats}
+                "prefetch_depth": self.prefetch_depth,
+                "host_buffers_registered": len(self._registered), **self.stats}
