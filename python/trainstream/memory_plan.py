@@ -131,7 +131,8 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                                     min_offload_bytes=config["min_offload_bytes"],
                                     prefetch_depth=config["prefetch_depth"],
                                     max_inflight_bytes=config["max_inflight_bytes"])
-    offloader._arena = HostArena(lambda n: _session_chunk(opt, n, regions, offloader))
+    offloader._arena = HostArena(lambda n: _session_chunk(opt, n, regions, offloader),
+                                 chunk_bytes=(256 if cuda else 64) << 20)
     session.activation_regions = regions
 
     def host_home(p):
