@@ -126,14 +126,13 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                 ok, _ = _C.register_host(r.base_address, r.segment_size, False)
                 if ok:
                     opt._registered_host.append(r.base_address)
-    regions: List[Any] = []
+    regions = session.activation_regions
+    arena = HostArena(lambda n: _session_chunk(opt, n, regions, cuda),
+                      chunk_bytes=(256 if cuda else 64) << 20)
     offloader = ActivationOffloader(model, device=prepared.device,
                                     min_offload_bytes=config["min_offload_bytes"],
                                     prefetch_depth=config["prefetch_depth"],
-                                    max_inflight_bytes=config["max_inflight_bytes"])
-    offloader._arena = HostArena(lambda n: _session_chunk(opt, n, regions, offloader),
-                                 chunk_bytes=(256 if cuda else 64) << 20)
-    session.activation_regions = regions
+                                    max_inflight_bytes=config["max_inflight_bytes"], arena=arena)
 
     def host_home(p):
         e = opt._entries.get(id(p))
@@ -159,16 +158,16 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
     session.hooks.append(model.register_forward_pre_hook(before_forward))
 
 
-def _session_chunk(opt, nbytes: int, regions: List[Any], offloader) -> torch.Tensor:
+def _session_chunk(opt, nbytes: int, regions: List[Any], cuda: bool) -> torch.Tensor:
     """Activation pages in a shared-memory region of the daemon session (registered
     with CUDA); pinned process memory when the daemon's budget refuses."""
     from . import _C
     try:
         region = opt._session.allocate_region(nbytes, "activations")
     except Exception:  # noqa: BLE001 (budget refused: fall back, still pinned)
-        return offloader.engine.host_empty(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     regions.append(region)
-    if offloader.engine.cuda and _C.with_cuda:
+    if cuda and _C.with_cuda:
         ok, _ = _C.register_host(region.base_address, region.segment_size, False)
         if ok:
             opt._registered_host.append(region.base_address)
