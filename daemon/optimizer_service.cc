@@ -119,6 +119,13 @@ class AdamWSessionPlane {
         eo.moment_dtype = ToKernel(options_.moment_dtype);
         eo.max_grad_norm = options_.max_grad_norm;
         eo.seed = options_.seed;
+        if (options_.threads != 0 && options_.threads < pool_->size()) {
+          // Spread limited sessions over the pool instead of stacking them all
+          // on workers 0..threads-1.
+          static std::atomic<unsigned> next_first{0};
+          eo.workers = options_.threads;
+          eo.first_worker = next_first.fetch_add(options_.threads) % pool_->size();
+        }
         engine_ = std::make_unique<optimizer::AdamWEngine>(pool_, eo);
         engine_->SetCallbacks(
             [this](uint64_t id, uint64_t step, bool updated, uint64_t param_step) {
@@ -217,42 +224,44 @@ class AdamWSessionPlane {
     }
     const size_t n = engine_->ParamNumel(cmd.param_id);
     if (n == 0) return "unknown param_id " + std::to_string(cmd.param_id);
-    std::vector<float> master(n), m(n), v(n);
-    uint64_t step = 0;
-    std::string err = engine_->ExportState(cmd.param_id, master.data(), m.data(), v.data(), &step);
-    if (!err.empty()) return err;
     if (cmd.field == StateField::kStep) {
-      if (!load) {
-        *step_out = step;
-        return "";
-      }
-      step = cmd.step;
-    } else {
-      std::vector<float>* target = cmd.field == StateField::kMaster     ? &master
-                                   : cmd.field == StateField::kExpAvg   ? &m
-                                   : cmd.field == StateField::kExpAvgSq ? &v
-                                                                        : nullptr;
-      if (target == nullptr)
-        return "unknown state field " + std::to_string(static_cast<uint32_t>(cmd.field));
-      if (cmd.bytes != n * sizeof(float)) {
-        return "state payload is " + std::to_string(cmd.bytes) + " bytes; param " +
-               std::to_string(cmd.param_id) + " needs " + std::to_string(n * sizeof(float));
-      }
-      void* payload = resolver_(cmd.region_id, cmd.region_offset, cmd.bytes);
-      if (payload == nullptr) {
-        return "region " + std::to_string(cmd.region_id) + " [" +
-               std::to_string(cmd.region_offset) + ", +" + std::to_string(cmd.bytes) +
-               ") is not a region of this session";
-      }
-      if (!load) {
-        std::memcpy(payload, target->data(), cmd.bytes);
-        return "";
-      }
-      std::memcpy(target->data(), payload, cmd.bytes);
+      if (!load) return engine_->GetStep(cmd.param_id, step_out);
+      std::string err = engine_->SetStep(cmd.param_id, cmd.step);
+      if (err.empty()) SetStepCounter(cmd.param_id, cmd.step);
+      return err;
     }
-    err = engine_->ImportState(cmd.param_id, master.data(), m.data(), v.data(), step);
-    if (err.empty()) SetStepCounter(cmd.param_id, step);
-    return err;
+    using Array = optimizer::AdamWEngine::StateArray;
+    Array which;
+    switch (cmd.field) {
+      case StateField::kMaster:
+        which = Array::kMaster;
+        break;
+      case StateField::kExpAvg:
+        which = Array::kExpAvg;
+        break;
+      case StateField::kExpAvgSq:
+        which = Array::kExpAvgSq;
+        break;
+      default:
+        return "unknown state field " + std::to_string(static_cast<uint32_t>(cmd.field)) +
+               "; accepted: 0 (master), 1 (exp_avg), 2 (exp_avg_sq), 3 (step), 4 (param from slot)";
+    }
+    if (cmd.bytes != n * sizeof(float)) {
+      return "state payload is " + std::to_string(cmd.bytes) + " bytes; param " +
+             std::to_string(cmd.param_id) + " needs " + std::to_string(n * sizeof(float));
+    }
+    void* payload = resolver_(cmd.region_id, cmd.region_offset, cmd.bytes);
+    if (payload == nullptr) {
+      return "region " + std::to_string(cmd.region_id) + " [" + std::to_string(cmd.region_offset) +
+             ", +" + std::to_string(cmd.bytes) + ") is not a region of this session";
+    }
+    // One field moves straight between the payload and the engine (no copies of
+    // the other two). Offsets are the client's; keep float access aligned.
+    if (reinterpret_cast<uintptr_t>(payload) % alignof(float) != 0)
+      return "state payload offset " + std::to_string(cmd.region_offset) +
+             " is not a multiple of 4";
+    return load ? engine_->ImportArray(cmd.param_id, which, static_cast<const float*>(payload))
+                : engine_->ExportArray(cmd.param_id, which, static_cast<float*>(payload));
   }
 
   void OnParamDone(uint64_t id, uint64_t step, bool updated, uint64_t param_step) {

@@ -43,6 +43,7 @@ struct SessionOptimizerOptions {
   WireDType moment_dtype = WireDType::kFloat32;
   double max_grad_norm = 0;  // 0: no clipping
   uint64_t seed = 0;
+  uint32_t threads = 0;  // worker threads for this session (0: the whole pool)
 };
 
 // Resolves a (region_id, offset, bytes) of this session to a pointer, or

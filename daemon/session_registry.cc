@@ -414,6 +414,7 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
     options.moment_dtype = static_cast<WireDType>(moment);
     options.max_grad_norm = req.max_grad_norm();
     options.seed = req.seed();
+    options.threads = req.threads();
     std::string error = optimizer_->AddParameters(s.id, options, std::move(bindings));
     if (!error.empty()) {
       DropSegment(std::move(staging));

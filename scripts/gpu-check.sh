@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}
+STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, offload
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -26,7 +26,22 @@ rc=0
 if [[ $STAGES == *build* ]]; then
   make build PYTHON=python3 BUILD=build-gpu CMAKE_ARGS="$CMAKE_ARGS" > "$OUT/build.log" 2>&1 || { rc=1; tail -40 "$OUT/build.log"; }
 fi
-if [[ $STAGES == *test* ]]; then
+# "lean": only what the Python tests and benchmarks load (no C++ tests or benches).
+if [[ $STAGES == *lean* ]]; then
+  make venv PYTHON=python3 > "$OUT/build.log" 2>&1
+  eval cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DPython_EXECUTABLE="$PWD/.venv/bin/python" -DTRAINSTREAM_BUILD_TESTS=OFF \
+    -DTRAINSTREAM_BUILD_BENCHMARKS=OFF "$CMAKE_ARGS" >> "$OUT/build.log" 2>&1 &&
+  cmake --build build-gpu -j "$(nproc)" --target trainstreamd trainstreamctl trainstream_C \
+    trainstream_control trainstream_python_files >> "$OUT/build.log" 2>&1 || { rc=1; tail -40 "$OUT/build.log"; }
+fi
+# "pytest": just the Python tests in $PYTEST_FILES (default: all of tests/python).
+if [[ $STAGES == *pytest* ]]; then
+  PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu \
+    .venv/bin/python -m pytest -q -rs ${PYTEST_FILES:-tests/python} > "$OUT/pytest.log" 2>&1 || rc=1
+  tail -30 "$OUT/pytest.log"
+fi
+if [[ $STAGES == *test* && $STAGES != *pytest* ]]; then
   make test PYTHON=python3 BUILD=build-gpu CMAKE_ARGS="$CMAKE_ARGS" PYTEST_ARGS="-rs" > "$OUT/test.log" 2>&1 || rc=1
   grep -E "tests passed|tests failed|FAILED|Failed|passed|failed" "$OUT/test.log" | tail -30
 fi
@@ -42,5 +57,15 @@ if [[ $STAGES == *bench* ]]; then
   bench adamw python3 benchmarks/adamw/bench_torch_adamw.py --bench build-gpu/bin/trainstream-bench-adamw \
     --params 67108864 --threads 1,4,8,16 --iters 10
   bench quant python3 benchmarks/quant/bench_quant.py --json "$OUT/quant_bench.json"
+  bench zero-copy python3 benchmarks/wrap/bench_zero_copy.py
+fi
+# Heavier end-to-end benchmarks, each its own stage (STAGES="... offload").
+if [[ $STAGES == *offload* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python
+  echo "== offload" | tee -a "$OUT/bench.log"
+  timeout 540 python3 benchmarks/wrap/bench_offload.py --cap-gib 24 --timeout 200 \
+    ${OFFLOAD_MODES:+--modes "$OFFLOAD_MODES"} \
+    > "$OUT/bench-offload.log" 2>&1 || { rc=1; echo "bench offload failed"; }
+  tail -20 "$OUT/bench-offload.log" | tee -a "$OUT/bench.log"
 fi
 exit $rc

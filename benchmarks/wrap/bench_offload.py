@@ -3,7 +3,7 @@ time and peak VRAM for stock PyTorch (fused AdamW, uncapped), TrainStream under 
 cap, and FSDP2 + CPUOffloadPolicy (one process), each in its own process so peaks
 don't mix. Prints a table and JSON lines; see issue 4.
 
-    python benchmarks/wrap/bench_offload.py --cap-gib 24 [--small] [--modes stock,trainstream,fsdp2]
+    python benchmarks/wrap/bench_offload.py --cap-gib 24 [--small] [--modes stock,trainstream,trainstream-gpu,fsdp2]
 
 `--small` shrinks the model so the script can be checked on a CPU machine (no cap).
 """
@@ -54,10 +54,17 @@ def run_mode(args) -> dict:
     seq, batch = (64, 2) if args.small else (args.seq, args.batch)
     ids = torch.randint(cfg.vocab_size, (batch, seq), device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-    if args.mode == "trainstream":
+    if args.mode.startswith("trainstream"):
         import trainstream
         t0 = time.perf_counter()
-        model, opt = trainstream.wrap(model, opt, socket=args.socket)
+        # trainstream: daemon AdamW; trainstream-gpu: zero-copy CUDA AdamW;
+        # trainstream-gpu-bf16: the same with bf16 moments (half the PCIe bytes).
+        extra = {"optimizer_mode": "cpu", "offload": True}
+        if args.mode.startswith("trainstream-gpu"):
+            extra = {"optimizer_mode": "gpu", "free_grads": True, "offload": True}
+        if args.mode.endswith("-bf16"):
+            extra["moment_dtype"] = "bfloat16"
+        model, opt = trainstream.wrap(model, opt, socket=args.socket, **extra)
         result["wrap_s"] = time.perf_counter() - t0
     elif args.mode == "fsdp2":
         import torch.distributed as dist
@@ -97,19 +104,41 @@ def run_mode(args) -> dict:
     result.update(step_s=mid(times), fwd_s=mid(fwd), bwd_s=mid(bwd), loss=float(loss))
     if cuda:
         result["peak_vram_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if args.mode == "trainstream":
+    if args.mode.startswith("trainstream"):
         import trainstream
         t = trainstream.transfer_stats(opt)
         steps = max(t["steps"], 1)
-        per_step = (t["bytes_d2h"] + t["bytes_h2d"]) / steps
+        per_step = (t["bytes_d2h"] + t["bytes_h2d"] + t.get("bytes_pcie", 0)) / steps
         result["pcie_bytes_per_step"] = per_step
         result["pcie_gb_s_during_step"] = per_step / result["step_s"] / 1e9
+        if cuda and args.mode == "trainstream":
+            result.update(large_tensor_transfer(opt))
     return result
+
+
+def large_tensor_transfer(opt) -> dict:
+    """GB/s of the data plane's copies on the largest parameter: H2D through
+    DataPlane.copy_param from its registered staging slot, and D2H into its slot."""
+    import torch
+    e = max(opt._entries.values(), key=lambda e: e.param.numel())
+    nbytes = e.param.numel() * e.param.element_size()
+    out = {"transfer_tensor_mib": nbytes / 2**20}
+    for name, fn in (("h2d", lambda: opt._plane.copy_param(e.param, e.param_slot)),
+                     ("d2h", lambda: e.grad_slot.copy_(e.param.detach().reshape(-1),
+                                                       non_blocking=True))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        out[f"transfer_{name}_gb_s"] = 5 * nbytes / (time.perf_counter() - t0) / 1e9
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--modes", default="stock,trainstream,fsdp2")
+    ap.add_argument("--modes", default="stock,trainstream,trainstream-gpu,fsdp2")
     ap.add_argument("--cap-gib", type=float, default=24.0)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
@@ -135,7 +164,7 @@ def main() -> int:
         return 0
     results = []
     for mode in args.modes.split(","):
-        variants = [False, True] if mode in ("trainstream",) else [False]
+        variants = [False, True] if mode.startswith("trainstream") or mode == "fsdp2" else [False]
         for ckpt in variants:
             cmd = [sys.executable, __file__, "--mode", mode, "--cap-gib", str(args.cap_gib),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
@@ -153,7 +182,7 @@ def main() -> int:
             r.setdefault("checkpointing", ckpt)
             results.append(r)
             print(json.dumps(r), flush=True)
-            if mode == "trainstream" and "error" not in r:
+            if "error" not in r:
                 break  # fits without checkpointing: no need for the fallback
     stock = next((r for r in results if r["mode"] == "stock" and "error" not in r), None)
     fsdp = next((r for r in results if r["mode"] == "fsdp2" and "error" not in r), None)
@@ -162,7 +191,16 @@ def main() -> int:
         print(f"{r['mode']:<12} {str(r.get('checkpointing', False)):<5} {str(r.get('cap_gib')):>5} "
               f"{r.get('step_s', float('nan')):>8.3f} {r.get('peak_vram_gib', float('nan')):>9.1f} "
               f"{r.get('pcie_gb_s_during_step', float('nan')):>9.1f}  {r.get('error', '')[:90]}")
+    for r in results:
+        if "transfer_h2d_gb_s" in r:
+            print(f"\nlarge-tensor transfers ({r['transfer_tensor_mib']:.0f} MiB, registered shm): "
+                  f"H2D {r['transfer_h2d_gb_s']:.1f} GB/s, D2H {r['transfer_d2h_gb_s']:.1f} GB/s")
     ts = next((r for r in results if r["mode"] == "trainstream" and "error" not in r), None)
+    for tg in [r for r in results if r["mode"].startswith("trainstream-gpu") and "error" not in r]:
+        if stock:
+            print(f"{tg['mode']}: {tg['step_s']:.3f} s/step = "
+                  f"{tg['step_s'] / (stock['fwd_s'] + stock['bwd_s']):.2f}x stock fwd+bwd"
+                  + (f"; / FSDP2+offload = {tg['step_s'] / fsdp['step_s']:.2f}x" if fsdp else ""))
     if stock and ts:
         gps = args.adamw_gparams or 4.2
         t_adamw = ts["params"] / (gps * 1e9)

@@ -225,6 +225,7 @@ Status Session::RegisterParameters(const RegisterOptions& options,
   req.set_moment_dtype(static_cast<v1::DType>(options.moment_dtype));
   req.set_max_grad_norm(options.max_grad_norm);
   req.set_seed(options.seed);
+  req.set_threads(options.threads);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, kUnaryTimeoutS);
   v1::RegisterParametersResponse resp;

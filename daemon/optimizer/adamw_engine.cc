@@ -101,7 +101,9 @@ AdamWEngine::AdamWEngine(WorkerPool* pool, EngineOptions options)
     : pool_(pool),
       options_(options),
       deferred_(options.max_grad_norm > 0 || options.skip_nonfinite_step),
-      worker_load_(pool->size(), 0) {}
+      worker_load_(
+          options.workers == 0 || options.workers > pool->size() ? pool->size() : options.workers,
+          0) {}
 
 AdamWEngine::~AdamWEngine() { WaitIdle(); }
 
@@ -132,7 +134,8 @@ std::string AdamWEngine::AddParam(const ParamBinding& b) {
     const unsigned worker = static_cast<unsigned>(
         std::min_element(worker_load_.begin(), worker_load_.end()) - worker_load_.begin());
     worker_load_[worker] += count;
-    p->chunks.push_back({off, count, worker});
+    p->chunks.push_back(
+        {off, count, static_cast<unsigned>((options_.first_worker + worker) % pool_->size())});
   }
   p->chunk_sumsq.assign(p->chunks.size(), 0.0);
   by_id_[b.param_id] = p.get();
@@ -492,6 +495,70 @@ std::string AdamWEngine::ImportState(uint64_t param_id, const float* master, con
     }
   }
   p.state_step = step;
+  return "";
+}
+
+std::string AdamWEngine::ExportArray(uint64_t param_id, StateArray which, float* out) const {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  const ParamBinding& b = it->second->binding;
+  switch (which) {
+    case StateArray::kMaster:
+      std::memcpy(out, b.master, b.numel * sizeof(float));
+      break;
+    case StateArray::kExpAvg:
+      kernels::ConvertToFloat(b.exp_avg, options_.moment_dtype, out, b.numel);
+      break;
+    case StateArray::kExpAvgSq:
+      kernels::ConvertToFloat(b.exp_avg_sq, options_.moment_dtype, out, b.numel);
+      break;
+  }
+  return "";
+}
+
+std::string AdamWEngine::ImportArray(uint64_t param_id, StateArray which, const float* in) {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  const ParamBinding& b = it->second->binding;
+  if (which == StateArray::kMaster) {
+    std::memmove(b.master, in, b.numel * sizeof(float));
+    if (b.param_slot == static_cast<void*>(b.master)) return "";
+    for (size_t i = 0; i < b.numel; ++i) {
+      switch (b.param_dtype) {
+        case DType::kFloat32:
+          static_cast<float*>(b.param_slot)[i] = b.master[i];
+          break;
+        case DType::kBFloat16:
+          static_cast<uint16_t*>(b.param_slot)[i] = kernels::FloatToBf16Rne(b.master[i]);
+          break;
+        case DType::kFloat16:
+          static_cast<uint16_t*>(b.param_slot)[i] = kernels::FloatToFp16Rne(b.master[i]);
+          break;
+      }
+    }
+    return "";
+  }
+  void* dst = which == StateArray::kExpAvg ? b.exp_avg : b.exp_avg_sq;
+  if (options_.moment_dtype == DType::kBFloat16) {
+    for (size_t i = 0; i < b.numel; ++i)
+      static_cast<uint16_t*>(dst)[i] = kernels::FloatToBf16Rne(in[i]);
+  } else {
+    std::memmove(dst, in, b.numel * sizeof(float));
+  }
+  return "";
+}
+
+std::string AdamWEngine::GetStep(uint64_t param_id, uint64_t* step) const {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  *step = it->second->state_step;
+  return "";
+}
+
+std::string AdamWEngine::SetStep(uint64_t param_id, uint64_t step) {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  it->second->state_step = step;
   return "";
 }
 

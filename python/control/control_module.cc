@@ -127,7 +127,8 @@ class Internal(ControlError): pass
       .def(
           "register_parameters",
           [](Session& s, const py::list& groups, const py::list& params,
-             const std::string& moment_dtype, double max_grad_norm, uint64_t seed) {
+             const std::string& moment_dtype, double max_grad_norm, uint64_t seed,
+             uint32_t threads) {
             RegisterOptions options;
             for (auto g : groups) {
               auto d = g.cast<py::dict>();
@@ -142,6 +143,7 @@ class Internal(ControlError): pass
             options.moment_dtype = ParseDType(moment_dtype);
             options.max_grad_norm = max_grad_norm;
             options.seed = seed;
+            options.threads = threads;
             std::vector<ParameterSpec> specs;
             for (auto p : params) {
               auto d = p.cast<py::dict>();
@@ -175,7 +177,7 @@ class Internal(ControlError): pass
                                   slots);
           },
           py::arg("groups"), py::arg("params"), py::arg("moment_dtype") = "float32",
-          py::arg("max_grad_norm") = 0.0, py::arg("seed") = 0)
+          py::arg("max_grad_norm") = 0.0, py::arg("seed") = 0, py::arg("threads") = 0)
       .def(
           "allocate_region",
           [](Session& s, uint64_t bytes, const std::string& label) {

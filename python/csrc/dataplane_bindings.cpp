@@ -395,7 +395,8 @@ class DataPlane {
 // segment, never per step. Returns false (and the reason) when CUDA is absent.
 py::tuple RegisterHost(uintptr_t address, uint64_t bytes, bool read_only) {
 #ifdef TRAINSTREAM_WITH_CUDA
-  unsigned flags = cudaHostRegisterPortable;
+  // Mapped: the zero-copy AdamW (optimizer_mode="gpu") reads moments through it.
+  unsigned flags = cudaHostRegisterPortable | cudaHostRegisterMapped;
   if (read_only) flags |= cudaHostRegisterReadOnly;
   cudaError_t err = cudaHostRegister(reinterpret_cast<void*>(address), bytes, flags);
   if (err != cudaSuccess) {

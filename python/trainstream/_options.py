@@ -120,6 +120,8 @@ OPTIONS: Dict[str, tuple] = {
     "lr": (None, "None (keep the optimizer's) or a number >= 0", _lr),
     "check_memory": (True, "True or False", _bool),
     "verbose": (False, "True or False", _bool),
+    "free_grads": (False, "True or False (optimizer_mode='gpu': drop each gradient once its "
+                   "update is enqueued)", _bool),
     "grad_post": ("backward", *_one_of("backward", "step")[::-1]),
     "socket": (None, "None (TRAINSTREAM_SOCKET or the default) or a path", _str_or_none),
     "job": (None, "None or a job name", _str_or_none),
@@ -181,8 +183,4 @@ def validate(options: Dict[str, Any]) -> Dict[str, Any]:
         out["vram_limit"] = env
     if out["vram_limit"] is not None:
         out["vram_limit"] = parse_bytes(out["vram_limit"])
-    if out["optimizer_mode"] == "gpu":
-        raise ValueError(
-            "option optimizer_mode='gpu' (zero-copy CUDA AdamW) is not available in this "
-            "version; accepted now: 'auto', 'cpu'")
     return out

@@ -146,6 +146,9 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                        min_paged_bytes=config["min_offload_bytes"])
     attention = AttentionSelector(config["attention"], prepared.device, session.event)
     pager.attention_context = attention.context
+    # The daemon's AdamW takes a paged weight's gradient (accept_grad); the GPU and
+    # local modes update weights on the device, so resident trained blocks stay there.
+    pager.can_page_trained = lambda: opt.optimizer_mode == "cpu"
     adapter = Adapter(session, pager, plan, config,
                       prepared.capacity.h2d_gb_s if prepared.capacity else 0.0)
 

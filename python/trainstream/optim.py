@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
-from . import _daemon
+from . import _daemon, _gpu_adamw
 from ._options import validate
 from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
 
@@ -92,6 +92,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._scratch = None
         self._registered_host: List[int] = []
         self._step_id = 0
+        self._gpu: Optional[_gpu_adamw.ZeroCopyAdamW] = None  # optimizer_mode="gpu"
+        self.optimizer_mode: Optional[str] = None  # resolved at attach()
+        # offload="auto": after two steps, torch's fused AdamW on the GPU when it fits.
+        self._local: Optional[torch.optim.Optimizer] = None
+        self.offload_decision: Optional[Dict[str, Any]] = None
+        self._event_sink = None  # wrap() points this at the session's event log
         self._last_grad_norm: Optional[float] = None
         self._stats = {"steps": 0, "skipped_steps": 0, "grads_posted": 0, "bytes_d2h": 0,
                        "bytes_h2d": 0, "step_wait_s": 0.0}
@@ -121,6 +127,26 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._session is not None:
             self._register(new)
 
+    def _resolve_mode(self) -> str:
+        mode = self._options["optimizer_mode"]
+        if mode == "cpu":
+            return "cpu"
+        params = [e.param for e in self._entries.values()]
+        why = _gpu_adamw.unavailable_reason(params)
+        if mode == "gpu":
+            if why is not None:
+                raise ValueError(f"option optimizer_mode='gpu' cannot run here: {why}; "
+                                 "accepted here: 'cpu' or 'auto'")
+            return "gpu"
+        # "auto": the zero-copy CUDA update when it can run (it beat the daemon's host
+        # AdamW on the 1.5B benchmark, docs/offload.md); the daemon's AdamW otherwise,
+        # and always for data-parallel ranks, which share the daemon's one state.
+        if why is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return "cpu"
+        if any(not p.is_contiguous() for p in params if p.requires_grad):
+            return "cpu"
+        return "gpu"
+
     def attach(self) -> None:
         """Connects to the daemon (starting one if needed) and registers every parameter."""
         if self._session is not None:
@@ -130,14 +156,28 @@ class OffloadAdamW(torch.optim.Optimizer):
         rank = int(os.environ.get("RANK", -1))
         local_rank = int(os.environ.get("LOCAL_RANK", -1))
         job = opts["job"] or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+        for e in self._entries.values():  # hooks removed by release_hooks()
+            if e.hook is None and e.param.requires_grad:
+                e.hook = e.param.register_post_accumulate_grad_hook(self._on_grad_final)
         self._session = self._client.attach(job, rank, local_rank)
         control = self._session.control
         self._plane = _C().DataPlane(control.address, control.size, int(opts["timeout_s"] * 1000))
-        self._register(list(self._entries.values()))
+        try:
+            self.optimizer_mode = self._resolve_mode()
+            if self.optimizer_mode == "gpu":
+                moment = "float32" if opts["moment_dtype"] == "auto" else opts["moment_dtype"]
+                self._gpu = _gpu_adamw.ZeroCopyAdamW(self, moment, int(opts["seed"]))
+            self._register(list(self._entries.values()))
+        except BaseException:
+            self.detach()
+            raise
 
     def detach(self) -> None:
         """Ends the daemon session (its memory is freed). ``attach()`` starts a new one
         with the current weights as masters and fresh moments."""
+        if self._gpu is not None:
+            self._gpu.close(self._session)
+            self._gpu = None
         for addr in self._registered_host:
             _C().unregister_host(addr)
         self._registered_host.clear()
@@ -152,6 +192,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._session = None
         self._client = None
 
+    def release_hooks(self) -> None:
+        """Removes the gradient hooks from the parameters (``unwrap()`` does this after
+        ``detach()``; ``attach()`` puts them back)."""
+        for e in self._entries.values():
+            if e.hook is not None:
+                e.hook.remove()
+                e.hook = None
+
     def __del__(self):
         try:
             self.detach()
@@ -160,6 +208,9 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _register(self, entries: List[_Param]) -> None:
         if not entries:
+            return
+        if self._gpu is not None:
+            self._gpu.register(self._session, entries, self._options["verbose"])
             return
         groups = [dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
                        eps=float(g["eps"]), weight_decay=float(g["weight_decay"]))
@@ -171,7 +222,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         moment = "float32" if moment == "auto" else moment
         staging, slots = self._call(self._session.register_parameters, groups, specs, moment,
                                     float(self._options["max_grad_norm"] or 0.0),
-                                    int(self._options["seed"]))
+                                    int(self._options["seed"]), int(self._options["threads"] or 0))
         self._regions.append(staging)
         c = _C()
         if any(e.param.is_cuda for e in entries) and c.with_cuda:
@@ -210,7 +261,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
                 f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
         if e.backward_count == n and self._options["grad_post"] == "backward":
-            self._post_grad(e)
+            if self._gpu is not None:
+                self._gpu.on_grad_final(e)
+            else:
+                self._post_grad(e)
 
     def accept_grad(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
         """Takes a gradient of ``p`` computed where ``p.grad`` never holds it (weight
@@ -308,12 +362,30 @@ class OffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
+        if self._local is not None:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if self._options["max_grad_norm"] is not None:
+                norm = torch.nn.utils.clip_grad_norm_(
+                    [p for g in self.param_groups for p in g["params"]],
+                    self._options["max_grad_norm"])
+                self._last_grad_norm = float(norm)
+            self._local.step()
+            self._step_id += 1
+            self._stats["steps"] += 1
+            return loss
         self._require_attached()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         step = self._step_id + 1
+        if self._gpu is not None:
+            loss = self._gpu_step(step, loss)
+            self._maybe_go_local()
+            return loss
         posted = []
         try:
             for e in self._entries.values():
@@ -370,13 +442,102 @@ class OffloadAdamW(torch.optim.Optimizer):
         if result["status"] != _STATUS_OK:
             raise TrainStreamError(f"step {step} failed in the daemon: {result['message']}")
         self._stats["steps"] += 1
+        self._maybe_go_local()
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def _event(self, kind: str, **details) -> None:
+        if self._event_sink is not None:
+            self._event_sink(kind, **details)
+        elif self._options["verbose"]:
+            print(f"trainstream: {kind}: {details}")
+
+    def _maybe_go_local(self) -> None:
+        """offload="auto": after the second step, measure whether torch's fused AdamW
+        would fit on the GPU next to what the two steps used; if so, move the state
+        there and stop offloading (the daemon session is closed)."""
+        if self._options["offload"] != "auto" or self._step_id != 2 or self._local is not None:
+            return
+        params = [e.param for e in self._entries.values()]
+        devices = {p.device for p in params}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            self.offload_decision = {"offload": True, "reason": "the parameters are not all on "
+                                     "one CUDA device; the daemon's AdamW is the host path"}
+            self._event("offload", **self.offload_decision)
+            return
+        dev = next(iter(devices))
+        total = torch.cuda.get_device_properties(dev).total_memory
+        cap = total * torch.cuda.get_per_process_memory_fraction(dev)
+        free, _ = torch.cuda.mem_get_info(dev)
+        cap = min(cap, torch.cuda.memory_reserved(dev) + free)
+        peak = torch.cuda.max_memory_allocated(dev)
+        trained = [p for p in params if p.requires_grad]
+        state = sum(2 * p.numel() * p.element_size() for p in trained)
+        grads = (sum(p.numel() * p.element_size() for p in trained)
+                 if self._gpu is not None and self._options["free_grads"] else 0)
+        headroom = 0.10
+        need = peak + state + grads
+        fits = need <= cap * (1 - headroom)
+        self.offload_decision = {
+            "offload": not fits, "peak_bytes": peak, "optimizer_state_bytes": state,
+            "extra_grad_bytes": grads, "needed_bytes": need, "capacity_bytes": int(cap),
+            "headroom": headroom,
+            "reason": ("fits in VRAM: switched to torch.optim.AdamW(fused=True) on the GPU"
+                       if fits else "does not fit in VRAM with torch's AdamW: keeps offloading")}
+        self._event("offload", **self.offload_decision)
+        if fits:
+            self._go_local()
+
+    def _go_local(self) -> None:
+        sd = self.state_dict()
+        local = torch.optim.AdamW([{"params": g["params"]} for g in self.param_groups],
+                                  lr=self.param_groups[0]["lr"], fused=True)
+        # Share the group dicts, so schedulers that edit self.param_groups still work.
+        for mine, theirs in zip(self.param_groups, local.param_groups):
+            for k, v in theirs.items():
+                mine.setdefault(k, v)
+            mine["fused"] = True
+        local.param_groups = self.param_groups
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, st in sd["state"].items():
+            p = params[idx]
+            local.state[p] = {
+                "step": st["step"].to(p.device, torch.float32),
+                "exp_avg": st["exp_avg"].to(p.device, p.dtype),
+                "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype)}
+        self.detach()
+        self.release_hooks()
+        for e in self._entries.values():
+            e.backward_count = 0
+        self._local = local
+        self.optimizer_mode = "local"
+
+    def _gpu_step(self, step: int, loss):
+        result = self._gpu.step(list(self._entries.values()))
+        for e in self._entries.values():
+            e.backward_count = 0
+        self._step_id = step
+        self._last_grad_norm = result["grad_norm"]
+        self._stats["bytes_pcie"] = self._gpu.bytes_pcie
+        if result["skipped"]:
+            self._stats["skipped_steps"] += 1
+            names = result["skipped"]
+            raise NonFiniteGradientError(
+                f"step {step}: {len(names)} parameter(s) were not updated because their gradient "
+                f"held NaN or Inf (first: {', '.join(names[:5])})")
+        self._stats["steps"] += 1
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         super().zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:
-        """Waits until the daemon has finished every command posted so far."""
+        """Waits until every update posted so far is finished (the daemon's, or with
+        optimizer_mode="gpu" the side stream's)."""
+        if self._local is not None:
+            return
+        if self._gpu is not None:
+            self._gpu.synchronize()
+            return
         self._sync()
 
     @property
@@ -391,6 +552,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         s["attached"] = self._session is not None
         s["session_id"] = self._session.id if self._session is not None else None
         s["moment_dtype"] = self._options["moment_dtype"]
+        s["optimizer_mode"] = self.optimizer_mode
+        s["offloaded"] = self._local is None
         return s
 
     # ------------------------------------------------------------- state dict
@@ -402,15 +565,20 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._scratch = self._call(self._session.allocate_region, need, "state-transfer")
         return self._scratch
 
-    def _transfer(self, load: bool, e: _Param, field_id: int, data: Optional[torch.Tensor]):
-        region = self._scratch_region(e.param.numel())
-        view = _C().tensor_from_address(region.address, [e.param.numel()], "float32")
+    def _move_fields(self, load: bool, e: _Param, fields: List[int],
+                     data: Optional[List[torch.Tensor]] = None) -> Optional[List[torch.Tensor]]:
+        """Moves whole fp32 state arrays of `e` through the scratch region: all of
+        `fields` in one round trip to the daemon."""
+        n = e.param.numel()
+        region = self._scratch_region(n * len(fields))
+        view = _C().tensor_from_address(region.address, [len(fields), n], "float32")
         if load:
-            view.copy_(data.reshape(-1).to(torch.float32))
-        self._plane.post_state(load, e.param_id, field_id, region.region_id, 0,
-                               4 * e.param.numel(), 0)
+            for i, t in enumerate(data):
+                view[i].copy_(t.reshape(-1).to(torch.float32))
+        for i, field_id in enumerate(fields):
+            self._plane.post_state(load, e.param_id, field_id, region.region_id, 4 * n * i, 4 * n, 0)
         self._sync()
-        return None if load else view.clone().view(e.param.shape)
+        return None if load else [view[i].clone().view(e.param.shape) for i in range(len(fields))]
 
     def _export_step(self, e: _Param) -> int:
         seq_box = {}
@@ -427,7 +595,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         return int(seq_box["step"])
 
     def state_dict(self) -> Dict[str, Any]:
-        """``torch.optim.AdamW``'s format, plus ``master_weight`` (fp32) per parameter."""
+        """``torch.optim.AdamW``'s format, plus ``master_weight`` (fp32) per parameter
+        (without it once ``offload="auto"`` has moved the optimizer to the GPU)."""
+        if self._local is not None:
+            return self._local.state_dict()
         self._require_attached()
         order = {}
         groups = []
@@ -440,20 +611,32 @@ class OffloadAdamW(torch.optim.Optimizer):
             groups.append(packed)
         state = {}
         for e in self._entries.values():
+            if self._gpu is not None:
+                exported = self._gpu.export(e)
+                if exported is not None:
+                    state[order[id(e.param)]] = exported
+                continue
             step = self._export_step(e)
             if step == 0:
                 continue
             dtype = e.param.dtype
+            m, v, w = self._move_fields(False, e, [_FIELD_EXP_AVG, _FIELD_EXP_AVG_SQ, _FIELD_MASTER])
             state[order[id(e.param)]] = {
                 "step": torch.tensor(float(step), dtype=torch.float32),
-                "exp_avg": self._transfer(False, e, _FIELD_EXP_AVG, None).to(dtype),
-                "exp_avg_sq": self._transfer(False, e, _FIELD_EXP_AVG_SQ, None).to(dtype),
-                "master_weight": self._transfer(False, e, _FIELD_MASTER, None),
+                "exp_avg": m.to(dtype),
+                "exp_avg_sq": v.to(dtype),
+                "master_weight": w,
             }
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a ``torch.optim.AdamW`` (or ``OffloadAdamW``) state dict."""
+        if self._local is not None:
+            state_dict = {"state": {k: {f: v for f, v in s.items() if f != "master_weight"}
+                                    for k, s in state_dict["state"].items()},
+                          "param_groups": state_dict["param_groups"]}
+            self._local.load_state_dict(state_dict)
+            return
         self._require_attached()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -472,14 +655,17 @@ class OffloadAdamW(torch.optim.Optimizer):
                 index_of[idx] = len(index_of)
         for idx, s in state_dict["state"].items():
             e = self._entries[id(params[index_of[idx]])]
+            if self._gpu is not None:
+                self._gpu.load(e, s)
+                continue
             master = s.get("master_weight", e.param.detach())
-            self._transfer(True, e, _FIELD_MASTER, master)
-            self._transfer(True, e, _FIELD_EXP_AVG, s["exp_avg"])
-            self._transfer(True, e, _FIELD_EXP_AVG_SQ, s["exp_avg_sq"])
+            self._move_fields(True, e, [_FIELD_MASTER, _FIELD_EXP_AVG, _FIELD_EXP_AVG_SQ],
+                              [master, s["exp_avg"], s["exp_avg_sq"]])
             step = s["step"]
             step = int(step.item() if torch.is_tensor(step) else step)
             self._plane.post_state(True, e.param_id, _FIELD_STEP, 0, 0, 0, step)
-        self._sync()
+        if self._gpu is None:  # gpu mode registers nothing with the daemon's engine
+            self._sync()
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:

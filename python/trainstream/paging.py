@@ -144,6 +144,7 @@ class BlockPager:
         self._registered: List[int] = []  # host buffers registered with CUDA (block homes)
         # attention.py's choice, entered around every block call (recomputation too).
         self.attention_context: Callable[[], Any] = contextlib.nullcontext
+        self.can_page_trained: Callable[[], bool] = lambda: True
         for i, block in enumerate(self.blocks):
             if i in self.paged:
                 self._slots[i] = self._page_out(block, host_home)
@@ -219,13 +220,21 @@ class BlockPager:
                 del block.forward
         self._fetches.clear()
 
-    def page_out(self, i: int) -> None:
-        """Moves resident block i's tensors to host memory and pages them from now on."""
+    def page_out(self, i: int) -> bool:
+        """Moves resident block i's tensors to host memory and pages them from now on.
+        False (nothing moved) when the block has big trained tensors and
+        ``can_page_trained()`` says the optimizer cannot take their gradients
+        through ``grad_sink`` (its GPU or local modes update weights on the device)."""
         if i in self._slots:
-            return
+            return False
+        big_trained = any(p.requires_grad and p.numel() * p.element_size() >= self.min_paged_bytes
+                          for p in self.blocks[i].parameters())
+        if big_trained and not self.can_page_trained():
+            return False
         self._slots[i] = self._page_out(self.blocks[i], self._host_home)
         self.block_bytes[i] = sum(s.nbytes for s in self._slots[i])
         self.paged = sorted(self.paged + [i])
+        return True
 
     def restore_to_host(self) -> None:
         """Leaves every paged tensor in host memory it owns (unwrap): trained weights get

@@ -62,9 +62,7 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     from . import memory_plan
     prepared = memory_plan.prepare(model, config)   # may raise MemoryError, before any copy
     names = {id(p): n for n, p in model.named_parameters()}
-    opt_options = {k: v for k, v in config.items() if k not in ("device", "lr", "offload",
-                                                                 "optimizer_mode", "threads",
-                                                                 "check_memory")}
+    opt_options = {k: v for k, v in config.items() if k not in ("device", "lr", "check_memory")}
     opt_options["moment_dtype"] = prepared.moment_dtype
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -73,6 +71,7 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     else:
         new = _convert(optimizer, names, config, opt_options)
     session = TrainStreamSession(config=config, optimizer=new)
+    new._event_sink = session.event
     session.event("attached", session_id=new.stats()["session_id"],
                   params=len(new._entries), numel=new.stats()["numel"])
     memory_plan.install(model, new, session, prepared)
@@ -134,6 +133,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     memory_plan.uninstall(model, session)
     if session.optimizer is not None:
         session.optimizer.detach()
+        session.optimizer.release_hooks()
     delattr(model, _SESSION_ATTR)
     return model
 
@@ -172,6 +172,7 @@ def memory_report(model: nn.Module) -> Dict[str, Any]:
             "params": stats.get("params", 0),
             "numel": stats.get("numel", 0),
             "moment_dtype": stats.get("moment_dtype"),
+            "optimizer_mode": stats.get("optimizer_mode"),
             "state_bytes_in_daemon": _state_bytes(opt),
             "steps": stats.get("steps", 0),
             "skipped_steps": stats.get("skipped_steps", 0),
@@ -188,7 +189,10 @@ def _state_bytes(opt: Optional[OffloadAdamW]) -> int:
     if opt is None:
         return 0
     moment = 2 if opt._options["moment_dtype"] == "bfloat16" else 4
-    return sum(e.param.numel() * (4 + 2 * moment) for e in opt._entries.values())
+    # optimizer_mode="gpu" keeps no fp32 master for an fp32 parameter (it is its own).
+    return sum(e.param.numel() * (2 * moment + (0 if opt.optimizer_mode == "gpu"
+                                                and e.param.dtype == torch.float32 else 4))
+               for e in opt._entries.values())
 
 
 def pinned_stats(opt: Optional[OffloadAdamW] = None) -> Dict[str, Any]:
@@ -206,5 +210,6 @@ def transfer_stats(opt: Optional[OffloadAdamW] = None) -> Dict[str, Any]:
     if opt is None:
         return {"bytes_d2h": 0, "bytes_h2d": 0, "steps": 0}
     s = opt.stats()
+    # bytes_pcie: moments (and masters) the zero-copy kernel moved (optimizer_mode="gpu").
     return {"bytes_d2h": s["bytes_d2h"], "bytes_h2d": s["bytes_h2d"], "steps": s["steps"],
-            "step_wait_s": s["step_wait_s"]}
+            "step_wait_s": s["step_wait_s"], "bytes_pcie": s.get("bytes_pcie", 0)}

@@ -300,3 +300,26 @@ def test_non_contiguous_parameter_is_updated_in_place(daemon):
             o.zero_grad()
     assert holder.w is ours and not ours.is_contiguous()
     assert (ref - ours).abs().max().item() <= 1e-6
+
+
+def test_unwrap_removes_the_gradient_hooks(daemon):
+    cfg, ref, ours = _models(seed=7)
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1, seed=7)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket)
+    assert all(e.hook is not None for e in opt._entries.values())
+    trainstream.unwrap(ours)
+    assert all(e.hook is None for e in opt._entries.values())
+    # The model trains with a plain optimizer afterwards; nothing is posted anywhere.
+    plain = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    ours(x, y).backward()
+    plain.step()
+    assert opt.stats()["grads_posted"] == 0
+
+
+def test_threads_option_limits_the_session_and_still_matches(daemon):
+    cfg, ref, ours = _models(seed=8)
+    batches = text_batches(corpus(), cfg, batch=2, steps=4, seed=8)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 socket=daemon.socket, threads=1)
+    _assert_same(ref, ours, _train(ref, ref_opt, batches), _train(ours, opt, batches))

@@ -39,7 +39,7 @@ def test_cuda_fp32_matches_torch_adamw(daemon):
     batches = text_batches(corpus(), cfg, batch=4, steps=20)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
-                                 socket=daemon.socket)
+                                 socket=daemon.socket, offload=True, optimizer_mode="cpu")
     a, b = _run(ref, ref_opt, batches), _run(ours, opt, batches)
     for i, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) <= 1e-5 * abs(x), f"step {i}: {y} vs {x}"
@@ -53,7 +53,7 @@ def test_cuda_bf16_autocast_tracks_torch(daemon):
     batches = text_batches(corpus(), cfg, batch=4, steps=20, seed=1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
-                                 socket=daemon.socket)
+                                 socket=daemon.socket, offload=True, optimizer_mode="cpu")
     a, b = _run(ref, ref_opt, batches, True), _run(ours, opt, batches, True)
     assert b[-1] < b[0]
     for i, (x, y) in enumerate(zip(a, b)):
@@ -66,7 +66,8 @@ def test_cuda_bf16_params_with_bf16_moments(daemon):
     ours = ours.to(torch.bfloat16)
     batches = text_batches(corpus(), cfg, batch=4, steps=20, seed=2)
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
-                                 socket=daemon.socket, moment_dtype="bfloat16")
+                                 socket=daemon.socket, moment_dtype="bfloat16", offload=True,
+                                 optimizer_mode="cpu")
     losses = _run(ours, opt, batches)
     assert losses[-1] < losses[0] - 0.3, losses
     master = opt.state_dict()["state"][0]["master_weight"]

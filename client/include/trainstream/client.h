@@ -99,6 +99,7 @@ struct RegisterOptions {
   DType moment_dtype = DType::kFloat32;
   double max_grad_norm = 0;  // 0: no clipping
   uint64_t seed = 0;
+  uint32_t threads = 0;  // daemon worker threads for this session's updates (0: all)
 };
 
 struct ParameterSlots {

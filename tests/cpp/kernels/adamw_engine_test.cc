@@ -7,6 +7,7 @@
 #include <cmath>
 #include <mutex>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "catch_compat.h"
@@ -291,4 +292,57 @@ TEST_CASE("eager per-chunk check leaves exactly the non-finite chunk untouched",
   uint64_t step = 0;
   REQUIRE(engine.ExportState(3, a.data(), b.data(), c.data(), &step).empty());
   CHECK(step == 1);  // other chunks were applied
+}
+
+TEST_CASE("an engine limited to some workers runs only on them and still equals the kernel",
+          "[engine]") {
+  WorkerPool pool(WorkerPoolOptions{4, false});
+  Fixture got(5), want(5);
+  EngineOptions opt;
+  opt.chunk_elems = 4096;  // many chunks, so an unlimited engine would use every worker
+  opt.workers = 2;
+  opt.first_worker = 3;  // workers 3 and 0 (wrapping)
+  AdamWEngine engine(&pool, opt);
+  std::mutex mu;
+  std::set<int> seen;
+  engine.SetCallbacks(
+      [&](uint64_t, uint64_t, bool, uint64_t) {
+        std::lock_guard<std::mutex> lock(mu);
+        seen.insert(WorkerPool::CurrentWorker());
+      },
+      nullptr);
+  Bind(engine, got);
+  for (auto& x : want.t) x.master = x.slot;
+  for (uint64_t step = 1; step <= 3; ++step) {
+    got.NewGrads(static_cast<uint32_t>(step));
+    want.NewGrads(static_cast<uint32_t>(step));
+    for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).empty());
+    REQUIRE(engine.StepEnd(step).empty());
+    engine.WaitIdle();
+    ReferenceStep(want, step, 1.0f);
+  }
+  for (size_t i = 0; i < got.t.size(); ++i) CHECK(got.t[i].master == want.t[i].master);
+  CHECK_FALSE(seen.empty());
+  for (int w : seen) CHECK((w == 3 || w == 0));
+
+  // One field at a time: the others are untouched.
+  using Array = AdamWEngine::StateArray;
+  const size_t n = want.t[2].master.size();
+  std::vector<float> v(n), m(n);
+  REQUIRE(engine.ExportArray(2, Array::kExpAvgSq, v.data()).empty());
+  CHECK(v == want.t[2].v);
+  REQUIRE(engine.ExportArray(2, Array::kExpAvg, m.data()).empty());
+  std::vector<float> ones(n, 1.0f);
+  REQUIRE(engine.ImportArray(2, Array::kExpAvg, ones.data()).empty());
+  REQUIRE(engine.ExportArray(2, Array::kExpAvgSq, v.data()).empty());
+  CHECK(v == want.t[2].v);
+  REQUIRE(engine.ImportArray(2, Array::kMaster, ones.data()).empty());
+  CHECK(got.t[2].slot == ones);  // the param slot follows the master
+  uint64_t step = 0;
+  REQUIRE(engine.GetStep(2, &step).empty());
+  CHECK(step == 3);
+  REQUIRE(engine.SetStep(2, 11).empty());
+  REQUIRE(engine.GetStep(2, &step).empty());
+  CHECK(step == 11);
+  CHECK_FALSE(engine.ExportArray(99, Array::kMaster, v.data()).empty());
 }

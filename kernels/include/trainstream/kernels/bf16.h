@@ -5,25 +5,37 @@
 #include <cstdint>
 #include <cstring>
 
+#include "trainstream/kernels/host_device.h"
+
 namespace trainstream::kernels {
 
-inline uint32_t FloatBits(float f) {
+TS_HOST_DEVICE inline uint32_t FloatBits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
   return u;
+#endif
 }
 
-inline float BitsToFloat(uint32_t u) {
+TS_HOST_DEVICE inline float BitsToFloat(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
+#endif
 }
 
-inline float Bf16ToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
+TS_HOST_DEVICE inline float Bf16ToFloat(uint16_t h) {
+  return BitsToFloat(static_cast<uint32_t>(h) << 16);
+}
 
 // Round to nearest even, NaN -> 0x7FC0: bit-identical to torch's
 // c10::BFloat16 constructor (tensor.to(torch.bfloat16)).
-inline uint16_t FloatToBf16Rne(float f) {
+TS_HOST_DEVICE inline uint16_t FloatToBf16Rne(float f) {
   uint32_t u = FloatBits(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
   u += 0x7FFFu + ((u >> 16) & 1u);
@@ -33,7 +45,7 @@ inline uint16_t FloatToBf16Rne(float f) {
 // Stochastic rounding: adding 16 uniform random bits below the bf16 mantissa and
 // truncating rounds up with probability (dropped bits) / 2^16, which makes the
 // expected value exactly the fp32 input. Infinity stays infinity.
-inline uint16_t FloatToBf16Stochastic(float f, uint32_t random16) {
+TS_HOST_DEVICE inline uint16_t FloatToBf16Stochastic(float f, uint32_t random16) {
   uint32_t u = FloatBits(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
   return static_cast<uint16_t>((u + (random16 & 0xFFFFu)) >> 16);

@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "trainstream/kernels/host_device.h"
+
 namespace trainstream::kernels {
 
 inline uint64_t SplitMix64(uint64_t x) {
@@ -25,7 +27,7 @@ inline uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-inline uint32_t LowBias32(uint32_t x) {
+TS_HOST_DEVICE inline uint32_t LowBias32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -48,7 +50,7 @@ inline RngKey MakeRngKey(uint64_t seed, uint64_t param_key, uint64_t step, uint3
 // 32 random bits for element `index_lo`: low 16 for exp_avg, high 16 for exp_avg_sq.
 // (k1 is not used by the hash: the xor with k0 then a bijection already gives
 // every key its own stream.)
-inline uint32_t CounterRandom(RngKey key, uint32_t index_lo) {
+TS_HOST_DEVICE inline uint32_t CounterRandom(RngKey key, uint32_t index_lo) {
   return LowBias32(index_lo ^ key.k0);
 }
 

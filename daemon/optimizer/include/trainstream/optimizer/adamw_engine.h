@@ -71,6 +71,10 @@ struct EngineOptions {
   // applied and its step count advances, and it is reported in nonfinite_params.
   // Parameters of at most chunk_elems elements behave the same either way.
   bool eager_check_per_chunk = false;
+  // Which of the pool's workers run this engine's chunks: `workers` of them
+  // (0: all) starting at `first_worker`, wrapping around the pool.
+  unsigned workers = 0;
+  unsigned first_worker = 0;
 };
 
 struct StepResult {
@@ -135,6 +139,16 @@ class AdamWEngine {
   // rewrites the param slot from the new master.
   std::string ImportState(uint64_t param_id, const float* master, const float* exp_avg,
                           const float* exp_avg_sq, uint64_t step);
+
+  // One array of a parameter's state, as numel fp32 values (call only while
+  // idle). These move one field without touching the others, for state_dict
+  // transfers of one field at a time.
+  enum class StateArray { kMaster, kExpAvg, kExpAvgSq };
+  std::string ExportArray(uint64_t param_id, StateArray which, float* out) const;
+  // Importing kMaster also rewrites the param slot from it.
+  std::string ImportArray(uint64_t param_id, StateArray which, const float* in);
+  std::string GetStep(uint64_t param_id, uint64_t* step) const;
+  std::string SetStep(uint64_t param_id, uint64_t step);
 
  private:
   struct Param;

@@ -1,0 +1,282 @@
+"""optimizer_mode="gpu": zero-copy CUDA AdamW over moments in the daemon's memory.
+
+The parameters stay in VRAM and are updated in place by a CUDA kernel
+(kernels/cuda/adamw_zero_copy.cu) that reads and writes the moments, and the
+fp32 master of a non-fp32 parameter, directly in pinned shared memory the daemon
+allocated for this session. Per step only the moments cross PCIe (16 bytes per
+parameter with fp32 moments, 8 with bf16); no gradient leaves the GPU and no host
+thread runs AdamW.
+
+Without clipping each parameter is updated on a side stream as soon as its
+gradient is final (from the post-accumulate-grad hook), overlapping backward; a
+gradient holding NaN or Inf skips that parameter's update (checked on the GPU)
+and ``step()`` raises ``NonFiniteGradientError`` naming it, as the daemon's eager
+mode does. With ``max_grad_norm`` the update waits for ``step()``, which clips
+exactly as ``torch.nn.utils.clip_grad_norm_`` does and skips the whole step when
+the norm is not finite.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .errors import NonFiniteGradientError, TrainStreamError
+
+_ALIGN = 256
+
+
+def _C():
+    from . import _C as c  # noqa: PLC0415
+    return c
+
+
+def unavailable_reason(params: List[torch.Tensor]) -> Optional[str]:
+    """Why optimizer_mode="gpu" cannot run for these parameters (None if it can)."""
+    c = _C()
+    if not getattr(c, "has_adamw_cuda", False):
+        return "trainstream._C was built without CUDA"
+    bad = [p for p in params if p.requires_grad and not p.is_cuda]
+    if bad:
+        return (f"{len(bad)} trainable parameter(s) are not on a CUDA device (first: shape "
+                f"{tuple(bad[0].shape)} on {bad[0].device}); move the model to CUDA or pass "
+                "device='cuda'")
+    return None
+
+
+class _State:
+    """Host views of one parameter's state, and its device addresses."""
+    __slots__ = ("exp_avg", "exp_avg_sq", "master", "dev_exp_avg", "dev_exp_avg_sq",
+                 "dev_master", "step", "index")
+
+    def __init__(self):
+        self.step = 0
+
+
+class ZeroCopyAdamW:
+    """The GPU-mode engine behind ``OffloadAdamW`` (one per optimizer)."""
+
+    def __init__(self, opt, moment_dtype: str, seed: int):
+        self._opt = opt
+        self._moment = moment_dtype
+        self._seed = seed
+        self._moment_torch = torch.bfloat16 if moment_dtype == "bfloat16" else torch.float32
+        self._state: Dict[int, _State] = {}  # param_id -> state
+        self._regions: List[Any] = []
+        self._registered: List[int] = []
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._flags: Optional[torch.Tensor] = None
+        self._norms: Optional[torch.Tensor] = None
+        self._launched: Dict[int, int] = {}  # param_id -> step it was launched for
+        self.bytes_pcie = 0
+
+    # ---------------------------------------------------------------- setup
+    def register(self, session, entries, verbose: bool) -> None:
+        """Allocates state for `entries` in one daemon region, maps it for the GPU."""
+        if not entries:
+            return
+        c = _C()
+        msize = 2 if self._moment == "bfloat16" else 4
+        layout = []
+        offset = 0
+        for e in entries:
+            n = e.param.numel()
+            off_m = offset
+            offset += -(-n * msize // _ALIGN) * _ALIGN
+            off_v = offset
+            offset += -(-n * msize // _ALIGN) * _ALIGN
+            off_w = None
+            if e.param.dtype != torch.float32:
+                off_w = offset
+                offset += -(-n * 4 // _ALIGN) * _ALIGN
+            layout.append((e, off_m, off_v, off_w))
+        region = session.allocate_region(max(offset, _ALIGN), "gpu-optimizer-state")
+        self._regions.append(region)
+        ok, why = c.register_host(region.base_address, region.segment_size, False)
+        if ok:
+            self._registered.append(region.base_address)
+        elif "already" not in why:
+            raise TrainStreamError(
+                f"optimizer_mode='gpu' needs the optimizer state pinned and mapped for the GPU, "
+                f"but cudaHostRegister failed: {why}; use optimizer_mode='cpu'")
+        dev_base = c.host_device_address(region.address)
+        device = entries[0].param.device
+        for e, off_m, off_v, off_w in layout:
+            n = e.param.numel()
+            s = _State()
+            s.exp_avg = c.tensor_from_address(region.address + off_m, [n], self._moment)
+            s.exp_avg_sq = c.tensor_from_address(region.address + off_v, [n], self._moment)
+            s.exp_avg.zero_()
+            s.exp_avg_sq.zero_()
+            s.dev_exp_avg = dev_base + off_m
+            s.dev_exp_avg_sq = dev_base + off_v
+            s.master = None
+            s.dev_master = 0
+            if off_w is not None:
+                s.master = c.tensor_from_address(region.address + off_w, [n], "float32")
+                s.master.copy_(e.param.detach().reshape(-1).float())
+                s.dev_master = dev_base + off_w
+            s.index = len(self._state)
+            self._state[e.param_id] = s
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        self._flags = torch.zeros(len(self._state), dtype=torch.int32, device=device)
+        self._norms = torch.zeros(len(self._state), dtype=torch.float32, device=device)
+        if verbose:
+            print(f"trainstream: optimizer_mode='gpu': {offset / 2**20:.1f} MiB of state in "
+                  f"daemon memory, mapped for {device}")
+
+    def close(self, session) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        c = _C()
+        for addr in self._registered:
+            c.unregister_host(addr)
+        self._registered.clear()
+        self._state.clear()
+        self._regions.clear()
+
+    # ---------------------------------------------------------------- update
+    def _launch(self, e, grad: torch.Tensor, grad_scale: float, eager: bool) -> None:
+        opt = self._opt
+        s = self._state[e.param_id]
+        g = opt.param_groups[e.group]
+        param = e.param
+        if not param.is_contiguous():
+            raise TrainStreamError(f"optimizer_mode='gpu' needs contiguous parameters; {e.name} "
+                                   "is not")
+        grad = grad.contiguous()
+        c = _C()
+        flag = self._flags[s.index:s.index + 1]
+        if eager:
+            c.flag_nonfinite(grad, flag)
+            torch.linalg.vector_norm(grad, 2, dtype=torch.float32, out=self._norms[s.index])
+        c.adamw_cuda_step(param.detach(), grad, s.dev_master, s.dev_exp_avg, s.dev_exp_avg_sq,
+                          self._moment, s.step + 1, float(g["lr"]), float(g["betas"][0]),
+                          float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]),
+                          grad_scale, self._seed, e.param_id, flag if eager else None)
+        self._launched[e.param_id] = s.step + 1
+        msize = 2 if self._moment == "bfloat16" else 4
+        self.bytes_pcie += param.numel() * (4 * msize + (8 if s.master is not None else 0))
+
+    def on_grad_final(self, e) -> bool:
+        """Launches the update of `e` now (eager); False when it must wait for step()."""
+        opt = self._opt
+        if opt._options["max_grad_norm"] is not None:
+            return False
+        grad = e.param.grad
+        main = torch.cuda.current_stream(grad.device)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            self._launch(e, grad, 1.0, eager=True)
+        grad.record_stream(self._stream)
+        if opt._options["free_grads"]:
+            e.param.grad = None
+        else:
+            e.posted_grad = grad
+            e.posted_version = grad._version
+        return True
+
+    def step(self, entries) -> Dict[str, Any]:
+        """Finishes the step: updates what the hooks did not, then orders the next
+        use of every parameter after its update. Returns {"grad_norm", "skipped"}."""
+        opt = self._opt
+        dev_stream = self._stream
+        main = torch.cuda.current_stream(dev_stream.device)
+        for e in entries:
+            if e.param_id in self._launched and e.posted_grad is not None:
+                g = e.param.grad
+                if g is not e.posted_grad or g._version != e.posted_version:
+                    raise RuntimeError(
+                        f"trainstream: the gradient of {e.name} changed after backward had already "
+                        "applied it (e.g. clip_grad_norm_ or GradScaler.unscale_). Pass "
+                        "max_grad_norm=... to wrap() for clipping, or grad_post='step' to update "
+                        "in step()")
+        pending = [e for e in entries if e.param_id not in self._launched
+                   and e.param.grad is not None]
+        result: Dict[str, Any] = {"grad_norm": None, "skipped": []}
+        max_norm = opt._options["max_grad_norm"]
+        if max_norm is not None:
+            launched_eagerly = [e for e in entries if e.param_id in self._launched]
+            if launched_eagerly:  # cannot happen: hooks defer when clipping
+                raise TrainStreamError("internal: eager updates with max_grad_norm")
+            grads = [e.param.grad for e in pending]
+            if grads:
+                norms = torch._foreach_norm(grads, 2.0)
+                total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+                total_f = float(total.item())
+            else:
+                total_f = 0.0
+            result["grad_norm"] = total_f
+            if not torch.isfinite(torch.tensor(total_f)):
+                result["skipped"] = [e.name for e in pending]
+                return result
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped
+            # to 1, in fp32, multiplied into each gradient.
+            # (number / tensor is reciprocal-then-multiply in torch, as there.)
+            coef = max_norm / (torch.tensor(total_f, dtype=torch.float32) + 1e-6)
+            coef = float(torch.clamp(coef, max=1.0))
+            dev_stream.wait_stream(main)
+            with torch.cuda.stream(dev_stream):
+                for e in pending:
+                    self._launch(e, e.param.grad, coef, eager=False)
+            for e in pending:
+                self._state[e.param_id].step += 1
+        else:
+            dev_stream.wait_stream(main)
+            with torch.cuda.stream(dev_stream):
+                for e in pending:
+                    self._launch(e, e.param.grad, 1.0, eager=True)
+            ids = list(self._launched)
+            if ids:
+                idx = torch.tensor([self._state[i].index for i in ids], device=self._flags.device)
+                flags = self._flags.index_select(0, idx).cpu()  # syncs the side stream's work
+                sq = self._norms.index_select(0, idx).double().square().sum()
+                result["grad_norm"] = float(sq.sqrt())
+                for pid, bad in zip(ids, flags.tolist()):
+                    if bad:
+                        result["skipped"].append(opt._by_id[pid].name)
+                    else:
+                        self._state[pid].step += 1
+                self._flags.zero_()
+        self._launched.clear()
+        for e in entries:
+            e.posted_grad = None
+        main.wait_stream(dev_stream)
+        return result
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    # ------------------------------------------------------------ state dict
+    def export(self, e) -> Optional[Dict[str, torch.Tensor]]:
+        self._stream.synchronize()
+        s = self._state[e.param_id]
+        if s.step == 0:
+            return None
+        dtype = e.param.dtype
+        master = (s.master.clone() if s.master is not None
+                  else e.param.detach().reshape(-1).float().cpu())
+        # copy=True: never hand out views of the live shared-memory state.
+        return {"step": torch.tensor(float(s.step), dtype=torch.float32),
+                "exp_avg": s.exp_avg.float().to(dtype, copy=True).view(e.param.shape),
+                "exp_avg_sq": s.exp_avg_sq.float().to(dtype, copy=True).view(e.param.shape),
+                "master_weight": master.view(e.param.shape)}
+
+    def load(self, e, state: Dict[str, Any]) -> None:
+        self._stream.synchronize()
+        s = self._state[e.param_id]
+        s.exp_avg.copy_(state["exp_avg"].reshape(-1).to(self._moment_torch))
+        s.exp_avg_sq.copy_(state["exp_avg_sq"].reshape(-1).to(self._moment_torch))
+        master = state.get("master_weight")
+        if master is not None:
+            master = master.reshape(-1).float()
+            if s.master is not None:
+                s.master.copy_(master)
+            with torch.no_grad():
+                e.param.copy_(master.view(e.param.shape).to(e.param.device, e.param.dtype))
+        elif s.master is not None:
+            s.master.copy_(e.param.detach().reshape(-1).float())
+        step = state["step"]
+        s.step = int(step.item() if torch.is_tensor(step) else step)
