@@ -217,8 +217,9 @@ def run_case(args) -> dict:
     def moved():
         rep = trainstream.memory_report(model)
         act = rep["activations"]
-        return (rep["params"].get("bytes_h2d", 0) + rep["transfers"]["bytes_d2h"]
-                + rep["transfers"]["bytes_h2d"] + 2 * act.get("bytes_offloaded", 0))
+        t = rep["transfers"]
+        return (rep["params"].get("bytes_h2d", 0) + t["bytes_d2h"] + t["bytes_h2d"]
+                + t.get("bytes_pcie", 0) + 2 * act.get("bytes_offloaded", 0))
     losses, times = [], []
     peak = 0
     for step in range(args.warmup + args.steps):
@@ -249,7 +250,7 @@ def run_case(args) -> dict:
         peak_vram_gib=_gib(peak), within_cap=(cap is None or peak <= cap),
         host_rss_gib=_gib(_rss()), daemon_shm_gib=_gib(status["budget"]["used"]),
         pcie_bytes_per_step=int(per_step), pcie_gb_s=round(per_step / step_s / 1e9, 2),
-        adapting=session.adapting,
+        adapting=session.adapting, optimizer_mode=opt.optimizer_mode,
         plan={k: rep["plan"].get(k) for k in ("paged_blocks", "moment_dtype", "quantize",
                                               "usable_vram", "decisions")},
         activation_policy=rep["activations"].get("policy"),

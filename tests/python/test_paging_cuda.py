@@ -64,12 +64,15 @@ def test_cuda_everything_paged_is_bit_identical_over_10_steps():
 
 def test_cuda_wrap_paged_matches_unpaged(daemon):
     cfg, ref, ours = _pair(seed=1)
+    # The daemon's AdamW on both sides (the unpaged model would otherwise pick the GPU
+    # mode, and offload="auto" torch's AdamW once it fits).
+    same = dict(socket=daemon.socket, device="cuda", attention="math", optimizer_mode="cpu",
+                offload=True)
     ref, ref_opt = trainstream.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3),
-                                    socket=daemon.socket, device="cuda",
-                                    activation_offload=False, attention="math")
+                                    activation_offload=False, **same)
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3),
-                                 socket=daemon.socket, device="cuda", param_offload=True,
-                                 activation_offload=True, min_offload_bytes=0, attention="math")
+                                 param_offload=True, activation_offload=True,
+                                 min_offload_bytes=0, **same)
     assert ours._trainstream_session.pager.paged == [0, 1, 2, 3]
     for x, y in text_batches(corpus(), cfg, batch=4, steps=10, seed=1):
         x, y = x.cuda(), y.cuda()
