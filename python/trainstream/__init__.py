@@ -7,6 +7,7 @@ The optimizer's master weights, moments and AdamW update then live in the
 ``trainstreamd`` daemon's shared memory (one per machine; started on demand).
 """
 from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
+from .activations import ActivationOffloader
 from .optim import OffloadAdamW
 from .wrap import (TrainStreamSession, find_blocks, memory_report, pinned_stats, transfer_stats,
                    unwrap, wrap)
@@ -14,7 +15,7 @@ from .wrap import (TrainStreamSession, find_blocks, memory_report, pinned_stats,
 __version__ = "0.1.0"
 
 __all__ = [
-    "DaemonError", "NonFiniteGradientError", "OffloadAdamW", "TrainStreamError",
+    "ActivationOffloader", "DaemonError", "NonFiniteGradientError", "OffloadAdamW", "TrainStreamError",
     "TrainStreamSession", "find_blocks", "memory_report", "pinned_stats", "transfer_stats",
     "unwrap", "wrap", "quantize_tensor", "quantize_model", "QuantizedTensor", "profile_hardware",
 ]

@@ -153,10 +153,9 @@ class Adapter:
         if kept:
             self.pager.set_policy(kept[0], OFFLOAD)
             return f"block {kept[0]} activations: keep -> offload"
-        resident = [i for i in range(self.n) if i not in self.pager.paged]
-        if resident:
-            self.pager.page_out(resident[0])
-            return f"block {resident[0]} weights: resident -> paged"
+        for i in range(self.n):
+            if i not in self.pager.paged and self.pager.page_out(i):
+                return f"block {i} weights: resident -> paged"
         offloaded = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
         if offloaded:
             self.pager.set_policy(offloaded[0], RECOMPUTE)

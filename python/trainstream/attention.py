@@ -123,7 +123,9 @@ class AttentionSelector:
             out = F.scaled_dot_product_attention(qs, ks, vs, *rest, **kwargs)
             if needs_grad:
                 out.backward(torch.ones_like(out))
-        with sdpa_kernel([BACKENDS[name]]):
+        # Inner no-op hooks: a paging block's saved-tensor hooks must not see these.
+        with sdpa_kernel([BACKENDS[name]]), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             once()  # warm-up (and the RuntimeError of an unusable backend)
             torch.cuda.synchronize(q.device)
             t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from . import planner
 from .activations import ActivationOffloader, HostArena
 from .adapter import Adapter
 from .attention import AttentionSelector, selector_report
-from .paging import BlockPager
+from .paging import BlockPager, in_backward
 
 
 @dataclass
@@ -126,13 +126,13 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                 ok, _ = _C.register_host(r.base_address, r.segment_size, False)
                 if ok:
                     opt._registered_host.append(r.base_address)
-    regions: List[Any] = []
+    regions = session.activation_regions
+    arena = HostArena(lambda n: _session_chunk(opt, n, regions, cuda),
+                      chunk_bytes=(256 if cuda else 64) << 20)
     offloader = ActivationOffloader(model, device=prepared.device,
                                     min_offload_bytes=config["min_offload_bytes"],
                                     prefetch_depth=config["prefetch_depth"],
-                                    max_inflight_bytes=config["max_inflight_bytes"])
-    offloader._arena = HostArena(lambda n: _session_chunk(opt, n, regions, offloader))
-    session.activation_regions = regions
+                                    max_inflight_bytes=config["max_inflight_bytes"], arena=arena)
 
     def host_home(p):
         e = opt._entries.get(id(p))
@@ -146,27 +146,31 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                        min_paged_bytes=config["min_offload_bytes"])
     attention = AttentionSelector(config["attention"], prepared.device, session.event)
     pager.attention_context = attention.context
+    # The daemon's AdamW takes a paged weight's gradient (accept_grad); the GPU and
+    # local modes update weights on the device, so resident trained blocks stay there.
+    pager.can_page_trained = lambda: opt.optimizer_mode == "cpu"
     adapter = Adapter(session, pager, plan, config,
                       prepared.capacity.h2d_gb_s if prepared.capacity else 0.0)
 
     def before_forward(module, args):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not in_backward():
             attention.refresh()
             adapter.on_forward(module, args)
+            pager.begin_forward()
     session.pager, session.adapter, session.attention = pager, adapter, attention
     session.hooks.append(model.register_forward_pre_hook(before_forward))
 
 
-def _session_chunk(opt, nbytes: int, regions: List[Any], offloader) -> torch.Tensor:
+def _session_chunk(opt, nbytes: int, regions: List[Any], cuda: bool) -> torch.Tensor:
     """Activation pages in a shared-memory region of the daemon session (registered
     with CUDA); pinned process memory when the daemon's budget refuses."""
     from . import _C
     try:
         region = opt._session.allocate_region(nbytes, "activations")
     except Exception:  # noqa: BLE001 (budget refused: fall back, still pinned)
-        return offloader.engine.host_empty(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     regions.append(region)
-    if offloader.engine.cuda and _C.with_cuda:
+    if cuda and _C.with_cuda:
         ok, _ = _C.register_host(region.base_address, region.segment_size, False)
         if ok:
             opt._registered_host.append(region.base_address)
@@ -174,6 +178,10 @@ def _session_chunk(opt, nbytes: int, regions: List[Any], offloader) -> torch.Ten
 
 
 def uninstall(model: nn.Module, session) -> None:
+    cap = session.plan is not None and session.config["vram_limit"] is not None
+    if cap and session.pager is not None and session.pager.engine.cuda:
+        # wrap() capped this process's allocator; the cap goes with the session.
+        torch.cuda.set_per_process_memory_fraction(1.0, session.pager.device)
     for h in session.hooks:
         h.remove()
     session.hooks.clear()

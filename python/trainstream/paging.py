@@ -135,13 +135,16 @@ class BlockPager:
         self._slots: Dict[int, List[_Slot]] = {}
         self._fetches: Dict[int, _Fetch] = {}
         self._refs: Dict[int, int] = {}   # block -> weight references saved, not yet unpacked
+        self._began = False               # begin_forward() ran for the coming forward
         self._forwards: Dict[int, Any] = {}
         self.stats = {"fetches_forward": 0, "fetches_backward": 0, "fetch_misses": 0,
                       "bytes_h2d": 0}
         self.block_bytes: Dict[int, int] = {}
         self._host_home = host_home
+        self._registered: List[int] = []  # host buffers registered with CUDA (block homes)
         # attention.py's choice, entered around every block call (recomputation too).
         self.attention_context: Callable[[], Any] = contextlib.nullcontext
+        self.can_page_trained: Callable[[], bool] = lambda: True
         for i, block in enumerate(self.blocks):
             if i in self.paged:
                 self._slots[i] = self._page_out(block, host_home)
@@ -153,21 +156,23 @@ class BlockPager:
 
     # ------------------------------------------------------------------ setup
     def _page_out(self, block: nn.Module, host_home) -> List[_Slot]:
+        """Moves the block's small tensors to the device and its big ones to their host
+        homes: a trained weight's home from ``host_home`` (the param slot), the others
+        into one host buffer for the block, registered with CUDA (pinned without the
+        power-of-two rounding of torch's pinned allocator)."""
         slots: List[_Slot] = []
-        pin = self.engine.cuda
+        pending = []  # (module, kind, name, tensor, param): need a home in the block buffer
         for module in block.modules():
             for name, p in list(module._parameters.items()):
                 if p is None:
                     continue
-                nbytes = p.numel() * p.element_size()
-                if nbytes < self.min_paged_bytes:
+                if p.numel() * p.element_size() < self.min_paged_bytes:
                     p.data = p.data.to(self.device)
                     continue
                 home = host_home(p) if (host_home is not None and p.requires_grad) else None
                 if home is None:
-                    home = p.data.to("cpu")
-                    if pin:
-                        home = home.pin_memory()
+                    pending.append((module, "param", name, p.data, p))
+                    continue
                 p.data = home
                 slots.append(_Slot(module, "param", name, home, p))
             for name, b in list(module._buffers.items()):
@@ -176,12 +181,37 @@ class BlockPager:
                 if b.numel() * b.element_size() < self.min_paged_bytes:
                     module._buffers[name] = b.to(self.device)
                     continue
-                home = b.to("cpu")
-                if pin:
-                    home = home.pin_memory()
-                module._buffers[name] = home
-                slots.append(_Slot(module, "buffer", name, home, None))
+                pending.append((module, "buffer", name, b, None))
+        if pending:
+            align = 256
+            offsets, total = [], 0
+            for *_, t, _p in pending:
+                offsets.append(total)
+                total += (t.numel() * t.element_size() + align - 1) // align * align
+            buf = self._host_buffer(total)
+            with torch.no_grad():
+                for (module, kind, name, t, p), off in zip(pending, offsets):
+                    n = t.numel() * t.element_size()
+                    home = buf[off:off + n].view(t.dtype).view(t.shape)
+                    home.copy_(t)
+                    if p is not None:
+                        p.data = home
+                    else:
+                        module._buffers[name] = home
+                    slots.append(_Slot(module, kind, name, home, p))
         return slots
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if self.engine.cuda:
+            from . import _C
+            ok, _ = _C.register_host(buf.data_ptr(), nbytes, False) if _C.with_cuda \
+                else (False, "")
+            if ok:
+                self._registered.append(buf.data_ptr())
+            else:
+                buf = buf.pin_memory()
+        return buf
 
     def remove(self) -> None:
         """Gives each block its own forward back."""
@@ -190,39 +220,32 @@ class BlockPager:
                 del block.forward
         self._fetches.clear()
 
-    def make_resident(self, i: int) -> None:
-        """Moves paged block i's tensors to the device for good (the planner found room)."""
-        if i not in self._slots:
-            return
-        self._fetches.pop(i, None)
-        for s in self._slots.pop(i):
-            t = s.host.to(self.device)
-            if s.param is not None:
-                s.param.data = t
-            else:
-                s.module._buffers[s.name] = t
-        self.paged.remove(i)
-        self.block_bytes.pop(i, None)
-
-    def page_out(self, i: int) -> None:
-        """Moves resident block i's tensors to host memory and pages them from now on."""
+    def page_out(self, i: int) -> bool:
+        """Moves resident block i's tensors to host memory and pages them from now on.
+        False (nothing moved) when the block has big trained tensors and
+        ``can_page_trained()`` says the optimizer cannot take their gradients
+        through ``grad_sink`` (its GPU or local modes update weights on the device)."""
         if i in self._slots:
-            return
+            return False
+        big_trained = any(p.requires_grad and p.numel() * p.element_size() >= self.min_paged_bytes
+                          for p in self.blocks[i].parameters())
+        if big_trained and not self.can_page_trained():
+            return False
         self._slots[i] = self._page_out(self.blocks[i], self._host_home)
         self.block_bytes[i] = sum(s.nbytes for s in self._slots[i])
         self.paged = sorted(self.paged + [i])
+        return True
 
     def restore_to_host(self) -> None:
-        """Gives every paged tensor a private host copy (unwrap: the session's slots,
-        the homes of trained weights, are about to be unmapped)."""
+        """Leaves every paged tensor in host memory it owns (unwrap): trained weights get
+        a private copy of their home, the session's param slot, which is about to be
+        unmapped; frozen ones keep the block's host buffer (still registered with CUDA,
+        so the model can be paged again)."""
         with torch.no_grad():
             for slots in self._slots.values():
                 for s in slots:
-                    copy = s.host.clone()
-                    if s.param is not None:
-                        s.param.data = copy
-                    else:
-                        s.module._buffers[s.name] = copy
+                    if s.param is not None and s.param.requires_grad:
+                        s.param.data = s.host.clone()
         self._slots.clear()
         self.paged = []
 
@@ -260,6 +283,16 @@ class BlockPager:
         self.engine.wait(f.event)
         return f
 
+    def begin_forward(self) -> None:
+        """Called as a training forward starts (before the layers that precede the
+        blocks): drops what the last step left and prefetches the first paged blocks,
+        so their copies overlap the embedding instead of stalling block 0."""
+        self._fetches.clear()
+        self._refs.clear()
+        for j in self.paged[:self.prefetch_depth + 1]:
+            self._fetches[j] = self._fetch(j)
+        self._began = bool(self.paged)
+
     def _release(self, i: int) -> None:
         self._fetches.pop(i, None)
 
@@ -285,8 +318,10 @@ class BlockPager:
             return original(*args, **kwargs)
         backward = in_backward()
         if not backward and i == self.paged[0]:
-            self._fetches.clear()  # a new forward: whatever the last one left is stale
-            self._refs.clear()
+            if not self._began:  # a new forward: whatever the last one left is stale
+                self._fetches.clear()
+                self._refs.clear()
+            self._began = False
         f = self._acquire(i, backward)
         slots = self._slots[i]
         saved = []
@@ -372,4 +407,5 @@ class BlockPager:
                 [i for i in range(len(self.blocks)) if i not in self._slots],
                 "paged_bytes": sum(self.block_bytes.values()),
                 "bytes_per_paged_block": max(self.block_bytes.values(), default=0),
-                "prefetch_depth": self.prefetch_depth, **self.stats}
+                "prefetch_depth": self.prefetch_depth,
+                "host_buffers_registered": len(self._registered), **self.stats}

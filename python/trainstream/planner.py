@@ -336,6 +336,8 @@ def measure_capacity(device, vram_limit: Optional[int], daemon_free: Optional[in
     free, _ = torch.cuda.mem_get_info(index)
     reserved = torch.cuda.memory_reserved(index)
     allocated = torch.cuda.memory_allocated(index)
+    from .hardware import profile_hardware
+    h2d = profile_hardware().get("h2d_gb_s", 0.0)  # before the cap: it copies 256 MiB
     cap = total
     source = f"{_fmt(total)} device"
     if vram_limit is not None:
@@ -343,8 +345,6 @@ def measure_capacity(device, vram_limit: Optional[int], daemon_free: Optional[in
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
         source = f"vram_limit {_fmt(cap)}"
     usable = min(cap, free + reserved) - max(0, allocated - model_device_bytes)
-    from .hardware import profile_hardware
-    h2d = profile_hardware().get("h2d_gb_s", 0.0)
     return Capacity(str(device), max(0, usable), ram, daemon_free, h2d_gb_s=h2d, source=source)
 
 

@@ -220,6 +220,10 @@ class _QuantLinearFunction(torch.autograd.Function):
     def forward(ctx, x, bias, module):
         ctx.module = module
         ctx.has_bias = bias is not None
+        # Saved (references, no copies) rather than read from the module in backward:
+        # under weight paging (paging.py) the module's buffers are host tensors again by
+        # then, and the saved-tensor hooks fetch these back to the device.
+        ctx.save_for_backward(module.qdata, module.qscales, module.qtensor_scale)
         return module._matmul(x, bias)
 
     @staticmethod
@@ -227,7 +231,11 @@ class _QuantLinearFunction(torch.autograd.Function):
         module = ctx.module
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            w = module._weight(grad_out.dtype, grad_out.device)
+            data, scales, tensor_scale = ctx.saved_tensors
+            q = QuantizedTensor(data, scales, tensor_scale, (module.out_features,
+                                module.in_features), module.format, module.block_size,
+                                module.padding, module.weight_dtype)
+            w = q.dequantize(torch.bfloat16).to(device=grad_out.device, dtype=grad_out.dtype)
             grad_x = grad_out.matmul(w)
         if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=torch.float32)

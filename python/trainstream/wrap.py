@@ -27,6 +27,7 @@ class TrainStreamSession:
     adapter: Any = None
     attention: Any = None
     hooks: List[Any] = field(default_factory=list)
+    activation_regions: List[Any] = field(default_factory=list)  # keep the mappings alive
 
     @property
     def steps(self) -> int:

@@ -1,0 +1,122 @@
+"""Paging on a CUDA device: exactness against unpaged training, the VRAM cap, the
+adapter and attention timing. Runs on the GPU host (scripts/gpu-check.sh)."""
+import copy
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import trainstream
+from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches
+from trainstream.activations import ActivationOffloader
+from trainstream.paging import OFFLOAD, RECOMPUTE, BlockPager
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (run scripts/gpu-check.sh on the GPU host)")
+
+
+@pytest.fixture(autouse=True)
+def _fp32_exact():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.cuda.set_per_process_memory_fraction(1.0)  # a failed test may leave its cap
+
+
+def _pair(seed=0, n_layer=4):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=n_layer, n_head=4, n_embd=256)
+    ref = TinyGPT(cfg)
+    return cfg, ref, copy.deepcopy(ref)
+
+
+def test_cuda_everything_paged_is_bit_identical_over_10_steps():
+    cfg, ref, ours = _pair()
+    ref.cuda()
+    for name, m in ours.named_children():  # everything but the blocks on the GPU
+        if name != "blocks":
+            m.cuda()
+    off = ActivationOffloader(ours, device="cuda", min_offload_bytes=0, prefetch_depth=2)
+    pager = BlockPager(list(ours.blocks), "cuda", paged=range(4),
+                       policy=[OFFLOAD, "keep", RECOMPUTE, OFFLOAD], offloader=off,
+                       min_paged_bytes=0)
+    assert all(not p.is_cuda for p in ours.blocks[0].parameters()), "paged weights on the host"
+    # One optimizer (ours: the blocks' weights are on the host, the rest on the GPU);
+    # its result is copied into ref, so both train the same weights.
+    our_opt = torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=False)
+    for step, (x, y) in enumerate(text_batches(corpus(), cfg, batch=4, steps=10)):
+        x, y = x.cuda(), y.cuda()
+        with sdpa_kernel([SDPBackend.MATH]):  # deterministic backward on both sides
+            a, b = ref(x, y), ours(x, y)
+            assert a.item() == b.item(), f"step {step}"
+            a.backward()
+            b.backward()
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            assert torch.equal(p.grad.cpu(), q.grad.cpu()), f"step {step}: {name}"
+        our_opt.step()
+        our_opt.zero_grad()
+        ref.zero_grad()
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), ours.parameters()):
+                p.copy_(q)
+    assert off.stats["bytes_offloaded"] > 0 and pager.report()["bytes_h2d"] > 0
+
+
+def test_cuda_wrap_paged_matches_unpaged(daemon):
+    cfg, ref, ours = _pair(seed=1)
+    # The daemon's AdamW on both sides (the unpaged model would otherwise pick the GPU
+    # mode, and offload="auto" torch's AdamW once it fits).
+    same = dict(socket=daemon.socket, device="cuda", attention="math", optimizer_mode="cpu",
+                offload=True)
+    ref, ref_opt = trainstream.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3),
+                                    activation_offload=False, **same)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3),
+                                 param_offload=True, activation_offload=True,
+                                 min_offload_bytes=0, **same)
+    assert ours._trainstream_session.pager.paged == [0, 1, 2, 3]
+    for x, y in text_batches(corpus(), cfg, batch=4, steps=10, seed=1):
+        x, y = x.cuda(), y.cuda()
+        losses = []
+        for m, o in ((ref, ref_opt), (ours, opt)):
+            loss = m(x, y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+
+
+def test_cuda_vram_limit_caps_and_adapter_settles(daemon):
+    cfg, _, model = _pair(seed=2, n_layer=8)
+    limit = 64 << 20
+    model, opt = trainstream.wrap(model, socket=daemon.socket, device="cuda", vram_limit=limit,
+                                  min_offload_bytes=1 << 16)
+    session = model._trainstream_session
+    assert session.plan.paged, "a 64 MiB cap must page some of the 8 blocks"
+    assert session.adapting, "calibration first"
+    torch.cuda.reset_peak_memory_stats()
+    for x, y in text_batches(corpus(), cfg, batch=16, steps=8, seed=2):
+        loss = model(x.cuda(), y.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    report = trainstream.memory_report(model)
+    assert not session.adapting, report["events"]
+    kinds = [(e["kind"], e.get("what")) for e in report["events"]]
+    assert ("plan", "settled") in kinds
+    assert torch.cuda.max_memory_allocated() <= limit
+    trainstream.unwrap(model)
+    big = torch.empty(limit * 2, dtype=torch.uint8, device="cuda")  # the cap went with it
+    del big
+
+
+def test_cuda_attention_auto_times_backends(daemon):
+    cfg, _, model = _pair(seed=3)
+    model, opt = trainstream.wrap(model.to(torch.bfloat16), socket=daemon.socket, device="cuda")
+    x, y = text_batches(corpus(), cfg, batch=4, steps=1)[0]
+    model(x.cuda(), y.cuda()).backward()
+    att = trainstream.memory_report(model)["attention"]
+    assert att["choice"] == "auto" and att["timings_s"] and att["order"]
+    assert att["order"][0] == min(att["timings_s"], key=att["timings_s"].get)
