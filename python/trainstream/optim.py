@@ -510,6 +510,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         params = [e.param for e in self._entries.values()]
         devices = {p.device for p in params}
+        if self._dp is not None:
+            # Ranks share (or average into) the daemon's state; a rank-local torch
+            # optimizer would silently stop the averaging.
+            self.offload_decision = {"offload": True, "reason": "data parallel: the ranks' "
+                                     "gradients are combined through the daemon"}
+            self._event("offload", **self.offload_decision)
+            return
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             self.offload_decision = {"offload": True, "reason": "the parameters are not all on "
                                      "one CUDA device; the daemon's AdamW is the host path"}
