@@ -7,6 +7,7 @@ namespace trainstream::python {
 void RegisterDataPlaneBindings(pybind11::module_& m);  // dataplane_bindings.cpp
 void RegisterAdamWBindings(pybind11::module_& m);      // adamw_bindings.cpp
 void RegisterQuantBindings(pybind11::module_& m);      // quant_bindings.cpp
+void RegisterVramBindings(pybind11::module_& m);       // vram_bindings.cpp
 }  // namespace trainstream::python
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -19,4 +20,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   trainstream::python::RegisterDataPlaneBindings(m);
   trainstream::python::RegisterAdamWBindings(m);
   trainstream::python::RegisterQuantBindings(m);
+  trainstream::python::RegisterVramBindings(m);
 }
