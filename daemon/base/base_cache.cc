@@ -305,10 +305,6 @@ uint64_t BaseCache::bytes() const {
   return total;
 }
 
-}  // namespace trainstream::daemon::base
-
-namespace trainstream::daemon::base {
-
 grpc::Status BaseCache::ShareVram(uint64_t session_id, const std::string& key,
                                   const VramDevice& device, VramShareInfo* out) {
   auto not_held = [&] {
@@ -329,7 +325,11 @@ grpc::Status BaseCache::ShareVram(uint64_t session_id, const std::string& key,
   int index = -1;
   std::string pci_bus_id;
   grpc::Status st = vram_.Resolve(device, &index, &pci_bus_id);
-  if (!st.ok()) return st;
+  if (!st.ok()) {
+    spdlog::info("share_vram of base {} for session {} refused: {}", key, session_id,
+                 st.error_message());
+    return st;
+  }
 
   std::lock_guard<std::mutex> share_lock(share_mu_);
   const void* host = nullptr;
