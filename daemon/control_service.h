@@ -57,6 +57,8 @@ class ControlService final : public v1::Control::Service {
                          v1::ListBasesResponse* resp) override;
   grpc::Status DropBase(grpc::ServerContext* ctx, const v1::DropBaseRequest* req,
                         v1::DropBaseResponse* resp) override;
+  grpc::Status ShareBaseVram(grpc::ServerContext* ctx, const v1::ShareBaseVramRequest* req,
+                             v1::ShareBaseVramResponse* resp) override;
 
  private:
   // The caller's credentials, or PERMISSION_DENIED saying who may connect.

@@ -1,4 +1,5 @@
-// ControlService's frozen-base RPCs: LoadBase, ReleaseBase, ListBases, DropBase
+// ControlService's frozen-base RPCs: LoadBase, ReleaseBase, ListBases, DropBase,
+// ShareBaseVram
 // (docs/base-cache.md). The work is BaseCache's; these authorise and translate.
 #include <spdlog/spdlog.h>
 
@@ -29,6 +30,8 @@ void ToProto(const base::BaseInfo& b, v1::BaseInfo* out) {
   out->set_load_seconds(b.load_seconds);
   out->set_scratch_peak_bytes(b.scratch_peak_bytes);
   out->set_cached(b.cached);
+  out->set_vram_copies(b.vram_copies);
+  out->set_vram_bytes(b.vram_bytes);
 }
 
 }  // namespace
@@ -150,6 +153,35 @@ grpc::Status ControlService::DropBase(grpc::ServerContext* ctx, const v1::DropBa
   grpc::Status st = bases_->Drop(creds, req->key(), &freed);
   resp->set_bytes_freed(freed);
   return st;
+}
+
+grpc::Status ControlService::ShareBaseVram(grpc::ServerContext* ctx,
+                                           const v1::ShareBaseVramRequest* req,
+                                           v1::ShareBaseVramResponse* resp) {
+  PeerCredentials creds;
+  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
+  if (bases_ == nullptr) return NoCache();
+  std::shared_ptr<Session> session;
+  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
+    return s;
+  if (req->pci_bus_id().size() > 64) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "pci_bus_id: longer than 64 characters (e.g. '0000:19:00.0')");
+  }
+  base::VramDevice device;
+  device.pci_bus_id = req->pci_bus_id();
+  device.index = req->device();
+  base::VramShareInfo info;
+  grpc::Status st = bases_->ShareVram(session->id, req->key(), device, &info);
+  if (!st.ok()) return st;
+  resp->set_ipc_handle(info.ipc_handle);
+  resp->set_bytes(info.bytes);
+  resp->set_device(info.device);
+  resp->set_pci_bus_id(info.pci_bus_id);
+  resp->set_cached(info.cached);
+  resp->set_copy_seconds(info.copy_seconds);
+  resp->set_holders(info.holders);
+  return grpc::Status::OK;
 }
 
 }  // namespace trainstream::daemon

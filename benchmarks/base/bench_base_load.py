@@ -14,6 +14,15 @@ Memory: the writer holds one tensor at a time; the daemon holds the base segment
 (~10.6 GB at NF4 for 14B) plus one tensor of scratch. ``--clients N`` starts N
 processes that map the base and reads every byte, then reports their private
 (RssAnon) and shared (RssShmem) growth: the base is counted once.
+
+``--share-vram`` (GPU host) then starts ``--vram-clients`` processes (default 2), one
+after the other, that load the base with ``share_vram=True`` on GPU 0, build CUDA
+views of every tensor and touch them. Each reports the device's free memory
+(cudaMemGetInfo) before and after: the first sees the daemon's one VRAM copy appear
+(the base's bytes, plus the daemon's CUDA context), the others grow by far less.
+
+    PYTHONPATH=build/python .venv/bin/python benchmarks/base/bench_base_load.py \
+        --dir /tmp/ts-bench-14b --reuse --share-vram
 """
 from __future__ import annotations
 
@@ -152,6 +161,59 @@ CLIENT = textwrap.dedent("""
     sys.stdin.readline()
 """)
 
+VRAM_CLIENT = textwrap.dedent("""
+    import json, sys, time, torch
+    from trainstream.base import load_base
+    torch.cuda.init()
+    torch.empty(1, device="cuda")        # this process's context exists before measuring
+    free0, total = torch.cuda.mem_get_info()
+    t0 = time.perf_counter()
+    base = load_base(sys.argv[1], sys.argv[2], int(sys.argv[3]), socket=sys.argv[4],
+                     share_vram=True)
+    share_s = time.perf_counter() - t0
+    touched = 0
+    for n in base.names():
+        t = base.quantized(n, "cuda").data if base.is_quantized(n) else base.tensor(n, "cuda")
+        if t.numel():
+            touched += int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+    torch.cuda.synchronize()
+    free1, _ = torch.cuda.mem_get_info()
+    dev = torch.cuda.current_device()
+    share = {k: v for k, v in base.vram_info[dev].items() if k != "ipc_handle"}
+    print(json.dumps({"free_before": free0, "free_after": free1, "total": total,
+                      "growth": free0 - free1, "torch_allocated": torch.cuda.memory_allocated(),
+                      "load_and_share_s": share_s, "share": share, "touched": touched}),
+          flush=True)
+    sys.stdin.readline()
+""")
+
+
+def vram_share(a, folder, sock, c, clients, result):
+    """--share-vram: N processes on GPU 0 share the daemon's one VRAM copy."""
+    env = dict(os.environ)
+    reports = []
+    for _ in range(a.vram_clients):  # one at a time: each measures the device alone
+        p = subprocess.Popen([sys.executable, "-c", VRAM_CLIENT, folder, a.format,
+                              str(a.block_size), sock], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env)
+        clients.append(p)
+        line = p.stdout.readline()
+        if not line:
+            raise SystemExit("a --share-vram client failed (see its stderr above)")
+        reports.append(json.loads(line))
+    base = [b for b in c.list_bases()][0]
+    seg = base["segment_bytes"]
+    result["share_vram"] = {"base_bytes": seg, "vram_copies": base["vram_copies"],
+                            "vram_bytes": base["vram_bytes"], "clients": reports}
+    print(f"share_vram: base {seg} bytes ({seg / 2**30:.2f} GiB); daemon VRAM copies "
+          f"{base['vram_copies']} ({base['vram_bytes'] / 2**30:.2f} GiB); copy to the GPU "
+          f"{reports[0]['share']['copy_seconds']:.2f} s", flush=True)
+    for i, r in enumerate(reports):
+        print(f"  process {i + 1}: device VRAM growth {r['growth'] / 2**20:.0f} MiB "
+              f"({r['growth'] / seg:.3f} x base), cached={r['share']['cached']}, "
+              f"holders={r['share']['holders']}, load+share {r['load_and_share_s']:.2f} s",
+              flush=True)
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,12 +233,19 @@ def main():
                     help="drop the page cache before loading (root): a cold read from disk")
     ap.add_argument("--clients", type=int, default=0,
                     help="processes that then map the base and read it (one copy check)")
+    ap.add_argument("--share-vram", action="store_true",
+                    help="GPU: processes that load the base with share_vram=True on GPU 0 and "
+                         "report the device's VRAM growth (one VRAM copy check)")
+    ap.add_argument("--vram-clients", type=int, default=2,
+                    help="processes for --share-vram (default 2)")
     ap.add_argument("--budget", default="90%", help="daemon --budget")
     ap.add_argument("--build-dir", default=os.environ.get("TRAINSTREAM_BUILD_DIR",
                                                            os.path.join(REPO, "build")))
     a = ap.parse_args()
 
     from trainstream import _control as control
+    if a.share_vram and not torch.cuda.is_available():
+        raise SystemExit("--share-vram needs a CUDA GPU (torch.cuda.is_available() is False)")
 
     folder = a.dir or tempfile.mkdtemp(prefix="ts-bench-base-")
     if a.reuse and os.path.exists(os.path.join(folder, "model.safetensors.index.json")):
@@ -254,7 +323,8 @@ def main():
                   f"{result['refcount']}; per client private (RssAnon) growth "
                   f"{[round(r['anon'] / 2**20) for r in reports]} MiB, shared (RssShmem) "
                   f"{[round(r['shmem'] / 2**20) for r in reports]} MiB", flush=True)
-        print("share_vram=True: not implemented yet (load_model raises ValueError)")
+        if a.share_vram:
+            vram_share(a, folder, sock, c, clients, result)
         print("RESULT " + json.dumps(result))
     finally:
         for p in clients:

@@ -25,7 +25,9 @@ nlohmann::json ToJson(const BaseInfo& b) {
           {"sessions", b.sessions},
           {"load_seconds", b.load_seconds},
           {"scratch_peak_bytes", b.scratch_peak_bytes},
-          {"cached", b.cached}};
+          {"cached", b.cached},
+          {"vram_copies", b.vram_copies},
+          {"vram_bytes", b.vram_bytes}};
 }
 
 std::string Human(uint64_t bytes) { return HumanBytes(bytes); }

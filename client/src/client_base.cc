@@ -14,6 +14,7 @@ using internal::FromGrpc;
 // A load reads (and quantizes) a whole checkpoint: allow hours, not seconds.
 constexpr int kLoadTimeoutS = 6 * 3600;
 constexpr int kUnaryTimeoutS = 30;
+constexpr int kShareTimeoutS = 600;
 
 void ToInfo(const v1::BaseInfo& b, BaseInfo* out) {
   out->key = b.key();
@@ -31,6 +32,8 @@ void ToInfo(const v1::BaseInfo& b, BaseInfo* out) {
   out->load_seconds = b.load_seconds();
   out->scratch_peak_bytes = b.scratch_peak_bytes();
   out->cached = b.cached();
+  out->vram_copies = b.vram_copies();
+  out->vram_bytes = b.vram_bytes();
 }
 
 Status MakeRequest(const BaseLoadOptions& options, v1::LoadBaseRequest* req) {
@@ -145,6 +148,30 @@ Status Session::ReleaseBase(const std::string& key) {
   req.set_key(key);
   v1::ReleaseBaseResponse resp;
   return FromGrpc(impl_->stub->ReleaseBase(&ctx, req, &resp), impl_->socket_path);
+}
+
+Status Session::ShareBaseVram(const std::string& key, const std::string& pci_bus_id, int32_t device,
+                              VramShare* out) {
+  grpc::ClientContext ctx;
+  // The first call per GPU copies the whole base (seconds for tens of GB).
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(kShareTimeoutS));
+  v1::ShareBaseVramRequest req;
+  req.set_session_id(impl_->id);
+  req.set_session_token(impl_->token);
+  req.set_key(key);
+  req.set_pci_bus_id(pci_bus_id);
+  req.set_device(device);
+  v1::ShareBaseVramResponse resp;
+  Status s = FromGrpc(impl_->stub->ShareBaseVram(&ctx, req, &resp), impl_->socket_path);
+  if (!s.ok()) return s;
+  out->ipc_handle = resp.ipc_handle();
+  out->bytes = resp.bytes();
+  out->device = resp.device();
+  out->pci_bus_id = resp.pci_bus_id();
+  out->cached = resp.cached();
+  out->copy_seconds = resp.copy_seconds();
+  out->holders = resp.holders();
+  return Status::Ok();
 }
 
 }  // namespace trainstream

@@ -27,13 +27,38 @@ BaseCache::BaseCache(const DaemonConfig& config, Budget* budget)
 
 BaseCache::~BaseCache() {
   std::vector<std::unique_ptr<ShmSegment>> dead;
+  std::vector<VramAllocation> dead_vram;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [key, e] : entries_)
+    for (auto& [key, e] : entries_) {
       if (e.segment) dead.push_back(std::move(e.segment));
+      for (auto& [device, copy] : e.vram) dead_vram.push_back(copy.allocation);
+    }
     entries_.clear();
   }
+  FreeVram(dead_vram);
   Free(std::move(dead));
+}
+
+void BaseCache::FreeVram(const std::vector<VramAllocation>& dead) {
+  for (const auto& a : dead) {
+    vram_.Free(a);
+    spdlog::info("share_vram: freed the {} byte VRAM copy on device {} ({})", a.bytes, a.device,
+                 a.pci_bus_id);
+  }
+}
+
+void BaseCache::ReleaseVramLocked(Entry* e, uint64_t session_id,
+                                  std::vector<VramAllocation>* dead_vram) {
+  for (auto it = e->vram.begin(); it != e->vram.end();) {
+    it->second.holders.erase(session_id);
+    if (it->second.holders.empty()) {
+      dead_vram->push_back(it->second.allocation);
+      it = e->vram.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 void BaseCache::Free(std::vector<std::unique_ptr<ShmSegment>> dead) {
@@ -48,6 +73,9 @@ void BaseCache::FillInfo(const Entry& e, BaseInfo* out) const {
   *out = e.info;
   out->refcount = static_cast<uint32_t>(e.sessions.size());
   out->sessions.assign(e.sessions.begin(), e.sessions.end());
+  out->vram_copies = static_cast<uint32_t>(e.vram.size());
+  out->vram_bytes = 0;
+  for (const auto& [device, copy] : e.vram) out->vram_bytes += copy.allocation.bytes;
 }
 
 grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOptions& options,
@@ -157,33 +185,48 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
 }
 
 grpc::Status BaseCache::Release(uint64_t session_id, const std::string& key) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(key);
-  if (it == entries_.end() || it->second.sessions.erase(session_id) == 0) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, "key: session " + std::to_string(session_id) +
-                                                         " holds no reference to base '" +
-                                                         key.substr(0, 128) + "'");
+  std::vector<VramAllocation> dead_vram;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(key);
+    if (it == entries_.end() || it->second.sessions.erase(session_id) == 0) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          "key: session " + std::to_string(session_id) +
+                              " holds no reference to base '" + key.substr(0, 128) + "'");
+    }
+    it->second.last_used = ++tick_;
+    ReleaseVramLocked(&it->second, session_id, &dead_vram);
   }
-  it->second.last_used = ++tick_;
+  FreeVram(dead_vram);
   return grpc::Status::OK;
 }
 
 void BaseCache::ReleaseSession(uint64_t session_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [key, e] : entries_) {
-    if (e.sessions.erase(session_id) != 0) e.last_used = ++tick_;
+  std::vector<VramAllocation> dead_vram;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, e] : entries_) {
+      if (e.sessions.erase(session_id) != 0) e.last_used = ++tick_;
+      ReleaseVramLocked(&e, session_id, &dead_vram);
+    }
   }
+  FreeVram(dead_vram);
 }
 
 void BaseCache::DropLocked(std::map<std::string, Entry>::iterator it,
-                           std::vector<std::unique_ptr<ShmSegment>>* dead) {
+                           std::vector<std::unique_ptr<ShmSegment>>* dead,
+                           std::vector<VramAllocation>* dead_vram) {
   if (it->second.segment) dead->push_back(std::move(it->second.segment));
+  // Holders are a subset of the sessions, so an unreferenced base has no VRAM
+  // copy; this only matters if that invariant is ever broken.
+  for (auto& [device, copy] : it->second.vram) dead_vram->push_back(copy.allocation);
   entries_.erase(it);
 }
 
 grpc::Status BaseCache::Drop(const PeerCredentials& caller, const std::string& key,
                              uint64_t* bytes_freed) {
   std::vector<std::unique_ptr<ShmSegment>> dead;
+  std::vector<VramAllocation> dead_vram;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(key);
@@ -204,16 +247,22 @@ grpc::Status BaseCache::Drop(const PeerCredentials& caller, const std::string& k
                           "base '" + key + "' is in use by session(s) " + ids +
                               "; it can be dropped once they release it or detach");
     }
+    if (e.busy > 0) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "base '" + key + "' is being copied to a GPU (share_vram); try again");
+    }
     *bytes_freed = e.segment->size();
-    DropLocked(it, &dead);
+    DropLocked(it, &dead, &dead_vram);
   }
   spdlog::info("base {} dropped by uid {}", key, caller.uid);
+  FreeVram(dead_vram);
   Free(std::move(dead));
   return grpc::Status::OK;
 }
 
 uint64_t BaseCache::EvictUnreferenced(uint64_t bytes_needed) {
   std::vector<std::unique_ptr<ShmSegment>> dead;
+  std::vector<VramAllocation> dead_vram;
   uint64_t freed = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -221,16 +270,17 @@ uint64_t BaseCache::EvictUnreferenced(uint64_t bytes_needed) {
       auto victim = entries_.end();
       for (auto it = entries_.begin(); it != entries_.end(); ++it) {
         const Entry& e = it->second;
-        if (e.state != Entry::State::kReady || !e.sessions.empty()) continue;
+        if (e.state != Entry::State::kReady || !e.sessions.empty() || e.busy > 0) continue;
         if (victim == entries_.end() || e.last_used < victim->second.last_used) victim = it;
       }
       if (victim == entries_.end()) break;
       freed += victim->second.segment->size();
       spdlog::info("evicting unreferenced base {} ({} bytes) to make room", victim->first,
                    victim->second.segment->size());
-      DropLocked(victim, &dead);
+      DropLocked(victim, &dead, &dead_vram);
     }
   }
+  FreeVram(dead_vram);
   Free(std::move(dead));
   return freed;
 }
@@ -253,6 +303,89 @@ uint64_t BaseCache::bytes() const {
   for (const auto& [key, e] : entries_)
     if (e.segment) total += e.segment->size();
   return total;
+}
+
+grpc::Status BaseCache::ShareVram(uint64_t session_id, const std::string& key,
+                                  const VramDevice& device, VramShareInfo* out) {
+  auto not_held = [&] {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        "key: session " + std::to_string(session_id) +
+                            " holds no reference to base '" + key.substr(0, 128) +
+                            "' (load it with this session before sharing its VRAM copy)");
+  };
+  auto holds = [&](std::map<std::string, Entry>::iterator it) {
+    return it != entries_.end() && it->second.state == Entry::State::kReady &&
+           it->second.sessions.count(session_id) != 0;
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!holds(entries_.find(key))) return not_held();
+  }
+  // Note [CUDA in the daemon only on request]: the first CUDA call is here.
+  int index = -1;
+  std::string pci_bus_id;
+  grpc::Status st = vram_.Resolve(device, &index, &pci_bus_id);
+  if (!st.ok()) {
+    spdlog::info("share_vram of base {} for session {} refused: {}", key, session_id,
+                 st.error_message());
+    return st;
+  }
+
+  std::lock_guard<std::mutex> share_lock(share_mu_);
+  const void* host = nullptr;
+  uint64_t bytes = 0;
+  auto fill = [&](const VramCopy& copy, bool cached) {
+    out->ipc_handle = copy.allocation.ipc_handle;
+    out->bytes = copy.allocation.bytes;
+    out->device = copy.allocation.device;
+    out->pci_bus_id = copy.allocation.pci_bus_id;
+    out->cached = cached;
+    out->copy_seconds = copy.allocation.copy_seconds;
+    out->holders = static_cast<uint32_t>(copy.holders.size());
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(key);
+    if (!holds(it)) return not_held();
+    Entry& e = it->second;
+    auto v = e.vram.find(index);
+    if (v != e.vram.end()) {
+      v->second.holders.insert(session_id);
+      e.last_used = ++tick_;
+      fill(v->second, /*cached=*/true);
+      return grpc::Status::OK;
+    }
+    ++e.busy;  // keeps the segment mapped while it is copied without mu_
+    host = e.segment->base();
+    bytes = e.segment->size();
+  }
+  VramAllocation allocation;
+  st = vram_.Export(index, host, bytes, &allocation);
+  std::vector<VramAllocation> dead_vram;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(key);  // still there: busy kept Drop and eviction away
+    Entry& e = it->second;
+    --e.busy;
+    if (st.ok() && e.sessions.count(session_id) == 0) {
+      dead_vram.push_back(allocation);  // released (or ended) while the copy ran
+      st = not_held();
+    } else if (st.ok()) {
+      VramCopy& copy = e.vram[index];
+      copy.allocation = allocation;
+      copy.holders.insert(session_id);
+      e.last_used = ++tick_;
+      fill(copy, /*cached=*/false);
+    }
+  }
+  FreeVram(dead_vram);
+  if (!st.ok()) {
+    spdlog::info("share_vram of base {} on device {} refused: {}", key, index, st.error_message());
+    return st;
+  }
+  spdlog::info("share_vram: base {} copied to device {} ({}): {} bytes in {:.3f} s", key,
+               allocation.device, allocation.pci_bus_id, allocation.bytes, allocation.copy_seconds);
+  return grpc::Status::OK;
 }
 
 }  // namespace trainstream::daemon::base

@@ -14,9 +14,18 @@
 // (a new base, or any session's allocation) needs room, and never while a
 // session holds it. Drop removes an unreferenced base at once.
 //
+// VRAM copies (share_vram): a session holding a reference may ask for the base
+// on a GPU (ShareVram). The first request per (base, device) copies the whole
+// segment into one device allocation and exports it as a CUDA IPC handle; later
+// ones get the same handle. A copy is held by the sessions that asked for it and
+// freed when the last of them releases the base or ends (so an unreferenced base,
+// the only kind Drop and eviction touch, never holds VRAM), or when the cache is
+// destroyed. Note [CUDA in the daemon only on request] (vram_export.h).
+//
 // Locking: mu_ guards the entry table. Reserving budget and filling a segment
 // happen without mu_ (the budget's reclaimer calls EvictUnreferenced, which
-// takes it).
+// takes it). share_mu_ serialises making VRAM copies and is taken before mu_;
+// the copy itself runs without mu_ (the entry is marked busy meanwhile).
 #pragma once
 
 #include <grpcpp/support/status.h>
@@ -36,6 +45,7 @@
 #include "config.h"
 #include "peer_credentials.h"
 #include "shm_segment.h"
+#include "vram_export.h"
 
 namespace trainstream::daemon::base {
 
@@ -61,7 +71,20 @@ struct BaseInfo {
   std::vector<uint64_t> sessions;  // holders
   double load_seconds = 0;
   uint64_t scratch_peak_bytes = 0;
-  bool cached = false;  // true when Load found it already loaded
+  bool cached = false;       // true when Load found it already loaded
+  uint32_t vram_copies = 0;  // GPUs holding a VRAM copy (share_vram)
+  uint64_t vram_bytes = 0;
+};
+
+// What a session gets from ShareVram.
+struct VramShareInfo {
+  std::string ipc_handle;  // cudaIpcMemHandle_t bytes
+  uint64_t bytes = 0;
+  int device = -1;
+  std::string pci_bus_id;
+  bool cached = false;  // the copy existed already
+  double copy_seconds = 0;
+  uint32_t holders = 0;
 };
 
 class BaseCache {
@@ -90,19 +113,36 @@ class BaseCache {
   // Every base (admins) or the caller's own.
   std::vector<BaseInfo> List(const PeerCredentials& caller);
   uint64_t bytes() const;
+  // The base `key` on a GPU for `session_id`, which must hold a reference to it
+  // (NOT_FOUND otherwise). Errors: see VramExporter (FAILED_PRECONDITION without
+  // CUDA or a GPU, INVALID_ARGUMENT for an unknown device, RESOURCE_EXHAUSTED).
+  grpc::Status ShareVram(uint64_t session_id, const std::string& key, const VramDevice& device,
+                         VramShareInfo* out);
 
  private:
+  struct VramCopy {
+    VramAllocation allocation;
+    std::set<uint64_t> holders;  // sessions that asked for it; a subset of Entry::sessions
+  };
   struct Entry {
     enum class State { kLoading, kReady } state = State::kLoading;
     BaseInfo info;
     std::unique_ptr<ShmSegment> segment;
     std::set<uint64_t> sessions;
-    uint64_t last_used = 0;  // tick of the LRU clock
+    uint64_t last_used = 0;        // tick of the LRU clock
+    std::map<int, VramCopy> vram;  // by the daemon's CUDA device index
+    int busy = 0;                  // VRAM copies in progress: not dropped or evicted meanwhile
   };
   void FillInfo(const Entry& e, BaseInfo* out) const;
   void DropLocked(std::map<std::string, Entry>::iterator it,
-                  std::vector<std::unique_ptr<ShmSegment>>* dead);
+                  std::vector<std::unique_ptr<ShmSegment>>* dead,
+                  std::vector<VramAllocation>* dead_vram);
   void Free(std::vector<std::unique_ptr<ShmSegment>> dead);
+  // Removes `session_id` from the holders of e's VRAM copies; moves copies left
+  // with none to `dead_vram`.
+  static void ReleaseVramLocked(Entry* e, uint64_t session_id,
+                                std::vector<VramAllocation>* dead_vram);
+  void FreeVram(const std::vector<VramAllocation>& dead);
 
   const DaemonConfig config_;
   Budget* const budget_;
@@ -110,6 +150,8 @@ class BaseCache {
   std::condition_variable loaded_cv_;     // signalled when a load finishes or fails
   std::map<std::string, Entry> entries_;  // Guarded by mu_.
   uint64_t tick_ = 0;                     // Guarded by mu_.
+  std::mutex share_mu_;                   // serialises ShareVram's copies; before mu_
+  VramExporter vram_;
 };
 
 }  // namespace trainstream::daemon::base

@@ -66,6 +66,8 @@ py::dict BaseInfoDict(const BaseInfo& b) {
   d["load_seconds"] = b.load_seconds;
   d["scratch_peak_bytes"] = b.scratch_peak_bytes;
   d["cached"] = b.cached;
+  d["vram_copies"] = b.vram_copies;
+  d["vram_bytes"] = b.vram_bytes;
   return d;
 }
 
@@ -270,6 +272,29 @@ class Internal(ControlError): pass
             Check(st);
           },
           py::arg("key"))
+      .def(
+          "share_base_vram",
+          [](Session& s, const std::string& key, const std::string& pci_bus_id, int32_t device) {
+            VramShare share;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.ShareBaseVram(key, pci_bus_id, device, &share);
+            }
+            Check(st);
+            py::dict d;
+            d["ipc_handle"] = py::bytes(share.ipc_handle);
+            d["bytes"] = share.bytes;
+            d["device"] = share.device;
+            d["pci_bus_id"] = share.pci_bus_id;
+            d["cached"] = share.cached;
+            d["copy_seconds"] = share.copy_seconds;
+            d["holders"] = share.holders;
+            return d;
+          },
+          py::arg("key"), py::arg("pci_bus_id") = "", py::arg("device") = -1,
+          "The base `key` (held by this session) copied once to a GPU by the daemon: a dict "
+          "with the CUDA IPC handle (bytes), its size, the device and whether it was cached")
       .def("alive",
            [](const Session& s) {
              std::string why;

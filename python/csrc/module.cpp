@@ -8,6 +8,7 @@ void RegisterDataPlaneBindings(pybind11::module_& m);  // dataplane_bindings.cpp
 void RegisterAdamWBindings(pybind11::module_& m);      // adamw_bindings.cpp
 void RegisterQuantBindings(pybind11::module_& m);      // quant_bindings.cpp
 void RegisterAdamWCudaBindings(pybind11::module_& m);  // adamw_cuda_bindings.cpp
+void RegisterVramBindings(pybind11::module_& m);       // vram_bindings.cpp
 }  // namespace trainstream::python
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -21,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   trainstream::python::RegisterAdamWBindings(m);
   trainstream::python::RegisterQuantBindings(m);
   trainstream::python::RegisterAdamWCudaBindings(m);
+  trainstream::python::RegisterVramBindings(m);
 }

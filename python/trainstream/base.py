@@ -10,6 +10,12 @@ on the machine that loads the same files with the same format maps that one
 copy. A ``SharedBase`` holds its session's reference: the daemon keeps the base
 while any session holds it, and may evict it (least recently used) once none
 does and memory is needed.
+
+With ``share_vram`` the daemon also copies the base once to a GPU and hands out a
+CUDA IPC handle; every process on that GPU views the one VRAM copy:
+
+    base = trainstream.base.load_base(path, format="nf4", share_vram=True)
+    w = base.tensor("model.layers.0.self_attn.o_proj.weight", device="cuda")  # a VRAM view
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import ctypes
 import json
 import struct
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -36,6 +42,25 @@ _TORCH_DTYPES = {
 _SEGMENT_MAGIC = 0x54535347    # wire/segment_header.h
 _MANIFEST_MAGIC = 0x54534246   # wire/base_manifest.h
 _MANIFEST_OFFSET_FIELD = 120   # SegmentHeader.manifest_offset
+
+
+def _cuda_device(device: Any) -> torch.device:
+    """``device`` (True, None, an index, "cuda[:N]" or a torch.device) as a CUDA
+    device with its index, or ValueError."""
+    if device is True or device is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return torch.device("cuda", index)
+    if isinstance(device, bool):
+        raise ValueError(f"device={device!r}: give True, a CUDA index or 'cuda:N'")
+    try:
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: give a CUDA device (an index or 'cuda:N')") from None
+    if d.type != "cuda":
+        raise ValueError(f"device={device!r}: share_vram needs a CUDA device, not {d.type}")
+    if d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return d
 
 
 def _check_format(format: Any) -> str:
@@ -74,6 +99,55 @@ class SharedBase:
         # One uint8 tensor over the whole (read-only) segment; every tensor is a view of it.
         self._bytes = _C.tensor_from_address(addr, [size], "uint8")
         self._cuda_chunks: List[int] = []  # addresses registered with CUDA
+        # share_vram: per CUDA device index, one uint8 tensor over the daemon's VRAM
+        # copy of the whole segment (same offsets as self._bytes), and what the
+        # daemon answered.
+        self._vram: Dict[int, torch.Tensor] = {}
+        self.vram_info: Dict[int, Dict[str, Any]] = {}
+
+    def share_vram(self, device: Any = True) -> torch.Tensor:
+        """The daemon's VRAM copy of this base on ``device`` (True: the current CUDA
+        device), opened through CUDA IPC: a uint8 CUDA tensor over the whole segment.
+        The first process asking for a GPU makes the daemon copy the base there; the
+        others map the same memory, so the base's VRAM is counted once per GPU. The
+        copy lives while any session that asked for it holds the base."""
+        from . import _C
+        dev = _cuda_device(device)
+        if dev.index in self._vram:
+            return self._vram[dev.index]
+        if self._released:
+            raise RuntimeError(f"base {self.key} was released")
+        if not getattr(_C, "with_cuda", False):
+            raise RuntimeError("share_vram needs CUDA: trainstream._C was built without it "
+                               "(load the base without share_vram)")
+        if not torch.cuda.is_available():
+            raise RuntimeError("share_vram needs a CUDA device in this process, and "
+                               "torch.cuda.is_available() is False (load the base without "
+                               "share_vram)")
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={dev}: this process sees {torch.cuda.device_count()} "
+                             "CUDA device(s)")
+        torch.cuda.init()  # the context must exist before the handle is opened
+        share = self.session.share_base_vram(self.key, _C.cuda_pci_bus_id(dev.index), -1)
+        if share["bytes"] != self._region.size:
+            raise DaemonError(f"base {self.key}: the daemon's VRAM copy has {share['bytes']} "
+                              f"bytes, the segment {self._region.size}")
+        self._vram[dev.index] = _C.open_ipc_handle(share["ipc_handle"], share["bytes"],
+                                                   dev.index)
+        self.vram_info[dev.index] = share
+        return self._vram[dev.index]
+
+    def _raw(self, device: Any) -> torch.Tensor:
+        if device is None:
+            return self._bytes
+        d = torch.device(device)
+        if d.type == "cpu":
+            return self._bytes
+        dev = _cuda_device(d)
+        if dev.index not in self._vram:
+            raise ValueError(f"base {self.key} has no VRAM copy on {dev}: call "
+                             "share_vram(device) first (or load_base(..., share_vram=...))")
+        return self._vram[dev.index]
 
     @property
     def cuda_registered(self) -> bool:
@@ -119,34 +193,40 @@ class SharedBase:
         except KeyError:
             raise KeyError(f"base {self.key} has no tensor {name!r}") from None
 
-    def _view(self, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        raw = self._bytes[offset:offset + nbytes]
+    def _view(self, offset: int, nbytes: int, dtype: torch.dtype, shape,
+              raw: Optional[torch.Tensor] = None) -> torch.Tensor:
+        raw = (self._bytes if raw is None else raw)[offset:offset + nbytes]
         if dtype != torch.uint8:
             raw = raw.view(dtype)
         return raw.view(tuple(shape))
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The stored tensor, as a read-only view (raises for quantized tensors:
-        use ``quantized`` or ``dequantized``)."""
+    def tensor(self, name: str, device: Union[None, str, torch.device] = None) -> torch.Tensor:
+        """The stored tensor, as a view (raises for quantized tensors: use
+        ``quantized`` or ``dequantized``). ``device`` None / "cpu": a read-only view of
+        the host mapping; a CUDA device: a view of the VRAM copy (``share_vram``),
+        which is writable but shared: never write to it."""
         e = self._entry(name)
         if "quant" in e:
             raise ValueError(f"{name} is stored quantized ({e['quant']['format']}); use "
                              "quantized() or dequantized()")
-        return self._view(e["offset"], e["bytes"], _TORCH_DTYPES[e["dtype"]], e["shape"])
+        return self._view(e["offset"], e["bytes"], _TORCH_DTYPES[e["dtype"]], e["shape"],
+                          self._raw(device))
 
-    def quantized(self, name: str):
-        """A ``QuantizedTensor`` whose codes and scales are views of the base."""
+    def quantized(self, name: str, device: Union[None, str, torch.device] = None):
+        """A ``QuantizedTensor`` whose codes and scales are views of the base (of its
+        VRAM copy when ``device`` is a CUDA device, as in ``tensor``)."""
         from .quantization import QuantizedTensor
+        raw = self._raw(device)
         e = self._entry(name)
         q = e.get("quant")
         if q is None:
             raise ValueError(f"{name} is not quantized in base {self.key} (format "
                              f"{self.format}); use tensor()")
-        data = self._view(q["data_offset"], q["data_bytes"], torch.uint8, [q["data_bytes"]])
+        data = self._view(q["data_offset"], q["data_bytes"], torch.uint8, [q["data_bytes"]], raw)
         scale_dtype = torch.float32 if q["scale_dtype"] == "F32" else torch.uint8
         n_scales = q["scales_bytes"] // (4 if scale_dtype == torch.float32 else 1)
-        scales = self._view(q["scales_offset"], q["scales_bytes"], scale_dtype, [n_scales])
-        tensor_scale = self._view(q["tensor_scale_offset"], 4, torch.float32, [1])
+        scales = self._view(q["scales_offset"], q["scales_bytes"], scale_dtype, [n_scales], raw)
+        tensor_scale = self._view(q["tensor_scale_offset"], 4, torch.float32, [1], raw)
         return QuantizedTensor(data, scales, tensor_scale, e["shape"], q["format"],
                                q["block_size"], q["padding"], _TORCH_DTYPES[e["dtype"]])
 
@@ -162,6 +242,7 @@ class SharedBase:
             return
         self._released = True
         self._unregister_cuda()
+        self._vram.clear()  # the IPC mapping closes once the last view is gone
         try:
             self.session.release_base(self.key)
         finally:
@@ -183,7 +264,7 @@ class SharedBase:
 def load_base(path: str, format: str = "none", block_size: int = 64, *,
               socket: Optional[str] = None, session=None, job: str = "",
               progress: Optional[Callable[[int, int, int, int], None]] = None,
-              register_cuda: Any = "auto") -> SharedBase:
+              register_cuda: Any = "auto", share_vram: Any = False) -> SharedBase:
     """Loads (or finds cached) the checkpoint at ``path`` in the daemon and maps it.
 
     ``path``: a ``.safetensors`` file or a model folder. ``format``: "none" (keep
@@ -193,8 +274,13 @@ def load_base(path: str, format: str = "none", block_size: int = 64, *,
     ``release()`` or when the process exits). ``progress(bytes_read, bytes_total,
     tensors_done, tensors_total)`` is called while the daemon loads.
     ``register_cuda``: "auto" registers the mapping with CUDA read-only when a GPU is
-    present (a failure only warns), True requires it, False skips it.
+    present (a failure only warns), True requires it, False skips it. ``share_vram``:
+    False, or a CUDA device (True: the current one) on which the daemon keeps one VRAM
+    copy of the base for every process (``SharedBase.share_vram``); "auto" then skips
+    the host registration, since the weights are read from VRAM.
     """
+    if share_vram is not False:
+        _cuda_device(share_vram)  # a bad value fails before anything is loaded
     if register_cuda not in ("auto", True, False):
         raise ValueError(f"register_cuda={register_cuda!r}: use 'auto', True or False")
     fmt = _check_format(format)
@@ -215,6 +301,14 @@ def load_base(path: str, format: str = "none", block_size: int = 64, *,
             session.detach()
         raise
     base = SharedBase(session, info, region, owns_session=owns)
+    if share_vram is not False:
+        try:
+            base.share_vram(share_vram)
+        except BaseException:
+            base.release()
+            raise
+        if register_cuda == "auto":
+            return base
     if register_cuda is not False and torch.cuda.is_available():
         ok, why = base.register_cuda()
         if not ok and register_cuda is True:

@@ -113,8 +113,10 @@ def test_random_weights_need_only_the_config(tmp_path):
 
 def test_bad_options_are_value_errors(tmp_path):
     tiny_config().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="share_vram=True is not implemented"):
-        load_model(str(tmp_path), share_vram=True)
+    with pytest.raises(ValueError, match="share_vram needs a CUDA device, not cpu"):
+        load_model(str(tmp_path), share_vram="cpu")
+    with pytest.raises(ValueError, match="share_vram needs a checkpoint"):
+        load_model(str(tmp_path), share_vram=True, random_weights=True)
     with pytest.raises(ValueError, match="quantize='q3'"):
         load_model(str(tmp_path), quantize="q3")
     with pytest.raises(ValueError, match="block_size"):
@@ -123,6 +125,18 @@ def test_bad_options_are_value_errors(tmp_path):
         load_model(str(tmp_path), dtype=torch.int8)
     with pytest.raises(FileNotFoundError):
         load_model(str(tmp_path / "missing"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_share_vram_without_a_gpu_says_why_and_releases_the_base(daemon, tmp_path):
+    save_model(str(tmp_path))
+    with pytest.raises(RuntimeError, match="share_vram needs (CUDA|a CUDA device in this process)"):
+        load_model(str(tmp_path), quantize="nf4", socket=daemon.socket, share_vram=True)
+    (b,) = daemon.status()["bases"]
+    assert b["refcount"] == 0  # the failed call kept no reference
+    model = load_model(str(tmp_path), quantize="nf4", socket=daemon.socket)  # and CPU works
+    assert model.trainstream_load["vram_device"] is None
+    model.trainstream_base.release()
 
 
 def test_auto_quantize_rule():

@@ -157,6 +157,19 @@ struct BaseInfo {
   double load_seconds = 0;
   uint64_t scratch_peak_bytes = 0;
   bool cached = false;
+  uint32_t vram_copies = 0;  // GPUs holding a VRAM copy (share_vram)
+  uint64_t vram_bytes = 0;
+};
+
+// A base's VRAM copy on one GPU, as Session::ShareBaseVram hands it out.
+struct VramShare {
+  std::string ipc_handle;  // cudaIpcMemHandle_t (64 bytes); open with cudaIpcOpenMemHandle
+  uint64_t bytes = 0;      // the allocation: the whole base segment, same offsets
+  int32_t device = -1;     // the daemon's device index
+  std::string pci_bus_id;  // the device, as cudaDeviceGetPCIBusId writes it
+  bool cached = false;     // false when this call made the copy
+  double copy_seconds = 0;
+  uint32_t holders = 0;  // sessions sharing it now
 };
 
 class Session;
@@ -232,6 +245,15 @@ class Session {
   Status LoadBase(const BaseLoadOptions& options, const BaseProgressFn& progress, BaseInfo* info,
                   std::unique_ptr<MappedRegion>* mapped);
   Status ReleaseBase(const std::string& key);
+  // The base `key` (this session must hold a reference) copied once to a GPU by
+  // the daemon and handed out as a CUDA IPC handle (docs/base-cache.md,
+  // "share_vram"). The GPU is `pci_bus_id` (from cudaDeviceGetPCIBusId in this
+  // process) or, when that is empty, the daemon's device index `device`. The copy
+  // lives until every session that asked for it has released the base or ended.
+  // kFailedPrecondition: the daemon was built without CUDA or sees no GPU;
+  // kInvalidArgument: no such device; kResourceExhausted: not enough VRAM.
+  Status ShareBaseVram(const std::string& key, const std::string& pci_bus_id, int32_t device,
+                       VramShare* out);
 
   // False once the daemon closed the stream or went away; `why` says what
   // happened (e.g. "daemon shut down: SIGTERM").

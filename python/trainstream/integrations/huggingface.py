@@ -143,7 +143,11 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor, requires_grad: 
     owner._parameters[attr] = nn.Parameter(value, requires_grad=requires_grad)
 
 
-def _bind_to_base(model: nn.Module, base: SharedBase, dtype: torch.dtype) -> Dict[str, int]:
+def _bind_to_base(model: nn.Module, base: SharedBase, dtype: torch.dtype,
+                  device: Optional[torch.device] = None) -> Dict[str, int]:
+    """Binds the block-stack Linears to views of the base: of its host mapping, or of
+    its VRAM copy on ``device`` (share_vram). Everything else is copied from the host
+    mapping."""
     stats = {"shared_quantized": 0, "shared_views": 0, "copied": 0, "shared_bytes": 0}
     for parent, child_name, lin, name in _block_linears(model):
         key = f"{name}.weight"
@@ -153,7 +157,7 @@ def _bind_to_base(model: nn.Module, base: SharedBase, dtype: torch.dtype) -> Dic
         if lin.bias is not None:
             bias = base.dequantized(f"{name}.bias", dtype)
         if base.is_quantized(key):
-            q = base.quantized(key)
+            q = base.quantized(key, device)
             if tuple(q.shape) != tuple(lin.weight.shape):
                 raise ValueError(f"{key}: the checkpoint has shape {tuple(q.shape)}, the model "
                                  f"{tuple(lin.weight.shape)} (config and weights disagree)")
@@ -163,7 +167,7 @@ def _bind_to_base(model: nn.Module, base: SharedBase, dtype: torch.dtype) -> Dic
             stats["shared_quantized"] += 1
             stats["shared_bytes"] += q.nbytes
             continue
-        w = base.tensor(key)
+        w = base.tensor(key, device)
         if tuple(w.shape) != tuple(lin.weight.shape):
             raise ValueError(f"{key}: the checkpoint has shape {tuple(w.shape)}, the model "
                              f"{tuple(lin.weight.shape)} (config and weights disagree)")
@@ -217,7 +221,7 @@ def _random_init(model: nn.Module, dtype: torch.dtype, std: float) -> None:
 def load_model(name_or_path: str, quantize: Optional[str] = "auto",
                dtype: torch.dtype = torch.bfloat16, quant_block_size: int = 64,
                random_weights: bool = False, ram_fraction: float = 0.85,
-               trust_remote_code: bool = False, *, share_vram: bool = False,
+               trust_remote_code: bool = False, *, share_vram: Any = False,
                socket: Optional[str] = None, **config_overrides: Any) -> nn.Module:
     """A Hugging Face model whose frozen block weights are the daemon's shared base.
 
@@ -234,7 +238,11 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
             benchmarks: needs only the config; nothing is shared through the daemon).
         ram_fraction: share of available RAM "auto" may fill.
         trust_remote_code: passed to ``transformers``.
-        share_vram: one VRAM copy per GPU through CUDA IPC (not implemented yet).
+        share_vram: False, or a CUDA device (True: the current one). The daemon keeps
+            one copy of the base in that GPU's memory for every process that asks
+            (CUDA IPC); the block-stack weights are views of it and the model is
+            returned on that device, its other weights copied there. Each process's
+            own VRAM then grows only by those copies, what it trains and activations.
         socket: the daemon's socket (default: as ``trainstream.wrap``).
         **config_overrides: set on the config before the model is built
             (e.g. ``num_hidden_layers=2``).
@@ -244,10 +252,13 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
     trainable parameters. The model holds the base as ``model.trainstream_base``
     (and its daemon session): the base stays referenced while the model lives.
     """
-    if share_vram:
-        raise ValueError("share_vram=True is not implemented yet (CUDA IPC sharing of the "
-                         "base's VRAM copy); use share_vram=False: each process then copies "
-                         "the shared host base to its GPU when the model moves there")
+    vram_device = None
+    if share_vram is not False and share_vram is not None:
+        from ..base import _cuda_device
+        vram_device = _cuda_device(share_vram)
+        if random_weights:
+            raise ValueError("share_vram needs a checkpoint: random_weights=True builds a "
+                             "private model and shares nothing")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype!r}: use a floating torch dtype (e.g. torch.bfloat16)")
     quant_block_size = _check_block_size(quant_block_size)
@@ -281,12 +292,16 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
         model.trainstream_load = {"format": fmt, "random_weights": True}
         return model.eval()
     base = load_base(os.path.abspath(checkpoint), fmt, quant_block_size, socket=socket,
-                     job="load_model")
+                     job="load_model",
+                     share_vram=vram_device if vram_device is not None else False)
     try:
-        stats = _bind_to_base(model, base, dtype)
+        stats = _bind_to_base(model, base, dtype, vram_device)
+        if vram_device is not None:
+            model.to(vram_device)  # the shared views are there already: copies the rest
     except Exception:
         base.release()
         raise
     model.trainstream_base = base
-    model.trainstream_load = {"format": fmt, "random_weights": False, **stats}
+    model.trainstream_load = {"format": fmt, "random_weights": False, **stats,
+                              "vram_device": str(vram_device) if vram_device else None}
     return model.eval()
