@@ -7,9 +7,17 @@
 namespace trainstream::daemon {
 
 grpc::Status Budget::Reserve(uint64_t bytes, const std::string& what) {
+  uint64_t missing = 0;
+  grpc::Status st = TryReserve(bytes, what, &missing);
+  if (st.ok() || !reclaimer_ || bytes > limit_ || reclaimer_(missing) == 0) return st;
+  return TryReserve(bytes, what, &missing);
+}
+
+grpc::Status Budget::TryReserve(uint64_t bytes, const std::string& what, uint64_t* missing) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t available = limit_ - used_;
   if (bytes > available) {
+    *missing = bytes - available;
     return grpc::Status(
         grpc::StatusCode::RESOURCE_EXHAUSTED,
         "memory budget exhausted: asked " + std::to_string(bytes) + " bytes (" + HumanBytes(bytes) +

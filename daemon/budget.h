@@ -6,6 +6,7 @@
 #include <grpcpp/support/status.h>
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 
@@ -24,12 +25,21 @@ class Budget {
   // clamps at zero (and asserts in debug builds).
   void Release(uint64_t bytes);
 
+  // Called (without the budget's lock) when a reservation does not fit, with the
+  // bytes missing; returns the bytes it released (e.g. by evicting unreferenced
+  // bases). Reserve then tries once more. Set before the budget is shared.
+  void SetReclaimer(std::function<uint64_t(uint64_t missing)> reclaimer) {
+    reclaimer_ = std::move(reclaimer);
+  }
+
   uint64_t limit() const { return limit_; }
   uint64_t used() const;
   uint64_t free() const;
 
  private:
+  grpc::Status TryReserve(uint64_t bytes, const std::string& what, uint64_t* missing);
   const uint64_t limit_;
+  std::function<uint64_t(uint64_t)> reclaimer_;
   mutable std::mutex mu_;
   uint64_t used_ = 0;  // Guarded by mu_.
 };

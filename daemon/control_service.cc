@@ -136,6 +136,7 @@ grpc::Status ControlService::Status(grpc::ServerContext* ctx, const v1::StatusRe
   resp->set_draining(state_->draining.load());
   resp->set_worker_threads(state_->worker_threads);
   registry_->FillStatus(resp);
+  FillBaseStatus(resp);
   return grpc::Status::OK;
 }
 

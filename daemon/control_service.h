@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "base/base_cache.h"
 #include "budget.h"
 #include "config.h"
 #include "daemon_state.h"
@@ -46,9 +47,22 @@ class ControlService final : public v1::Control::Service {
   grpc::Status Shutdown(grpc::ServerContext* ctx, const v1::ShutdownRequest* req,
                         v1::ShutdownResponse* resp) override;
 
+  // Frozen bases (control_service_base.cc). `bases` must outlive the service.
+  void SetBaseCache(base::BaseCache* bases) { bases_ = bases; }
+  grpc::Status LoadBase(grpc::ServerContext* ctx, const v1::LoadBaseRequest* req,
+                        grpc::ServerWriter<v1::LoadBaseEvent>* writer) override;
+  grpc::Status ReleaseBase(grpc::ServerContext* ctx, const v1::ReleaseBaseRequest* req,
+                           v1::ReleaseBaseResponse* resp) override;
+  grpc::Status ListBases(grpc::ServerContext* ctx, const v1::ListBasesRequest* req,
+                         v1::ListBasesResponse* resp) override;
+  grpc::Status DropBase(grpc::ServerContext* ctx, const v1::DropBaseRequest* req,
+                        v1::DropBaseResponse* resp) override;
+
  private:
   // The caller's credentials, or PERMISSION_DENIED saying who may connect.
   grpc::Status Authorize(grpc::ServerContext* ctx, PeerCredentials* creds);
+  // Adds the cached bases (and their segments) to a status answer.
+  void FillBaseStatus(v1::StatusResponse* resp);
 
   const DaemonConfig config_;
   const AccessPolicy* policy_;
@@ -56,6 +70,7 @@ class ControlService final : public v1::Control::Service {
   SessionRegistry* registry_;
   Budget* budget_;
   DaemonState* state_;
+  base::BaseCache* bases_ = nullptr;
 };
 
 }  // namespace trainstream::daemon

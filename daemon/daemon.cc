@@ -94,8 +94,15 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   registry->SetPidHooks([w](uint64_t id, pid_t pid) { return w->Watch(id, pid); },
                         [w](uint64_t id) { w->Unwatch(id); });
 
+  // Frozen bases: sessions' references drop when they end, and unreferenced
+  // bases make room when any reservation would not fit.
+  base::BaseCache bases(config, &budget);
+  budget.SetReclaimer([&bases](uint64_t missing) { return bases.EvictUnreferenced(missing); });
+  registry->AddEndHook([&bases](uint64_t id) { bases.ReleaseSession(id); });
+
   PeerTable peers;
   ControlService service(config, &policy, &peers, registry.get(), &budget, &state);
+  service.SetBaseCache(&bases);
   grpc::ServerBuilder builder;
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

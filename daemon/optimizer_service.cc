@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "plane_common.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/optimizer/worker_pool.h"
 
@@ -34,23 +35,6 @@ using wire::RingView;
 using wire::StateField;
 
 constexpr int64_t kPollSliceNs = 20'000'000;  // how often an idle session thread looks around
-
-kernels::DType ToKernel(WireDType d) {
-  switch (d) {
-    case WireDType::kBFloat16:
-      return kernels::DType::kBFloat16;
-    case WireDType::kFloat16:
-      return kernels::DType::kFloat16;
-    case WireDType::kFloat32:
-      break;
-  }
-  return kernels::DType::kFloat32;
-}
-
-void SetMessage(CompletionRecord* rec, const std::string& message) {
-  std::strncpy(rec->message, message.c_str(), sizeof(rec->message) - 1);
-  rec->message[sizeof(rec->message) - 1] = '\0';
-}
 
 }  // namespace
 
@@ -116,7 +100,7 @@ class AdamWSessionPlane {
       adds.swap(pending_);
       if (!engine_ && have_options_) {
         optimizer::EngineOptions eo;
-        eo.moment_dtype = ToKernel(options_.moment_dtype);
+        eo.moment_dtype = ToKernelDType(options_.moment_dtype);
         eo.max_grad_norm = options_.max_grad_norm;
         eo.seed = options_.seed;
         if (options_.threads != 0 && options_.threads < pool_->size()) {
@@ -138,8 +122,8 @@ class AdamWSessionPlane {
       optimizer::ParamBinding eb;
       eb.param_id = b.param_id;
       eb.numel = b.numel;
-      eb.param_dtype = ToKernel(b.param_dtype);
-      eb.grad_dtype = ToKernel(b.grad_dtype);
+      eb.param_dtype = ToKernelDType(b.param_dtype);
+      eb.grad_dtype = ToKernelDType(b.grad_dtype);
       eb.master = b.master;
       eb.exp_avg = b.exp_avg;
       eb.exp_avg_sq = b.exp_avg_sq;
@@ -204,7 +188,7 @@ class AdamWSessionPlane {
     std::string err = MoveState(cmd, load, &rec.step);
     if (!err.empty()) {
       rec.status = CompletionStatus::kInvalid;
-      SetMessage(&rec, err);
+      SetCompletionMessage(&rec, err);
     }
     Complete(rec);
   }
@@ -222,46 +206,12 @@ class AdamWSessionPlane {
       }
       return "";
     }
-    const size_t n = engine_->ParamNumel(cmd.param_id);
-    if (n == 0) return "unknown param_id " + std::to_string(cmd.param_id);
-    if (cmd.field == StateField::kStep) {
-      if (!load) return engine_->GetStep(cmd.param_id, step_out);
-      std::string err = engine_->SetStep(cmd.param_id, cmd.step);
-      if (err.empty()) SetStepCounter(cmd.param_id, cmd.step);
-      return err;
-    }
-    using Array = optimizer::AdamWEngine::StateArray;
-    Array which;
-    switch (cmd.field) {
-      case StateField::kMaster:
-        which = Array::kMaster;
-        break;
-      case StateField::kExpAvg:
-        which = Array::kExpAvg;
-        break;
-      case StateField::kExpAvgSq:
-        which = Array::kExpAvgSq;
-        break;
-      default:
-        return "unknown state field " + std::to_string(static_cast<uint32_t>(cmd.field)) +
-               "; accepted: 0 (master), 1 (exp_avg), 2 (exp_avg_sq), 3 (step), 4 (param from slot)";
-    }
-    if (cmd.bytes != n * sizeof(float)) {
-      return "state payload is " + std::to_string(cmd.bytes) + " bytes; param " +
-             std::to_string(cmd.param_id) + " needs " + std::to_string(n * sizeof(float));
-    }
-    void* payload = resolver_(cmd.region_id, cmd.region_offset, cmd.bytes);
-    if (payload == nullptr) {
-      return "region " + std::to_string(cmd.region_id) + " [" + std::to_string(cmd.region_offset) +
-             ", +" + std::to_string(cmd.bytes) + ") is not a region of this session";
-    }
-    // One field moves straight between the payload and the engine (no copies of
-    // the other two). Offsets are the client's; keep float access aligned.
-    if (reinterpret_cast<uintptr_t>(payload) % alignof(float) != 0)
-      return "state payload offset " + std::to_string(cmd.region_offset) +
-             " is not a multiple of 4";
-    return load ? engine_->ImportArray(cmd.param_id, which, static_cast<const float*>(payload))
-                : engine_->ExportArray(cmd.param_id, which, static_cast<float*>(payload));
+    bool imported = false;
+    uint64_t imported_step = 0;
+    std::string err =
+        MoveOptimizerState(*engine_, cmd, resolver_, step_out, &imported, &imported_step);
+    if (err.empty() && imported) SetStepCounter(cmd.param_id, imported_step);
+    return err;
   }
 
   void OnParamDone(uint64_t id, uint64_t step, bool updated, uint64_t param_step) {
@@ -281,7 +231,7 @@ class AdamWSessionPlane {
     rec.step = r.step;
     rec.grad_norm = r.grad_norm;
     rec.params_updated = r.params_updated;
-    if (!r.error.empty()) SetMessage(&rec, r.error);
+    if (!r.error.empty()) SetCompletionMessage(&rec, r.error);
     Complete(rec);
   }
 
@@ -299,7 +249,7 @@ class AdamWSessionPlane {
     rec.seq = seq;
     rec.param_id = param_id;
     rec.step = step;
-    SetMessage(&rec, why);
+    SetCompletionMessage(&rec, why);
     Complete(rec);
   }
 
@@ -391,5 +341,7 @@ void OptimizerService::EndSession(uint64_t session_id) {
 }
 
 unsigned OptimizerService::worker_threads() const { return impl_->pool.size(); }
+
+optimizer::WorkerPool* OptimizerService::pool() { return &impl_->pool; }
 
 }  // namespace trainstream::daemon

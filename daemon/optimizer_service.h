@@ -16,6 +16,10 @@
 
 #include "trainstream/wire/session_control.h"
 
+namespace trainstream::optimizer {
+class WorkerPool;
+}
+
 namespace trainstream::daemon {
 
 class AdamWSessionPlane;  // optimizer_service.cc
@@ -74,6 +78,9 @@ class OptimizerService {
   void EndSession(uint64_t session_id);
 
   unsigned worker_threads() const;
+
+  // The AdamW worker pool (data-parallel groups run their engines on it too).
+  optimizer::WorkerPool* pool();
 
  private:
   struct Impl;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "trainstream/wire/segment_header.h"
@@ -123,7 +124,8 @@ grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
   return grpc::Status::OK;
 }
 
-RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest& req) {
+RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest& req,
+                                             uint32_t grad_slots, bool sum_slot) {
   constexpr uint64_t kSlotAlign = 64;
   constexpr uint64_t kPage = 4096;
   RegistrationLayout layout;
@@ -141,7 +143,13 @@ RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest
     pl.numel = 1;
     for (int64_t d : p.shape()) pl.numel *= static_cast<uint64_t>(d);
     pl.grad_offset = AlignUp(staging, kSlotAlign);
-    staging = pl.grad_offset + pl.numel * DTypeBytes(GradDType(p));
+    pl.grad_stride = AlignUp(pl.numel * DTypeBytes(GradDType(p)), kSlotAlign);
+    staging =
+        pl.grad_offset + (grad_slots - 1) * pl.grad_stride + pl.numel * DTypeBytes(GradDType(p));
+    if (sum_slot) {
+      pl.sum_offset = AlignUp(staging, kSlotAlign);
+      staging = pl.sum_offset + pl.numel * 4;
+    }
     pl.param_offset = AlignUp(staging, kSlotAlign);
     staging = pl.param_offset + pl.numel * DTypeBytes(p.dtype());
     pl.master_offset = AlignUp(state, kSlotAlign);
@@ -154,6 +162,35 @@ RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest
   layout.staging_bytes = AlignUp(staging, kPage);
   layout.state_bytes = AlignUp(state, kPage);
   return layout;
+}
+
+wire::StateManifestEntry* WriteStateManifest(char* state_base, const RegistrationLayout& layout,
+                                             const v1::RegisterParametersRequest& req) {
+  auto* header = reinterpret_cast<wire::SegmentHeader*>(state_base);
+  header->manifest_offset = layout.manifest_offset;
+  header->manifest_bytes = layout.manifest_bytes;
+  auto* manifest = reinterpret_cast<wire::StateManifest*>(state_base + layout.manifest_offset);
+  manifest->magic = wire::kSegmentMagic;
+  manifest->entries = static_cast<uint32_t>(req.params_size());
+  manifest->moment_dtype = static_cast<uint32_t>(MomentDType(req));
+  manifest->step = 0;
+  manifest->seed = req.seed();
+  auto* entries = reinterpret_cast<wire::StateManifestEntry*>(manifest + 1);
+  for (int i = 0; i < req.params_size(); ++i) {
+    const auto& p = req.params(i);
+    const ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
+    wire::StateManifestEntry& e = entries[i];
+    std::memset(static_cast<void*>(&e), 0, sizeof(e));
+    e.param_id = p.param_id();
+    e.numel = pl.numel;
+    e.dtype = static_cast<uint32_t>(p.dtype());
+    e.group = p.group();
+    e.master_offset = pl.master_offset;
+    e.exp_avg_offset = pl.exp_avg_offset;
+    e.exp_avg_sq_offset = pl.exp_avg_sq_offset;
+    std::strncpy(e.name, p.name().c_str(), sizeof(e.name) - 1);
+  }
+  return entries;
 }
 
 }  // namespace trainstream::daemon

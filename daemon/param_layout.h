@@ -4,6 +4,9 @@
 //   [0, 4096)  SegmentHeader
 //   per parameter, in request order: grad slot (numel * grad dtype size), then
 //   param slot (numel * dtype size); every slot starts 64-byte aligned.
+//   A data-parallel group's staging (one segment every local rank maps) has,
+//   per parameter: one grad slot per local rank (grad_offset + r * grad_stride),
+//   an fp32 sum slot, then the one param slot all ranks copy from.
 //   Slot offsets are from the start of the segment.
 //
 // State segment (kind state, daemon only; re-adoptable after a restart):
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "trainstream/v1/control.pb.h"
+#include "trainstream/wire/segment_header.h"
 
 namespace trainstream::daemon {
 
@@ -38,7 +42,9 @@ grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
 
 struct ParamPlacement {
   uint64_t numel = 0;
-  uint64_t grad_offset = 0;    // staging segment
+  uint64_t grad_offset = 0;    // staging segment (local rank 0's in a group)
+  uint64_t grad_stride = 0;    // bytes between consecutive ranks' grad slots
+  uint64_t sum_offset = 0;     // group staging only: fp32[numel]; else 0
   uint64_t param_offset = 0;   // staging segment
   uint64_t master_offset = 0;  // state segment
   uint64_t exp_avg_offset = 0;
@@ -53,8 +59,16 @@ struct RegistrationLayout {
   uint64_t manifest_bytes = 0;
 };
 
-// Layout for a validated request.
-RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest& req);
+// Layout for a validated request. A group's staging has `grad_slots` (its
+// local world size) gradient slots and a sum slot per parameter.
+RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest& req,
+                                             uint32_t grad_slots = 1, bool sum_slot = false);
+
+// Writes the manifest of a state segment mapped at `state_base` (its
+// SegmentHeader first) for `req` laid out as `layout`. Returns the entries, one
+// per parameter in request order; their `step` is kept current by the optimizer.
+wire::StateManifestEntry* WriteStateManifest(char* state_base, const RegistrationLayout& layout,
+                                             const v1::RegisterParametersRequest& req);
 
 inline uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "group_registry.h"
 #include "param_layout.h"
 #include "token.h"
 #include "trainstream/wire/segment_header.h"
@@ -49,9 +50,24 @@ uint64_t Session::BytesHeld() {
 
 SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
                                  OptimizerService* optimizer)
-    : config_(config), budget_(budget), optimizer_(optimizer) {}
+    : config_(config), budget_(budget), optimizer_(optimizer) {
+#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
+  if (optimizer_ != nullptr) {
+    groups_ = std::make_unique<GroupRegistry>(
+        [this](uint32_t kind, uint64_t bytes, const std::string& what, const SegmentOwner& owner,
+               std::unique_ptr<ShmSegment>* out) {
+          return CreateSegment(owner, kind, bytes, what, out);
+        },
+        [this](std::unique_ptr<ShmSegment> seg) { DropSegment(std::move(seg)); },
+        optimizer_->pool());
+  }
+#endif
+}
 
-SessionRegistry::~SessionRegistry() { EndAll("daemon exiting"); }
+SessionRegistry::~SessionRegistry() {
+  EndAll("daemon exiting");
+  groups_.reset();  // before the budget and segments' owners go
+}
 
 void SessionRegistry::SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
                                   std::function<void(uint64_t)> unwatch) {
@@ -62,14 +78,20 @@ void SessionRegistry::SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
 grpc::Status SessionRegistry::CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes,
                                             const std::string& what,
                                             std::unique_ptr<ShmSegment>* out) {
-  grpc::Status st = budget_->Reserve(total_bytes, what);
-  if (!st.ok()) return st;
   SegmentOwner owner;
   owner.session_id = s.id;
   owner.uid = s.creds.uid;
   owner.job = s.job;
   owner.rank = s.rank;
   owner.local_rank = s.local_rank;
+  return CreateSegment(owner, kind, total_bytes, what, out);
+}
+
+grpc::Status SessionRegistry::CreateSegment(const SegmentOwner& owner, uint32_t kind,
+                                            uint64_t total_bytes, const std::string& what,
+                                            std::unique_ptr<ShmSegment>* out) {
+  grpc::Status st = budget_->Reserve(total_bytes, what);
+  if (!st.ok()) return st;
   st = ShmSegment::Create(config_.shm_dir, kind, total_bytes, owner, config_.lock_memory, out);
   if (!st.ok()) {
     budget_->Release(total_bytes);
@@ -134,6 +156,14 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
     }
     control_bytes = AlignUp(req.control_bytes(), kPage);
   }
+  if (req.has_group()) {
+    if (!groups_) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "attach.group: this trainstreamd was built without the optimizer "
+                          "service, so it has no data-parallel groups");
+    }
+    if (grpc::Status st = GroupRegistry::Validate(req.group()); !st.ok()) return st;
+  }
   if (req.pid() != 0 && req.pid() != creds.pid) {
     spdlog::warn("attach: client says pid {}, SO_PEERCRED says {} (pid namespaces?); using {}",
                  req.pid(), creds.pid, creds.pid);
@@ -145,6 +175,7 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
   s->job = req.job();
   s->rank = req.rank();
   s->local_rank = req.local_rank();
+  s->group = req.has_group() ? req.group().key() : "";
   s->started = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -206,10 +237,24 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
       if (offset > r.length || bytes > r.length - offset) return nullptr;
       return r.segment->base() + r.offset + offset;
     };
-    std::lock_guard<std::mutex> lock(s->mu);
-    void* control = s->regions.at(s->control_region_id).segment->base() + wire::kSegmentHeaderBytes;
-    optimizer_->StartSession(s->id, control, std::move(resolver));
-    s->optimizer_started = true;
+    void* control = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      control = s->regions.at(s->control_region_id).segment->base() + wire::kSegmentHeaderBytes;
+    }
+    if (!s->group.empty()) {
+      // A group member's rings are served by its group's plane, not its own.
+      GroupJoiner joiner{s->id, creds.pid, creds.uid, s->job, control, std::move(resolver)};
+      grpc::Status st = groups_->Join(joiner, req.group());
+      if (!st.ok()) {
+        End(s->id, "could not join its group", true);
+        return st;
+      }
+    } else {
+      std::lock_guard<std::mutex> lock(s->mu);
+      optimizer_->StartSession(s->id, control, std::move(resolver));
+      s->optimizer_started = true;
+    }
   }
 #endif
   // A client that died before this point is noticed here (the pidfd cannot be
@@ -284,8 +329,10 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool c
     }
   }
 #ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
-  // Before any of the session's memory is unmapped (optimizer_service.h).
+  // Before any of the session's memory is unmapped (optimizer_service.h,
+  // group_registry.h).
   if (optimizer_ != nullptr && s->optimizer_started) optimizer_->EndSession(session_id);
+  if (groups_ && !s->group.empty()) groups_->Leave(session_id, reason);
 #endif
   std::map<uint64_t, SessionRegion> regions;
   {
@@ -301,6 +348,7 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool c
     DropSegment(std::move(r.segment));
   }
   s->retired.clear();
+  for (const auto& hook : end_hooks_) hook(session_id);
   spdlog::info("session {} ended ({}): pid={} uid={} freed {} bytes", session_id, reason,
                s->creds.pid, s->creds.uid, freed);
 }
@@ -335,6 +383,20 @@ uint64_t SessionRegistry::pinned_bytes() const { return pinned_bytes_.load(); }
 grpc::Status SessionRegistry::RegisterParameters(Session& s,
                                                  const v1::RegisterParametersRequest& req,
                                                  v1::RegisterParametersResponse* resp) {
+  if (!s.group.empty() && groups_) {
+    // Not under s.mu: the group barrier waits for the other local ranks, and
+    // End (which holds s.mu) must be able to break the group meanwhile.
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (s.closed)
+        return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+    }
+    grpc::Status st = groups_->Register(s.id, req, resp);
+    if (!st.ok()) return st;
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const auto& p : req.params()) s.param_ids.insert(p.param_id());
+    return st;
+  }
   std::lock_guard<std::mutex> lock(s.mu);
   if (s.closed)
     return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
@@ -357,15 +419,7 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
 
   const int moment =
       req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype();
-  state->header()->manifest_offset = layout.manifest_offset;
-  state->header()->manifest_bytes = layout.manifest_bytes;
-  auto* manifest = reinterpret_cast<wire::StateManifest*>(state->base() + layout.manifest_offset);
-  manifest->magic = wire::kSegmentMagic;
-  manifest->entries = static_cast<uint32_t>(req.params_size());
-  manifest->moment_dtype = static_cast<uint32_t>(moment);
-  manifest->step = 0;
-  manifest->seed = req.seed();
-  auto* entries = reinterpret_cast<wire::StateManifestEntry*>(manifest + 1);
+  wire::StateManifestEntry* entries = WriteStateManifest(state->base(), layout, req);
 
 #ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
   std::vector<ParamBinding> bindings;
@@ -374,15 +428,6 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
     const auto& p = req.params(i);
     const ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
     wire::StateManifestEntry& e = entries[i];
-    std::memset(static_cast<void*>(&e), 0, sizeof(e));
-    e.param_id = p.param_id();
-    e.numel = pl.numel;
-    e.dtype = static_cast<uint32_t>(p.dtype());
-    e.group = p.group();
-    e.master_offset = pl.master_offset;
-    e.exp_avg_offset = pl.exp_avg_offset;
-    e.exp_avg_sq_offset = pl.exp_avg_sq_offset;
-    std::strncpy(e.name, p.name().c_str(), sizeof(e.name) - 1);
 
     auto* slot = resp->add_slots();
     slot->set_param_id(p.param_id());
@@ -485,9 +530,9 @@ grpc::Status SessionRegistry::FreeRegion(Session& s, const v1::FreeRegionRequest
     s.regions.erase(it);
   }
   *bytes_freed = region.segment->size();
-  if (s.optimizer_started && !s.param_ids.empty()) {
-    // The optimizer may still be copying from it (a kLoadState/kExportState of
-    // a registered parameter in flight):
+  if ((s.optimizer_started || !s.group.empty()) && !s.param_ids.empty()) {
+    // The optimizer (the session's or its group's) may still be copying from
+    // it (a kLoadState/kExportState of a registered parameter in flight):
     // remove the name now, keep the mapping (and its budget) until teardown.
     region.segment->Unlink();
     s.retired.push_back(std::move(region));
@@ -514,6 +559,7 @@ void SessionRegistry::FillStatus(v1::StatusResponse* out) {
     ss->set_rank(s->rank);
     ss->set_local_rank(s->local_rank);
     ss->set_age_s(std::chrono::duration<double>(now - s->started).count());
+    ss->set_group(s->group);
     {
       std::lock_guard<std::mutex> lock(s->mu);
       ss->set_params(s->param_ids.size());
@@ -531,6 +577,7 @@ void SessionRegistry::FillStatus(v1::StatusResponse* out) {
     }
     ss->set_bytes_held(held);
   }
+  if (groups_) groups_->FillStatus(out);
 }
 
 }  // namespace trainstream::daemon

@@ -31,6 +31,7 @@
 
 namespace trainstream::daemon {
 
+class GroupRegistry;
 class OptimizerService;
 
 using SessionStream = grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionMessage>;
@@ -62,6 +63,7 @@ class Session {
   PeerCredentials creds;
   std::string job;
   int32_t rank = -1, local_rank = -1;
+  std::string group;  // data-parallel group key ("" when none)
   std::chrono::steady_clock::time_point started;
   uint64_t control_region_id = 0;
 
@@ -97,6 +99,10 @@ class SessionRegistry {
 
   void SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
                    std::function<void(uint64_t)> unwatch);
+  // Called with the session id at the end of End(), after `closed` is set and
+  // the session's memory is freed (e.g. the base cache drops its references).
+  // Set before sessions exist.
+  void AddEndHook(std::function<void(uint64_t)> hook) { end_hooks_.push_back(std::move(hook)); }
 
   // Attach: creates the session and its control segment, registers the stream.
   grpc::Status Create(const PeerCredentials& creds, const v1::AttachRequest& req,
@@ -129,6 +135,8 @@ class SessionRegistry {
  private:
   grpc::Status CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes,
                              const std::string& what, std::unique_ptr<ShmSegment>* out);
+  grpc::Status CreateSegment(const SegmentOwner& owner, uint32_t kind, uint64_t total_bytes,
+                             const std::string& what, std::unique_ptr<ShmSegment>* out);
   uint64_t AddRegion(Session& s, std::unique_ptr<ShmSegment> seg, const std::string& label,
                      uint64_t length, bool client_freeable);
   void DropSegment(std::unique_ptr<ShmSegment> seg);
@@ -137,8 +145,12 @@ class SessionRegistry {
   const DaemonConfig config_;
   Budget* const budget_;
   OptimizerService* const optimizer_;  // null when the optimizer service is not built in
+  // Data-parallel groups (null without the optimizer service). Declared after
+  // the members its callbacks use.
+  std::unique_ptr<GroupRegistry> groups_;
   std::function<bool(uint64_t, pid_t)> watch_pid_;
   std::function<void(uint64_t)> unwatch_pid_;
+  std::vector<std::function<void(uint64_t)>> end_hooks_;
 
   std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // Guarded by mu_.

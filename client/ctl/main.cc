@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "base_commands.h"
 #include "status_table.h"
 #include "trainstream/client.h"
 
@@ -47,6 +48,23 @@ int main(int argc, char** argv) {
   bool drain = false;
   shutdown_cmd->add_flag("--drain", drain,
                          "Refuse new sessions and exit once the last one detaches");
+  auto* base_cmd = app.add_subcommand("base", "Frozen bases: load, list, drop");
+  base_cmd->require_subcommand(1);
+  auto* base_load = base_cmd->add_subcommand(
+      "load", "Load a .safetensors file or model folder into the daemon's base cache");
+  trainstream::BaseLoadOptions load_options;
+  base_load->add_option("path", load_options.path, "Checkpoint file or folder")->required();
+  base_load->add_option("--format", load_options.format,
+                        "none (default), int8, nf4, fp8 or nvfp4 (block-stack linear weights)");
+  base_load->add_option("--block-size", load_options.block_size,
+                        "int8/nf4 block size (even, >= 2; default 64)");
+  bool base_json = false;
+  base_load->add_flag("--json", base_json, "Print the loaded base as JSON");
+  auto* base_list = base_cmd->add_subcommand("list", "Cached bases (yours; all for admins)");
+  base_list->add_flag("--json", base_json, "Print JSON");
+  auto* base_drop = base_cmd->add_subcommand("drop", "Remove an unreferenced base now");
+  std::string drop_key;
+  base_drop->add_option("key", drop_key, "The base's key (from `base list`)")->required();
   CLI11_PARSE(app, argc, argv);
 
   std::unique_ptr<trainstream::Client> client;
@@ -71,6 +89,14 @@ int main(int argc, char** argv) {
       std::printf("%s", trainstream::ctl::RenderStatusTable(nlohmann::json::parse(doc)).c_str());
     }
     return 0;
+  }
+  if (base_cmd->parsed()) {
+    s = trainstream::ctl::RunBaseCommand(*client,
+                                         base_load->parsed()   ? "load"
+                                         : base_list->parsed() ? "list"
+                                                               : "drop",
+                                         load_options, drop_key, base_json);
+    return s.ok() ? 0 : Fail(s);
   }
   if (shutdown_cmd->parsed()) {
     uint32_t sessions = 0;

@@ -80,6 +80,22 @@ std::string RenderStatusTable(const nlohmann::json& s) {
         << Pad(std::to_string(b["refcount"].get<uint32_t>()), 6) << HumanBytes(b["bytes"]) << "\n";
     }
   }
+  if (s.contains("groups") && !s["groups"].empty()) {
+    const auto& groups = s["groups"];
+    o << "\nDATA-PARALLEL GROUPS (" << groups.size() << ")\n";
+    o << Pad("KEY", 40) << Pad("STATE", 9) << Pad("RANKS", 7) << Pad("NODE", 7)
+      << Pad("OPTIMIZER", 12) << "STAGING\n";
+    for (const auto& g : groups) {
+      o << Pad(g["key"].get<std::string>(), 40) << Pad(g["state"].get<std::string>(), 9)
+        << Pad(std::to_string(g["members"].get<uint32_t>()) + "/" +
+                   std::to_string(g["local_world_size"].get<int32_t>()),
+               7)
+        << Pad(std::to_string(g["node_rank"].get<int32_t>()) + "/" +
+                   std::to_string(g["nnodes"].get<int32_t>()),
+               7)
+        << Pad(HumanBytes(g["state_bytes"]), 12) << HumanBytes(g["staging_bytes"]) << "\n";
+    }
+  }
   return o.str();
 }
 

@@ -119,6 +119,16 @@ Status Client::Attach(const AttachOptions& options, std::unique_ptr<Session>* ou
   a->set_rank(options.rank);
   a->set_local_rank(options.local_rank);
   a->set_control_bytes(options.control_bytes);
+  if (!options.group.key.empty()) {
+    auto* g = a->mutable_group();
+    g->set_key(options.group.key);
+    g->set_local_rank(options.group.local_rank);
+    g->set_local_world_size(options.group.local_world_size);
+    g->set_node_rank(options.group.node_rank);
+    g->set_nnodes(options.group.nnodes);
+    g->set_world_size(options.group.world_size);
+    g->set_timeout_s(options.group.timeout_s);
+  }
   v1::SessionEvent event;
   if (!impl->stream->Write(msg) || !impl->stream->Read(&event)) {
     return FromGrpc(impl->stream->Finish(), impl->socket_path);
@@ -129,6 +139,7 @@ Status Client::Attach(const AttachOptions& options, std::unique_ptr<Session>* ou
     return Status(StatusCode::kInternal, "trainstreamd answered Attach without an Attached event");
   }
   const v1::Attached& att = event.attached();
+  impl->group_timeout_s = options.group.key.empty() ? 0 : options.group.timeout_s;
   impl->id = att.session_id();
   impl->token = att.session_token();
   impl->shm_dir = att.shm_dir();
@@ -226,8 +237,11 @@ Status Session::RegisterParameters(const RegisterOptions& options,
   req.set_max_grad_norm(options.max_grad_norm);
   req.set_seed(options.seed);
   req.set_threads(options.threads);
+  req.set_weights_checksum(options.weights_checksum);
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, kUnaryTimeoutS);
+  // A group member's registration waits for the other local ranks (at most the
+  // group's timeout, enforced by the daemon).
+  SetDeadline(&ctx, kUnaryTimeoutS + static_cast<int>(impl_->group_timeout_s));
   v1::RegisterParametersResponse resp;
   Status s = FromGrpc(impl_->stub->RegisterParameters(&ctx, req, &resp), impl_->socket_path);
   if (!s.ok()) return s;
@@ -235,8 +249,8 @@ Status Session::RegisterParameters(const RegisterOptions& options,
   if (!s.ok()) return s;
   out->slots.clear();
   for (const auto& sl : resp.slots()) {
-    out->slots.push_back(
-        ParameterSlots{sl.param_id(), sl.grad_offset(), sl.param_offset(), sl.numel()});
+    out->slots.push_back(ParameterSlots{sl.param_id(), sl.grad_offset(), sl.param_offset(),
+                                        sl.numel(), sl.sum_offset()});
   }
   return Status::Ok();
 }

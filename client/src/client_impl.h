@@ -32,6 +32,7 @@ struct Session::Impl {
   std::string token;
   std::string shm_dir;
   std::unique_ptr<MappedRegion> control;
+  double group_timeout_s = 0;  // group sessions: how long registration may wait
 
   std::thread reader;  // reads daemon events until the stream ends
   mutable std::mutex mu;

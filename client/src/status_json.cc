@@ -46,7 +46,8 @@ std::string StatusToJson(const v1::StatusResponse& s, int indent) {
                         {"local_rank", x.local_rank()},
                         {"bytes_held", x.bytes_held()},
                         {"params", x.params()},
-                        {"age_s", x.age_s()}});
+                        {"age_s", x.age_s()},
+                        {"group", x.group()}});
   }
   doc["sessions"] = sessions;
   json segments = json::array();
@@ -71,9 +72,26 @@ std::string StatusToJson(const v1::StatusResponse& s, int indent) {
     bases.push_back({{"key", x.key()},
                      {"bytes", x.bytes()},
                      {"refcount", x.refcount()},
-                     {"format", x.format()}});
+                     {"format", x.format()},
+                     {"path", x.path()},
+                     {"owner_uid", x.owner_uid()}});
   }
   doc["bases"] = bases;
+  json groups = json::array();
+  for (const auto& g : s.groups()) {
+    groups.push_back({{"key", g.key()},
+                      {"uid", g.uid()},
+                      {"local_world_size", g.local_world_size()},
+                      {"members", g.members()},
+                      {"node_rank", g.node_rank()},
+                      {"nnodes", g.nnodes()},
+                      {"world_size", g.world_size()},
+                      {"state", g.state()},
+                      {"state_bytes", g.state_bytes()},
+                      {"staging_bytes", g.staging_bytes()},
+                      {"params", g.params()}});
+  }
+  doc["groups"] = groups;
   return doc.dump(indent);
 }
 

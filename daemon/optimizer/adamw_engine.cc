@@ -105,7 +105,20 @@ AdamWEngine::AdamWEngine(WorkerPool* pool, EngineOptions options)
           options.workers == 0 || options.workers > pool->size() ? pool->size() : options.workers,
           0) {}
 
-AdamWEngine::~AdamWEngine() { WaitIdle(); }
+AdamWEngine::~AdamWEngine() {
+  // A step whose StepEnd never came (its client died mid-step) would keep a
+  // deferred step's submissions in flight forever, and WaitIdle with them: end
+  // such steps first. Their results go to callbacks the owner is discarding.
+  std::vector<uint64_t> open;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [step, s] : steps_) {
+      if (!s->ended) open.push_back(step);
+    }
+  }
+  for (uint64_t step : open) StepEnd(step);
+  WaitIdle();
+}
 
 void AdamWEngine::SetCallbacks(ParamDoneCallback param_done, StepDoneCallback step_done) {
   param_done_ = std::move(param_done);

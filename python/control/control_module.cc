@@ -49,6 +49,45 @@ struct PyRegion {
   uintptr_t base_address() const { return address() - region->info().offset; }
 };
 
+py::dict BaseInfoDict(const BaseInfo& b) {
+  py::dict d;
+  d["key"] = b.key;
+  d["path"] = b.path;
+  d["format"] = b.format;
+  d["block_size"] = b.block_size;
+  d["owner_uid"] = b.owner_uid;
+  d["segment_name"] = b.segment_name;
+  d["segment_bytes"] = b.segment_bytes;
+  d["source_bytes"] = b.source_bytes;
+  d["tensors"] = b.tensors;
+  d["quantized_tensors"] = b.quantized_tensors;
+  d["refcount"] = b.refcount;
+  d["sessions"] = b.sessions;
+  d["load_seconds"] = b.load_seconds;
+  d["scratch_peak_bytes"] = b.scratch_peak_bytes;
+  d["cached"] = b.cached;
+  return d;
+}
+
+// Progress callbacks run on the calling thread with the GIL released around
+// the RPC: take it back for the Python callable.
+BaseProgressFn WrapProgress(const py::object& progress) {
+  if (progress.is_none()) return nullptr;
+  return [progress](const BaseProgress& p) {
+    py::gil_scoped_acquire gil;
+    progress(p.bytes_read, p.bytes_total, p.tensors_done, p.tensors_total);
+  };
+}
+
+BaseLoadOptions LoadOptions(const std::string& path, const std::string& format,
+                            uint32_t block_size) {
+  BaseLoadOptions o;
+  o.path = path;
+  o.format = format;
+  o.block_size = block_size;
+  return o;
+}
+
 template <typename T>
 T GetOr(const py::dict& d, const char* key, T fallback) {
   return d.contains(key) ? d[key].cast<T>() : fallback;
@@ -128,8 +167,9 @@ class Internal(ControlError): pass
           "register_parameters",
           [](Session& s, const py::list& groups, const py::list& params,
              const std::string& moment_dtype, double max_grad_norm, uint64_t seed,
-             uint32_t threads) {
+             const std::string& weights_checksum, uint32_t threads) {
             RegisterOptions options;
+            options.weights_checksum = weights_checksum;
             for (auto g : groups) {
               auto d = g.cast<py::dict>();
               AdamWHyperParams h;
@@ -171,13 +211,15 @@ class Internal(ControlError): pass
               d["grad_offset"] = slot.grad_offset;
               d["param_offset"] = slot.param_offset;
               d["numel"] = slot.numel;
+              d["sum_offset"] = slot.sum_offset;
               slots.append(d);
             }
             return py::make_tuple(PyRegion{std::shared_ptr<MappedRegion>(std::move(reg.staging))},
                                   slots);
           },
           py::arg("groups"), py::arg("params"), py::arg("moment_dtype") = "float32",
-          py::arg("max_grad_norm") = 0.0, py::arg("seed") = 0, py::arg("threads") = 0)
+          py::arg("max_grad_norm") = 0.0, py::arg("seed") = 0, py::arg("weights_checksum") = "",
+          py::arg("threads") = 0)
       .def(
           "allocate_region",
           [](Session& s, uint64_t bytes, const std::string& label) {
@@ -197,6 +239,37 @@ class Internal(ControlError): pass
              Check(s.FreeRegion(region_id, &freed));
              return freed;
            })
+      .def(
+          "load_base",
+          [](Session& s, const std::string& path, const std::string& format, uint32_t block_size,
+             py::object progress) {
+            BaseInfo info;
+            std::unique_ptr<MappedRegion> mapped;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.LoadBase(LoadOptions(path, format, block_size), WrapProgress(progress), &info,
+                              &mapped);
+            }
+            Check(st);
+            return py::make_tuple(BaseInfoDict(info),
+                                  PyRegion{std::shared_ptr<MappedRegion>(std::move(mapped))});
+          },
+          py::arg("path"), py::arg("format") = "", py::arg("block_size") = 0,
+          py::arg("progress") = py::none(),
+          "Loads (or finds) a base, takes this session's reference and maps it read-only: "
+          "(info dict, Region)")
+      .def(
+          "release_base",
+          [](Session& s, const std::string& key) {
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.ReleaseBase(key);
+            }
+            Check(st);
+          },
+          py::arg("key"))
       .def("alive",
            [](const Session& s) {
              std::string why;
@@ -249,12 +322,55 @@ class Internal(ControlError): pass
           },
           py::arg("drain") = false)
       .def(
+          "load_base",
+          [](Client& c, const std::string& path, const std::string& format, uint32_t block_size,
+             py::object progress) {
+            BaseInfo info;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = c.LoadBase(LoadOptions(path, format, block_size), WrapProgress(progress), &info);
+            }
+            Check(st);
+            return BaseInfoDict(info);
+          },
+          py::arg("path"), py::arg("format") = "", py::arg("block_size") = 0,
+          py::arg("progress") = py::none())
+      .def("list_bases",
+           [](Client& c) {
+             std::vector<BaseInfo> bases;
+             Check(c.ListBases(&bases));
+             py::list out;
+             for (const auto& b : bases) out.append(BaseInfoDict(b));
+             return out;
+           })
+      .def(
+          "drop_base",
+          [](Client& c, const std::string& key) {
+            uint64_t freed = 0;
+            Check(c.DropBase(key, &freed));
+            return freed;
+          },
+          py::arg("key"))
+      .def(
           "attach",
-          [](Client& c, const std::string& job, int rank, int local_rank) {
+          [](Client& c, const std::string& job, int rank, int local_rank, const py::object& group) {
             AttachOptions options;
             options.job = job;
             options.rank = rank;
             options.local_rank = local_rank;
+            if (!group.is_none()) {
+              // {"key", "local_rank", "local_world_size", "node_rank", "nnodes",
+              //  "world_size", "timeout_s"}: GroupOptions (client.h).
+              auto d = group.cast<py::dict>();
+              options.group.key = d["key"].cast<std::string>();
+              options.group.local_rank = d["local_rank"].cast<int32_t>();
+              options.group.local_world_size = d["local_world_size"].cast<int32_t>();
+              options.group.node_rank = GetOr<int32_t>(d, "node_rank", 0);
+              options.group.nnodes = GetOr<int32_t>(d, "nnodes", 1);
+              options.group.world_size = d["world_size"].cast<int32_t>();
+              options.group.timeout_s = GetOr<double>(d, "timeout_s", 60.0);
+            }
             std::unique_ptr<Session> session;
             Status st;
             {
@@ -264,5 +380,6 @@ class Internal(ControlError): pass
             Check(st);
             return session;
           },
-          py::arg("job") = "", py::arg("rank") = -1, py::arg("local_rank") = -1);
+          py::arg("job") = "", py::arg("rank") = -1, py::arg("local_rank") = -1,
+          py::arg("group") = py::none());
 }

@@ -151,6 +151,16 @@ class DataPlane {
     return rec.seq;
   }
 
+  // Data-parallel group, local rank 0 with several machines: param_id's sum
+  // slot holds the all-reduced gradient of `step` (answers REDUCE_READY).
+  uint64_t PostGradReduced(uint64_t param_id, uint64_t step) {
+    CommandRecord rec = MakeRecord(Opcode::kGradReduced);
+    rec.param_id = param_id;
+    rec.step = step;
+    Push(rec);
+    return rec.seq;
+  }
+
   uint64_t PostSync() {
     WaitPosterIdle();
     CommandRecord rec = MakeRecord(Opcode::kSync);
@@ -435,6 +445,7 @@ void RegisterDataPlaneBindings(py::module_& m) {
       .def("post_state", &DataPlane::PostState, py::arg("load"), py::arg("param_id"),
            py::arg("field"), py::arg("region_id"), py::arg("region_offset"), py::arg("bytes"),
            py::arg("step") = 0)
+      .def("post_grad_reduced", &DataPlane::PostGradReduced, py::arg("param_id"), py::arg("step"))
       .def("post_sync", &DataPlane::PostSync)
       .def("poll", &DataPlane::Poll, py::arg("timeout_ms"))
       .def("copy_param", &DataPlane::CopyParam, py::arg("param"), py::arg("slot"))

@@ -126,6 +126,10 @@ OPTIONS: Dict[str, tuple] = {
     "socket": (None, "None (TRAINSTREAM_SOCKET or the default) or a path", _str_or_none),
     "job": (None, "None or a job name", _str_or_none),
     "seed": (0, "an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "distributed": (None, "None (auto: data parallel when a torch.distributed process group has "
+                    "more than one rank), True or False", lambda v: v is None or isinstance(v, bool)),
+    "shared_state": (None, "None ($TRAINSTREAM_SHM, default 1), True (one optimizer state per "
+                     "machine) or False (per-rank copies)", lambda v: v is None or isinstance(v, bool)),
     # Paging and the memory planner (docs/paging.md).
     "param_offload": ("auto", "'auto', True, False, a fraction in [0, 1] of the blocks, or a "
                       "list of block indices", _block_policy(True)),

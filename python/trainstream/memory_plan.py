@@ -153,6 +153,9 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                       prepared.capacity.h2d_gb_s if prepared.capacity else 0.0)
 
     def before_forward(module, args):
+        # A deepcopy of the wrapped model carries this hook; it is not this session's.
+        if getattr(module, "_trainstream_session", None) is not session:
+            return
         if torch.is_grad_enabled() and not in_backward():
             attention.refresh()
             adapter.on_forward(module, args)

@@ -25,6 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 
 from . import _daemon, _gpu_adamw
+from . import distributed as _distributed
 from ._options import validate
 from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
 
@@ -34,6 +35,7 @@ _OP_STEP_DONE = 17
 _OP_STATE_DONE = 18
 _OP_SYNC_DONE = 19
 _OP_ERROR = 20
+_OP_GROUP_BROKEN = 22
 _STATUS_OK = 0
 _STATUS_SKIPPED_NONFINITE = 1
 _FIELD_MASTER, _FIELD_EXP_AVG, _FIELD_EXP_AVG_SQ, _FIELD_STEP, _FIELD_PARAM_FROM_SLOT = range(5)
@@ -55,6 +57,7 @@ class _Param:
     group: int
     grad_slot: Optional[torch.Tensor] = None
     param_slot: Optional[torch.Tensor] = None
+    sum_slot: Optional[torch.Tensor] = None  # data-parallel group: the fp32 machine sum
     backward_count: int = 0      # backward passes that reached this param since the last step
     posted_step: int = 0         # the step whose gradient was posted, 0 if none pending
     posted_grad: Optional[torch.Tensor] = None
@@ -98,6 +101,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._local: Optional[torch.optim.Optimizer] = None
         self.offload_decision: Optional[Dict[str, Any]] = None
         self._event_sink = None  # wrap() points this at the session's event log
+        self._dp: Optional[_distributed.DataParallelPlan] = None
         self._last_grad_norm: Optional[float] = None
         self._stats = {"steps": 0, "skipped_steps": 0, "grads_posted": 0, "bytes_d2h": 0,
                        "bytes_h2d": 0, "step_wait_s": 0.0}
@@ -131,6 +135,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         mode = self._options["optimizer_mode"]
         if mode == "cpu":
             return "cpu"
+        if self._dp is not None:
+            if mode == "gpu":
+                raise ValueError("option optimizer_mode='gpu' cannot run with data parallel "
+                                 "(the ranks share the daemon's one optimizer state); accepted "
+                                 "here: 'cpu' or 'auto'")
+            return "cpu"
         params = [e.param for e in self._entries.values()]
         why = _gpu_adamw.unavailable_reason(params)
         if mode == "gpu":
@@ -152,6 +162,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._session is not None:
             return
         opts = self._options
+        self._dp = _distributed.plan(opts)
+        if self._dp is not None:
+            self._dp.setup_collectives()
         self._client = _daemon.connect(opts["socket"])
         rank = int(os.environ.get("RANK", -1))
         local_rank = int(os.environ.get("LOCAL_RANK", -1))
@@ -159,7 +172,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         for e in self._entries.values():  # hooks removed by release_hooks()
             if e.hook is None and e.param.requires_grad:
                 e.hook = e.param.register_post_accumulate_grad_hook(self._on_grad_final)
-        self._session = self._client.attach(job, rank, local_rank)
+        group = self._dp.membership() if self._in_group() else None
+        self._session = self._call(self._client.attach, job, rank, local_rank, group)
         control = self._session.control
         self._plane = _C().DataPlane(control.address, control.size, int(opts["timeout_s"] * 1000))
         try:
@@ -220,9 +234,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                       group=e.group) for e in entries]
         moment = self._options["moment_dtype"]
         moment = "float32" if moment == "auto" else moment
+        checksum = _distributed.weights_checksum([(e.name, e.param) for e in entries]) \
+            if self._dp is not None else ""
+        if self._dp is not None:
+            self._dp.check_same_weights(checksum)
         staging, slots = self._call(self._session.register_parameters, groups, specs, moment,
                                     float(self._options["max_grad_norm"] or 0.0),
-                                    int(self._options["seed"]), int(self._options["threads"] or 0))
+                                    int(self._options["seed"]), checksum,
+                                    int(self._options["threads"] or 0))
         self._regions.append(staging)
         c = _C()
         if any(e.param.is_cuda for e in entries) and c.with_cuda:
@@ -239,11 +258,20 @@ class OffloadAdamW(torch.optim.Optimizer):
                                                 [s["numel"]], name)
             e.param_slot = c.tensor_from_address(staging.base_address + s["param_offset"],
                                                  [s["numel"]], name)
+            if self._in_group():
+                e.sum_slot = c.tensor_from_address(staging.base_address + s["sum_offset"],
+                                                   [s["numel"]], "float32")
+        # A group's masters come from local rank 0's weights (the daemon checked
+        # every rank's checksum against them); the param slot is the group's one.
+        writes_slots = not self._in_group() or self._dp.leader
+        if writes_slots:
             with torch.no_grad():
-                e.param_slot.copy_(e.param.detach().reshape(-1))
-        # Every slot is written before the daemon initialises the masters from them.
-        for s in slots:
-            self._plane.post_state(True, s["param_id"], _FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
+                for s in slots:
+                    e = self._by_id[s["param_id"]]
+                    e.param_slot.copy_(e.param.detach().reshape(-1))
+            # Every slot is written before the daemon initialises the masters from them.
+            for s in slots:
+                self._plane.post_state(True, s["param_id"], _FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
         self._sync()
 
     # -------------------------------------------------------------- data plane
@@ -260,7 +288,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"trainstream: backward() reached {e.name} {e.backward_count} times since the last "
                 f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
                 f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
-        if e.backward_count == n and self._options["grad_post"] == "backward":
+        if e.backward_count == n and self._options["grad_post"] == "backward" and \
+                not self._replicated():
             if self._gpu is not None:
                 self._gpu.on_grad_final(e)
             else:
@@ -336,6 +365,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                 continue
             if c["opcode"] == _OP_ERROR:
                 raise TrainStreamError(f"the daemon rejected a command: {c['message']}")
+            if c["opcode"] == _OP_GROUP_BROKEN:
+                who = self._dp.describe() if self._dp is not None else "data-parallel group"
+                raise DaemonError(f"{who} cannot continue: {c['message']}; the daemon has ended "
+                                  "the group (restart every rank of the job)")
             if want(c):
                 return
 
@@ -354,6 +387,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._wait(want)
         if errors:
             raise TrainStreamError("the daemon could not apply optimizer state: " + "; ".join(errors))
+
+    def _in_group(self) -> bool:
+        return self._dp is not None and self._dp.mode == "group"
+
+    def _replicated(self) -> bool:
+        return self._dp is not None and self._dp.mode == "replicated"
 
     def _require_attached(self) -> None:
         if self._plane is None:
@@ -387,6 +426,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._maybe_go_local()
             return loss
         posted = []
+        if self._replicated():
+            self._dp.average_gradients([e.param.grad for e in self._entries.values()
+                                        if e.param.grad is not None])
         try:
             for e in self._entries.values():
                 p = e.param
@@ -407,13 +449,12 @@ class OffloadAdamW(torch.optim.Optimizer):
                     self._post_grad(e)
                     posted.append(e)
             t0 = time.monotonic()
-            self._plane.post_step_end(step, len(posted))
         except _C().DaemonGone as e:
             raise DaemonError(str(e)) from None
         pending = {e.param_id for e in posted}
         result: Dict[str, Any] = {}
 
-        def want(c):
+        def on_completion(c):
             op = c["opcode"]
             if op == _OP_PARAM_READY and c["step"] == step:
                 e = self._by_id[c["param_id"]]
@@ -424,6 +465,16 @@ class OffloadAdamW(torch.optim.Optimizer):
                 pending.discard(e.param_id)
             elif op == _OP_STEP_DONE and c["step"] == step:
                 result.update(c)
+        try:
+            if self._in_group() and self._dp.nnodes > 1 and self._dp.leader:
+                self._dp.reduce_machine_sums(self._wait, self._plane.post_grad_reduced, step,
+                                             posted, on_completion)
+            self._plane.post_step_end(step, len(posted))
+        except _C().DaemonGone as e:
+            raise DaemonError(str(e)) from None
+
+        def want(c):
+            on_completion(c)
             return "opcode" in result and not pending
         self._wait(want)
         self._stats["step_wait_s"] += time.monotonic() - t0
@@ -554,6 +605,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         s["moment_dtype"] = self._options["moment_dtype"]
         s["optimizer_mode"] = self.optimizer_mode
         s["offloaded"] = self._local is None
+        s["data_parallel"] = None if self._dp is None else {
+            "mode": self._dp.mode, "group": self._dp.key, "local_rank": self._dp.local_rank,
+            "local_world_size": self._dp.local_world_size, "nnodes": self._dp.nnodes,
+            **self._dp.stats}
         return s
 
     # ------------------------------------------------------------- state dict

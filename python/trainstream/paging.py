@@ -29,6 +29,7 @@ test). Everything is undone by ``remove()``.
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -298,11 +299,16 @@ class BlockPager:
 
     # ---------------------------------------------------------------- forward
     def _make_forward(self, i: int):
-        def forward(*args, **kwargs):
+        # A method bound to the block, not a plain closure: copy.deepcopy of the model
+        # (an EMA copy, a checkpoint clone) rebinds it to the copied block, which then
+        # runs its own class's forward instead of this pager's block i.
+        def forward(block, *args, **kwargs):
+            if block is not self.blocks[i]:
+                return type(block).forward(block, *args, **kwargs)
             if self.policy[i] == RECOMPUTE and torch.is_grad_enabled():
                 return checkpoint(self._run, i, False, *args, use_reentrant=False, **kwargs)
             return self._run(i, True, *args, **kwargs)
-        return forward
+        return types.MethodType(forward, self.blocks[i])
 
     def _run(self, i: int, hooks: bool, *args, **kwargs):
         forward = self._forwards[i]

@@ -2,6 +2,7 @@
 shared memory. CUDA tests run on the GPU host (scripts/gpu-check.sh); the refusal
 on a CPU model runs everywhere."""
 import copy
+import gc
 import json
 
 import pytest
@@ -75,17 +76,23 @@ def test_gpu_mode_matches_torch_adamw(daemon, clip):
 @pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_mode_is_bit_identical_to_the_daemons_engine(daemon, moment_dtype, param_dtype):
-    """Same inputs, same arithmetic, same rounding keys: the same bits as CPU mode."""
-    cfg, base = _model(3)
+    """Same gradients, same arithmetic, same rounding keys: the same bits as CPU mode.
+    (Gradients are set directly: CUDA's embedding backward sums with atomics, so two
+    backward passes need not agree bit for bit.)"""
+    _, base = _model(3)
     base = base.to(param_dtype)
-    batches = text_batches(corpus(), cfg, batch=4, steps=8, seed=3)
     results = []
     for mode in ("cpu", "gpu"):
         model = copy.deepcopy(base)
         model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                                       socket=daemon.socket, optimizer_mode=mode, offload=True,
                                       moment_dtype=moment_dtype, seed=7)
-        _run(model, opt, batches)
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        for _ in range(8):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, device="cuda", generator=gen).to(param_dtype)
+            opt.step()
+            opt.zero_grad()
         state = opt.state_dict()["state"]
         results.append(([p.detach().clone() for p in model.parameters()], state))
         trainstream.unwrap(model)
@@ -203,18 +210,22 @@ def test_offload_auto_moves_a_small_model_to_torch_fused_adamw(daemon, mode):
 @cuda
 def test_offload_auto_keeps_offloading_when_the_state_would_not_fit(daemon):
     torch.manual_seed(9)
-    cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=8, n_embd=512)
+    cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=8, n_embd=1024)
     model = TinyGPT(cfg).cuda()
+    gc.collect()
+    torch.cuda.empty_cache()
     batches = text_batches(corpus(), cfg, batch=4, steps=3, seed=9)
     total = torch.cuda.get_device_properties(0).total_memory
     old = torch.cuda.get_per_process_memory_fraction(0)
     weights = sum(p.numel() * 4 for p in model.parameters())
     torch.cuda.reset_peak_memory_stats()
-    # Room for the gradients and activations (64 MiB) but not for two fp32 moments.
+    # Room for the gradients and activations (+128 MiB) but not for two fp32 moments.
     torch.cuda.set_per_process_memory_fraction(
-        min(1.0, (torch.cuda.memory_allocated() + weights + 64 * 2**20) / total))
+        min(1.0, (torch.cuda.memory_allocated() + weights + 128 * 2**20) / total))
     try:
-        model, opt = trainstream.wrap(model, socket=daemon.socket)
+        model, opt = trainstream.wrap(model, socket=daemon.socket, optimizer_mode="cpu",
+                                      param_offload=False, activation_offload=False,
+                                      recompute=False, attention=None)
         _run(model, opt, batches)
         decision = opt.offload_decision
         assert decision["offload"] is True, decision

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -74,11 +75,24 @@ struct PingResult {
   double uptime_s = 0;
 };
 
+// Data-parallel membership (proto GroupMembership; docs/data-parallel.md).
+// An empty key means "not in a group".
+struct GroupOptions {
+  std::string key;
+  int32_t local_rank = 0;
+  int32_t local_world_size = 1;
+  int32_t node_rank = 0;
+  int32_t nnodes = 1;
+  int32_t world_size = 1;
+  double timeout_s = 60;  // to wait for every local rank to attach and register
+};
+
 struct AttachOptions {
   std::string job;
   int32_t rank = -1;
   int32_t local_rank = -1;
   uint64_t control_bytes = 0;  // 0: the daemon's default
+  GroupOptions group;          // key empty: an independent session
 };
 
 struct AdamWHyperParams {
@@ -100,6 +114,7 @@ struct RegisterOptions {
   double max_grad_norm = 0;  // 0: no clipping
   uint64_t seed = 0;
   uint32_t threads = 0;  // daemon worker threads for this session's updates (0: all)
+  std::string weights_checksum;  // group sessions: digest of the initial weights
 };
 
 struct ParameterSlots {
@@ -107,11 +122,41 @@ struct ParameterSlots {
   uint64_t grad_offset = 0;   // into the staging region's segment
   uint64_t param_offset = 0;  // into the staging region's segment
   uint64_t numel = 0;
+  uint64_t sum_offset = 0;  // group sessions: the fp32 machine-sum slot
 };
 
 struct Registration {
   std::unique_ptr<MappedRegion> staging;
   std::vector<ParameterSlots> slots;
+};
+
+// Frozen bases (docs/base-cache.md).
+struct BaseLoadOptions {
+  std::string path;         // a .safetensors file or model folder; made absolute here
+  std::string format;       // "" / "none", "int8", "nf4", "fp8", "nvfp4"
+  uint32_t block_size = 0;  // int8 / nf4; 0 takes 64
+};
+
+struct BaseProgress {
+  uint64_t bytes_read = 0, bytes_total = 0;
+  uint32_t tensors_done = 0, tensors_total = 0;
+};
+// Called on the calling thread as the daemon reports progress.
+using BaseProgressFn = std::function<void(const BaseProgress&)>;
+
+struct BaseInfo {
+  std::string key, path, format;
+  uint32_t block_size = 0;
+  uint32_t owner_uid = 0;
+  std::string segment_name;
+  uint64_t segment_bytes = 0;
+  uint64_t source_bytes = 0;
+  uint32_t tensors = 0, quantized_tensors = 0;
+  uint32_t refcount = 0;
+  std::vector<uint64_t> sessions;
+  double load_seconds = 0;
+  uint64_t scratch_peak_bytes = 0;
+  bool cached = false;
 };
 
 class Session;
@@ -139,6 +184,14 @@ class Client {
 
   // Opens a session stream; the Session keeps it open.
   Status Attach(const AttachOptions& options, std::unique_ptr<Session>* out);
+
+  // Loads a base into the daemon's cache (or finds it there) without taking a
+  // reference: it stays cached until dropped or evicted. `progress` may be null.
+  Status LoadBase(const BaseLoadOptions& options, const BaseProgressFn& progress, BaseInfo* out);
+  // The caller's cached bases (every base for admins).
+  Status ListBases(std::vector<BaseInfo>* out);
+  // Removes an unreferenced base now; kFailedPrecondition while sessions hold it.
+  Status DropBase(const std::string& key, uint64_t* bytes_freed);
 
   struct Impl;
 
@@ -170,6 +223,15 @@ class Session {
   Status AllocateRegion(uint64_t bytes, const std::string& label,
                         std::unique_ptr<MappedRegion>* out);
   Status FreeRegion(uint64_t region_id, uint64_t* bytes_freed);
+
+  // Loads (or finds) a base, takes a reference for this session (given back by
+  // ReleaseBase or when the session ends) and maps its segment read-only into
+  // `mapped` (offset 0: the SegmentHeader, whose manifest_offset leads to the
+  // manifest, wire/base_manifest.h). `mapped` may outlive the reference, not
+  // the process's need for it: keep the reference while you use the mapping.
+  Status LoadBase(const BaseLoadOptions& options, const BaseProgressFn& progress, BaseInfo* info,
+                  std::unique_ptr<MappedRegion>* mapped);
+  Status ReleaseBase(const std::string& key);
 
   // False once the daemon closed the stream or went away; `why` says what
   // happened (e.g. "daemon shut down: SIGTERM").

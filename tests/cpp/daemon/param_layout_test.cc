@@ -84,3 +84,25 @@ TEST_CASE("Layout: aligned, disjoint slots; manifest then state tensors", "[para
   CHECK(l.state_bytes % 4096 == 0);
   CHECK(b.exp_avg_sq_offset + 2 * 7 <= l.state_bytes);
 }
+
+TEST_CASE("Group layout: a grad slot per rank, a sum slot, one param slot; same state",
+          "[params][group]") {
+  auto r = Request();
+  const RegistrationLayout single = ComputeRegistrationLayout(r);
+  const RegistrationLayout group = ComputeRegistrationLayout(r, 3, /*sum_slot=*/true);
+  REQUIRE(group.params.size() == 2);
+  const auto& a = group.params[0];
+  const auto& b = group.params[1];
+  CHECK(a.grad_offset == 4096);
+  CHECK(a.grad_stride == 64);                  // 15 fp32 grads, aligned up
+  CHECK(a.sum_offset == 4096 + 3 * 64);        // after local ranks 0..2
+  CHECK(a.param_offset == a.sum_offset + 64);  // 15 fp32 sums
+  CHECK(b.grad_offset == a.param_offset + 64);
+  CHECK(b.sum_offset == b.grad_offset + 3 * 64);
+  CHECK(b.param_offset == b.sum_offset + 64);
+  CHECK(b.param_offset + 7 * 4 <= group.staging_bytes);
+  // One optimizer state whatever the number of ranks.
+  CHECK(group.state_bytes == single.state_bytes);
+  CHECK(a.master_offset == single.params[0].master_offset);
+  CHECK(single.params[0].sum_offset == 0);
+}

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <set>
@@ -345,4 +346,19 @@ TEST_CASE("an engine limited to some workers runs only on them and still equals 
   REQUIRE(engine.GetStep(2, &step).empty());
   CHECK(step == 11);
   CHECK_FALSE(engine.ExportArray(99, Array::kMaster, v.data()).empty());
+
+// Regression: a client that died between its gradients and STEP_END left a
+// deferred step in flight, and the engine's destructor (the daemon's session
+// teardown) waited for it forever.
+TEST_CASE("destroying a deferred engine with a step never ended returns", "[engine]") {
+  WorkerPool pool(WorkerPoolOptions{2, false});
+  Fixture f(3);
+  EngineOptions opt;
+  opt.max_grad_norm = 1.0;
+  auto engine = std::make_unique<AdamWEngine>(&pool, opt);
+  Bind(*engine, f);
+  f.NewGrads(5);
+  for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine->SubmitGrad(i, 1, Hp(i)).empty());
+  engine.reset();  // no StepEnd(1): must not hang
+  SUCCEED("destroyed");
 }

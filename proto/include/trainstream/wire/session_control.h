@@ -43,12 +43,19 @@ enum class Opcode : uint32_t {
   kLoadState = 3,    // copy a state tensor from a region into the daemon (see StateField)
   kExportState = 4,  // copy a state tensor from the daemon into a region
   kSync = 5,         // completes once every earlier command has completed
+  kGradReduced = 6,  // group, local rank 0, nnodes > 1: param_id's sum slot is all-reduced
   // daemon -> client
   kParamReady = 16,  // param_id's new weights are in its param slot
   kStepDone = 17,    // the step finished (status, grad norm, skipped)
   kStateDone = 18,   // a kLoadState/kExportState finished
   kSyncDone = 19,
   kError = 20,  // a command was rejected; message says why
+  // Group, to local rank 0 when nnodes > 1: the machine's summed gradient of
+  // param_id for `step` is in its sum slot; all-reduce it, then post kGradReduced.
+  kReduceReady = 21,
+  // Group: the group cannot continue (a rank left, or ranks disagreed); message
+  // says which rank and why. Every later command of the session is answered so.
+  kGroupBroken = 22,
 };
 
 // Which tensor of a parameter's optimizer state a kLoadState/kExportState moves.

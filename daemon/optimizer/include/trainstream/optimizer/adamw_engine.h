@@ -96,7 +96,9 @@ class AdamWEngine {
  public:
   // `pool` must outlive the engine.
   AdamWEngine(WorkerPool* pool, EngineOptions options);
-  // Waits for in-flight work (WaitIdle) so no borrowed pointer is used afterwards.
+  // Ends every step still open (its StepEnd never came: a client died
+  // mid-step), then waits for in-flight work (WaitIdle), so no borrowed pointer
+  // is used afterwards and destruction never hangs.
   ~AdamWEngine();
   AdamWEngine(const AdamWEngine&) = delete;
   AdamWEngine& operator=(const AdamWEngine&) = delete;

@@ -1,0 +1,258 @@
+#include "base_cache.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+
+#include "trainstream/v1/control.pb.h"
+
+namespace trainstream::daemon::base {
+namespace {
+
+std::string MakeKey(const BasePlan& plan, uid_t owner) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "%016" PRIx64 "-%s-%" PRId64 "-u%u", plan.identity_hash,
+                plan.format_name.c_str(), plan.block_size, static_cast<unsigned>(owner));
+  return buf;
+}
+
+}  // namespace
+
+BaseCache::BaseCache(const DaemonConfig& config, Budget* budget)
+    : config_(config), budget_(budget) {}
+
+BaseCache::~BaseCache() {
+  std::vector<std::unique_ptr<ShmSegment>> dead;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, e] : entries_)
+      if (e.segment) dead.push_back(std::move(e.segment));
+    entries_.clear();
+  }
+  Free(std::move(dead));
+}
+
+void BaseCache::Free(std::vector<std::unique_ptr<ShmSegment>> dead) {
+  for (auto& seg : dead) {
+    const uint64_t bytes = seg->size();
+    seg.reset();  // unmaps and unlinks; clients that still map it keep their pages
+    budget_->Release(bytes);
+  }
+}
+
+void BaseCache::FillInfo(const Entry& e, BaseInfo* out) const {
+  *out = e.info;
+  out->refcount = static_cast<uint32_t>(e.sessions.size());
+  out->sessions.assign(e.sessions.begin(), e.sessions.end());
+}
+
+grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOptions& options,
+                             uint64_t session_id,
+                             const std::function<bool(const LoadProgress&)>& progress,
+                             BaseInfo* out) {
+  BasePlan plan;
+  grpc::Status st = ParseBaseFormat(options.format, options.block_size, &plan);
+  if (!st.ok()) return st;
+  ModelSources sources;
+  st = OpenModelAsCaller(caller, options.path, &sources);
+  if (!st.ok()) return st;
+  st = PlanBase(sources, &plan);
+  if (!st.ok()) return st;
+  const std::string key = MakeKey(plan, caller.uid);
+
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      auto it = entries_.find(key);
+      if (it == entries_.end()) break;
+      if (it->second.state == Entry::State::kReady) {
+        if (session_id != 0) it->second.sessions.insert(session_id);
+        it->second.last_used = ++tick_;
+        FillInfo(it->second, out);
+        out->cached = true;
+        return grpc::Status::OK;
+      }
+      // Another request is loading this key: wait for it (it may fail; then
+      // the entry is gone and this request loads it itself).
+      loaded_cv_.wait_for(lock, std::chrono::milliseconds(200));
+      lock.unlock();  // the callback may block on the client: never under mu_
+      const bool go_on = !progress || progress(LoadProgress{});
+      lock.lock();
+      if (!go_on) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "base load cancelled by the client");
+      }
+    }
+    Entry& e = entries_[key];
+    e.state = Entry::State::kLoading;
+    e.info.key = key;
+    e.info.path = options.path;
+    e.info.format = plan.format_name;
+    e.info.block_size = plan.block_size;
+    e.info.owner_uid = caller.uid;
+    e.info.source_bytes = plan.source_bytes;
+    e.info.tensors = static_cast<uint32_t>(plan.tensors.size());
+    e.info.quantized_tensors = plan.quantized_tensors;
+  }
+  auto fail = [&](grpc::Status s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      entries_.erase(key);
+    }
+    loaded_cv_.notify_all();
+    return s;
+  };
+
+  const auto started = std::chrono::steady_clock::now();
+  st = budget_->Reserve(plan.total_bytes, "base " + options.path + " (" + plan.format_name + ")");
+  if (!st.ok()) return fail(st);
+  SegmentOwner owner;
+  owner.uid = caller.uid;
+  owner.job = "base";
+  std::unique_ptr<ShmSegment> seg;
+  st = ShmSegment::Create(config_.shm_dir, v1::SEGMENT_KIND_BASE, plan.total_bytes, owner,
+                          /*lock=*/false, &seg);
+  if (!st.ok()) {
+    budget_->Release(plan.total_bytes);
+    return fail(st);
+  }
+  uint64_t scratch_peak = 0;
+  st = FillBase(sources, plan, key, seg->base(), progress, &scratch_peak);
+  if (st.ok() && chmod(seg->path().c_str(), 0400) != 0) {
+    // Note [Why base segments are read-only] (wire/base_manifest.h).
+    st = grpc::Status(grpc::StatusCode::INTERNAL, "chmod 0400 " + seg->path() + " failed");
+  }
+  if (!st.ok()) {
+    seg.reset();
+    budget_->Release(plan.total_bytes);
+    spdlog::info("base load of {} failed: {}", options.path, st.error_message());
+    return fail(st);
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = entries_.at(key);
+    e.state = Entry::State::kReady;
+    e.info.segment_name = seg->name();
+    e.info.segment_bytes = seg->size();
+    e.info.load_seconds = seconds;
+    e.info.scratch_peak_bytes = scratch_peak;
+    e.segment = std::move(seg);
+    if (session_id != 0) e.sessions.insert(session_id);
+    e.last_used = ++tick_;
+    FillInfo(e, out);
+  }
+  loaded_cv_.notify_all();
+  spdlog::info(
+      "base {} loaded from {}: {} tensors ({} quantized to {}), {} checkpoint bytes -> {} "
+      "segment bytes in {:.2f} s ({:.2f} GB/s), scratch peak {} bytes",
+      key, options.path, out->tensors, out->quantized_tensors, out->format, out->source_bytes,
+      out->segment_bytes, seconds, seconds > 0 ? out->source_bytes / seconds / 1e9 : 0.0,
+      scratch_peak);
+  return grpc::Status::OK;
+}
+
+grpc::Status BaseCache::Release(uint64_t session_id, const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(key);
+  if (it == entries_.end() || it->second.sessions.erase(session_id) == 0) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, "key: session " + std::to_string(session_id) +
+                                                         " holds no reference to base '" +
+                                                         key.substr(0, 128) + "'");
+  }
+  it->second.last_used = ++tick_;
+  return grpc::Status::OK;
+}
+
+void BaseCache::ReleaseSession(uint64_t session_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [key, e] : entries_) {
+    if (e.sessions.erase(session_id) != 0) e.last_used = ++tick_;
+  }
+}
+
+void BaseCache::DropLocked(std::map<std::string, Entry>::iterator it,
+                           std::vector<std::unique_ptr<ShmSegment>>* dead) {
+  if (it->second.segment) dead->push_back(std::move(it->second.segment));
+  entries_.erase(it);
+}
+
+grpc::Status BaseCache::Drop(const PeerCredentials& caller, const std::string& key,
+                             uint64_t* bytes_freed) {
+  std::vector<std::unique_ptr<ShmSegment>> dead;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(key);
+    if (it == entries_.end() || (!caller.admin && caller.uid != it->second.info.owner_uid)) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          "key: no base '" + key.substr(0, 128) +
+                              "' of yours is cached (see `trainstreamctl base list`)");
+    }
+    Entry& e = it->second;
+    if (e.state != Entry::State::kReady) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "base '" + key + "' is still loading");
+    }
+    if (!e.sessions.empty()) {
+      std::string ids;
+      for (uint64_t s : e.sessions) ids += (ids.empty() ? "" : ", ") + std::to_string(s);
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "base '" + key + "' is in use by session(s) " + ids +
+                              "; it can be dropped once they release it or detach");
+    }
+    *bytes_freed = e.segment->size();
+    DropLocked(it, &dead);
+  }
+  spdlog::info("base {} dropped by uid {}", key, caller.uid);
+  Free(std::move(dead));
+  return grpc::Status::OK;
+}
+
+uint64_t BaseCache::EvictUnreferenced(uint64_t bytes_needed) {
+  std::vector<std::unique_ptr<ShmSegment>> dead;
+  uint64_t freed = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (freed < bytes_needed) {
+      auto victim = entries_.end();
+      for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+        const Entry& e = it->second;
+        if (e.state != Entry::State::kReady || !e.sessions.empty()) continue;
+        if (victim == entries_.end() || e.last_used < victim->second.last_used) victim = it;
+      }
+      if (victim == entries_.end()) break;
+      freed += victim->second.segment->size();
+      spdlog::info("evicting unreferenced base {} ({} bytes) to make room", victim->first,
+                   victim->second.segment->size());
+      DropLocked(victim, &dead);
+    }
+  }
+  Free(std::move(dead));
+  return freed;
+}
+
+std::vector<BaseInfo> BaseCache::List(const PeerCredentials& caller) {
+  std::vector<BaseInfo> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [key, e] : entries_) {
+    if (e.state != Entry::State::kReady) continue;
+    if (!caller.admin && caller.uid != e.info.owner_uid) continue;
+    out.emplace_back();
+    FillInfo(e, &out.back());
+  }
+  return out;
+}
+
+uint64_t BaseCache::bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t total = 0;
+  for (const auto& [key, e] : entries_)
+    if (e.segment) total += e.segment->size();
+  return total;
+}
+
+}  // namespace trainstream::daemon::base

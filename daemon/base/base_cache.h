@@ -1,0 +1,115 @@
+// BaseCache: the daemon's frozen bases (DESIGN.md, "Frozen base cache"). A base
+// is one read-only segment (kind SEGMENT_KIND_BASE) holding every tensor of a
+// checkpoint, the block-stack linear weights quantized when a format is asked,
+// and a manifest (wire/base_manifest.h) clients build views from.
+//
+// Key: the checkpoint files' identity (device, inode, size, mtime, header hash)
+// + format + block size + the owning uid (a base segment belongs to one uid; see
+// docs/base-cache.md). Loading the same key again returns the cached base;
+// concurrent loads of one key wait for the first.
+//
+// Reference counts: a session that loads (or attaches) a base holds one
+// reference until it releases it or ends. A base with no references stays
+// cached; it is evicted, least recently used first, when a budget reservation
+// (a new base, or any session's allocation) needs room, and never while a
+// session holds it. Drop removes an unreferenced base at once.
+//
+// Locking: mu_ guards the entry table. Reserving budget and filling a segment
+// happen without mu_ (the budget's reclaimer calls EvictUnreferenced, which
+// takes it).
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "base_loader.h"
+#include "budget.h"
+#include "config.h"
+#include "peer_credentials.h"
+#include "shm_segment.h"
+
+namespace trainstream::daemon::base {
+
+struct BaseLoadOptions {
+  std::string path;
+  std::string format;      // "", "none", "int8", "nf4", "fp8", "nvfp4"
+  int64_t block_size = 0;  // 0: 64
+};
+
+// What status and clients see of one base.
+struct BaseInfo {
+  std::string key;
+  std::string path;
+  std::string format;
+  int64_t block_size = 0;
+  uint32_t owner_uid = 0;
+  std::string segment_name;
+  uint64_t segment_bytes = 0;
+  uint64_t source_bytes = 0;
+  uint32_t tensors = 0;
+  uint32_t quantized_tensors = 0;
+  uint32_t refcount = 0;
+  std::vector<uint64_t> sessions;  // holders
+  double load_seconds = 0;
+  uint64_t scratch_peak_bytes = 0;
+  bool cached = false;  // true when Load found it already loaded
+};
+
+class BaseCache {
+ public:
+  // `budget` must outlive the cache.
+  BaseCache(const DaemonConfig& config, Budget* budget);
+  BaseCache(const BaseCache&) = delete;
+  BaseCache& operator=(const BaseCache&) = delete;
+  ~BaseCache();
+
+  // Loads `options.path` for `caller` (or finds it cached). With `session_id` != 0
+  // the session takes a reference. `progress` may return false to cancel.
+  grpc::Status Load(const PeerCredentials& caller, const BaseLoadOptions& options,
+                    uint64_t session_id, const std::function<bool(const LoadProgress&)>& progress,
+                    BaseInfo* out);
+  // Gives `session_id`'s reference to `key` back. NOT_FOUND if it holds none.
+  grpc::Status Release(uint64_t session_id, const std::string& key);
+  // Gives back every reference the session holds (it ended). Idempotent.
+  void ReleaseSession(uint64_t session_id);
+  // Removes an unreferenced base now. FAILED_PRECONDITION while referenced.
+  // Only its owner or an admin may drop it.
+  grpc::Status Drop(const PeerCredentials& caller, const std::string& key, uint64_t* bytes_freed);
+  // Evicts unreferenced bases, least recently used first, until at least
+  // `bytes_needed` were freed or none is left. Returns the bytes freed.
+  uint64_t EvictUnreferenced(uint64_t bytes_needed);
+  // Every base (admins) or the caller's own.
+  std::vector<BaseInfo> List(const PeerCredentials& caller);
+  uint64_t bytes() const;
+
+ private:
+  struct Entry {
+    enum class State { kLoading, kReady } state = State::kLoading;
+    BaseInfo info;
+    std::unique_ptr<ShmSegment> segment;
+    std::set<uint64_t> sessions;
+    uint64_t last_used = 0;  // tick of the LRU clock
+  };
+  void FillInfo(const Entry& e, BaseInfo* out) const;
+  void DropLocked(std::map<std::string, Entry>::iterator it,
+                  std::vector<std::unique_ptr<ShmSegment>>* dead);
+  void Free(std::vector<std::unique_ptr<ShmSegment>> dead);
+
+  const DaemonConfig config_;
+  Budget* const budget_;
+  mutable std::mutex mu_;
+  std::condition_variable loaded_cv_;     // signalled when a load finishes or fails
+  std::map<std::string, Entry> entries_;  // Guarded by mu_.
+  uint64_t tick_ = 0;                     // Guarded by mu_.
+};
+
+}  // namespace trainstream::daemon::base

@@ -1,0 +1,84 @@
+// BaseLoader: turns opened safetensors files into the bytes of a base segment,
+// one tensor at a time.
+//
+// Plan() reads and validates every header (safetensors.h), checks the shard
+// index against the shards, decides which tensors are quantized, and lays out
+// the segment (wire/base_manifest.h) so its size is known before any memory is
+// taken. Fill() then reads each tensor with pread straight into the segment
+// (unquantized) or into one scratch buffer that the CPU kernels quantize into the
+// segment; peak extra memory is the largest quantized tensor's source bytes (plus
+// an fp32 copy for F16 sources), reported as scratch_peak_bytes.
+//
+// Which tensors are quantized (when a format is asked): the block-stack linear
+// weights, i.e. 2-D F32/F16/BF16 tensors whose name ends in ".weight" and has a
+// numeric component ("model.layers.7.mlp.up_proj.weight"). Embeddings, norms and
+// the output layer keep their dtype.
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "model_sources.h"
+#include "safetensors.h"
+#include "trainstream/kernels/quant.h"
+
+namespace trainstream::daemon::base {
+
+struct PlannedTensor {
+  size_t file = 0;  // index into ModelSources::files
+  SafetensorsTensor src;
+  bool quantized = false;
+  kernels::QuantLayout layout;  // when quantized
+  uint64_t offset = 0;          // raw bytes, or the quantized codes
+  uint64_t bytes = 0;
+  uint64_t scales_offset = 0;
+  uint64_t tensor_scale_offset = 0;  // nvfp4 only
+};
+
+struct BasePlan {
+  bool quantize = false;
+  kernels::QuantFormat format = kernels::QuantFormat::kNf4;
+  int64_t block_size = 0;
+  std::string format_name;     // "none" or the kernel's name
+  uint64_t identity_hash = 0;  // files' (dev, ino, size, mtime) and header hashes
+  uint64_t source_bytes = 0;   // tensor bytes read from the checkpoint
+  uint64_t manifest_offset = 0;
+  uint64_t data_offset = 0;
+  uint64_t total_bytes = 0;  // the segment's size, header included
+  uint32_t quantized_tensors = 0;
+  std::vector<PlannedTensor> tensors;  // file by file, in data order
+};
+
+struct LoadProgress {
+  uint64_t bytes_read = 0;
+  uint64_t bytes_total = 0;
+  uint32_t tensors_done = 0;
+  uint32_t tensors_total = 0;
+};
+
+// Parses `format` ("", "none", "int8", "nf4", "fp8", "nvfp4") and `block_size`
+// (0 takes 64); INVALID_ARGUMENT naming the field and the accepted values.
+grpc::Status ParseBaseFormat(const std::string& format, int64_t block_size, BasePlan* plan);
+
+// True when the loader would quantize this tensor (see the header comment).
+bool IsBlockLinearWeight(const SafetensorsTensor& t);
+
+// Fills `plan` (whose format ParseBaseFormat set) from the opened files.
+grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan);
+
+// The manifest JSON for `plan` (wire/base_manifest.h), `key` included.
+std::string BaseManifestJson(const BasePlan& plan, const std::string& key);
+
+// Writes the manifest and every tensor into `segment` (plan.total_bytes long,
+// SegmentHeader already written). `progress` is called after each tensor; when
+// it returns false the load stops with CANCELLED. `scratch_peak` receives the
+// largest scratch allocation.
+grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const std::string& key,
+                      char* segment, const std::function<bool(const LoadProgress&)>& progress,
+                      uint64_t* scratch_peak);
+
+}  // namespace trainstream::daemon::base

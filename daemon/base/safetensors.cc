@@ -1,0 +1,359 @@
+#include "safetensors.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <stdexcept>
+
+namespace trainstream::daemon::base {
+namespace {
+
+using nlohmann::json;
+
+struct DTypeInfo {
+  const char* name;
+  SafetensorsDType dtype;
+  uint64_t size;
+};
+
+constexpr DTypeInfo kDTypes[] = {
+    {"F64", SafetensorsDType::kF64, 8},        {"F32", SafetensorsDType::kF32, 4},
+    {"F16", SafetensorsDType::kF16, 2},        {"BF16", SafetensorsDType::kBF16, 2},
+    {"I64", SafetensorsDType::kI64, 8},        {"I32", SafetensorsDType::kI32, 4},
+    {"I16", SafetensorsDType::kI16, 2},        {"I8", SafetensorsDType::kI8, 1},
+    {"U8", SafetensorsDType::kU8, 1},          {"BOOL", SafetensorsDType::kBool, 1},
+    {"F8_E4M3", SafetensorsDType::kF8E4M3, 1}, {"F8_E5M2", SafetensorsDType::kF8E5M2, 1},
+};
+
+uint64_t Fnv1a64(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// Thrown from the parse callback to stop at the first structural problem.
+struct JsonShapeError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Parses `text` as JSON, refusing duplicate keys (nlohmann would keep the last
+// silently) and nesting deeper than kMaxJsonDepth. Returns "" or an error.
+std::string StrictParse(std::string_view text, json* out) {
+  std::vector<std::set<std::string>> keys;  // one set per open object
+  int depth = 0;
+  auto callback = [&](int, json::parse_event_t event, json& parsed) -> bool {
+    switch (event) {
+      case json::parse_event_t::object_start:
+      case json::parse_event_t::array_start:
+        if (++depth > kMaxJsonDepth) {
+          throw JsonShapeError("nesting deeper than " + std::to_string(kMaxJsonDepth) +
+                               " levels (a safetensors header is an object of objects of "
+                               "arrays)");
+        }
+        if (event == json::parse_event_t::object_start) keys.emplace_back();
+        break;
+      case json::parse_event_t::object_end:
+        --depth;
+        keys.pop_back();
+        break;
+      case json::parse_event_t::array_end:
+        --depth;
+        break;
+      case json::parse_event_t::key:
+        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second) {
+          throw JsonShapeError("duplicate key \"" + parsed.get<std::string>() + "\"");
+        }
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
+  try {
+    *out = json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true,
+                       /*ignore_comments=*/false);
+  } catch (const JsonShapeError& e) {
+    return e.what();
+  } catch (const json::exception& e) {
+    return std::string("malformed JSON: ") + e.what();
+  }
+  return "";
+}
+
+std::string Quote(const std::string& s) {
+  // Names come from the file: keep the message printable and bounded.
+  std::string out = "\"";
+  for (size_t i = 0; i < s.size() && i < 200; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (s.size() > 200) out += "...";
+  return out + "\"";
+}
+
+// Multiplies with an overflow check.
+bool MulOverflows(uint64_t a, uint64_t b, uint64_t* out) {
+  return __builtin_mul_overflow(a, b, out);
+}
+
+std::string ParseTensor(const std::string& where, const json& v, uint64_t data_bytes,
+                        SafetensorsTensor* t) {
+  if (!v.is_object()) {
+    return where + ": must be an object with \"dtype\", \"shape\" and \"data_offsets\", got " +
+           v.type_name();
+  }
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (it.key() != "dtype" && it.key() != "shape" && it.key() != "data_offsets") {
+      return where + ": unknown field " + Quote(it.key()) +
+             " (accepted: dtype, shape, data_offsets)";
+    }
+  }
+  if (!v.contains("dtype") || !v["dtype"].is_string()) {
+    return where + ": \"dtype\" is missing or not a string (accepted: " + kSafetensorsDTypes + ")";
+  }
+  const std::string dtype = v["dtype"].get<std::string>();
+  if (!ParseSafetensorsDType(dtype, &t->dtype)) {
+    return where + ": dtype " + Quote(dtype) +
+           " is not one this reader knows (accepted: " + kSafetensorsDTypes + ")";
+  }
+  if (!v.contains("shape") || !v["shape"].is_array()) {
+    return where + ": \"shape\" is missing or not an array of non-negative integers";
+  }
+  uint64_t numel = 1;
+  for (const json& d : v["shape"]) {
+    if (!d.is_number_unsigned()) {
+      return where + ": shape " + v["shape"].dump() + " holds " + d.dump() +
+             ", not a non-negative integer";
+    }
+    const uint64_t dim = d.get<uint64_t>();
+    if (dim > static_cast<uint64_t>(INT64_MAX) || MulOverflows(numel, dim, &numel)) {
+      return where + ": shape " + v["shape"].dump() + " has more elements than fit in 64 bits";
+    }
+    t->shape.push_back(static_cast<int64_t>(dim));
+  }
+  uint64_t expected = 0;
+  if (MulOverflows(numel, SafetensorsDTypeSize(t->dtype), &expected)) {
+    return where + ": shape " + v["shape"].dump() + " of " + dtype + " overflows 64 bits of bytes";
+  }
+  if (!v.contains("data_offsets") || !v["data_offsets"].is_array() ||
+      v["data_offsets"].size() != 2 || !v["data_offsets"][0].is_number_unsigned() ||
+      !v["data_offsets"][1].is_number_unsigned()) {
+    return where + ": \"data_offsets\" must be [begin, end], two non-negative integers";
+  }
+  t->begin = v["data_offsets"][0].get<uint64_t>();
+  t->end = v["data_offsets"][1].get<uint64_t>();
+  if (t->begin > t->end) {
+    return where + ": data_offsets [" + std::to_string(t->begin) + ", " + std::to_string(t->end) +
+           "] end before they begin";
+  }
+  if (t->end > data_bytes) {
+    return where + ": data_offsets [" + std::to_string(t->begin) + ", " + std::to_string(t->end) +
+           "] run past the data area (" + std::to_string(data_bytes) +
+           " bytes after the header): the file is truncated or the offsets are wrong";
+  }
+  if (t->end - t->begin != expected) {
+    return where + ": shape " + v["shape"].dump() + " of " + dtype + " is " +
+           std::to_string(expected) + " bytes but data_offsets [" + std::to_string(t->begin) +
+           ", " + std::to_string(t->end) + "] span " + std::to_string(t->end - t->begin);
+  }
+  return "";
+}
+
+}  // namespace
+
+const char* const kSafetensorsDTypes =
+    "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8_E5M2";
+
+const char* SafetensorsDTypeName(SafetensorsDType d) {
+  for (const auto& x : kDTypes)
+    if (x.dtype == d) return x.name;
+  return "?";
+}
+
+uint64_t SafetensorsDTypeSize(SafetensorsDType d) {
+  for (const auto& x : kDTypes)
+    if (x.dtype == d) return x.size;
+  return 0;
+}
+
+bool ParseSafetensorsDType(std::string_view name, SafetensorsDType* out) {
+  for (const auto& x : kDTypes) {
+    if (name == x.name) {
+      *out = x.dtype;
+      return true;
+    }
+  }
+  return false;
+}
+
+uint64_t SafetensorsTensor::numel() const {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);  // checked when parsed
+  return n;
+}
+
+std::string ParseSafetensorsJson(const std::string& file_label, std::string_view text,
+                                 uint64_t file_size, SafetensorsHeader* out) {
+  *out = SafetensorsHeader();
+  out->header_bytes = text.size();
+  out->data_start = 8 + text.size();
+  out->file_size = file_size;
+  out->header_hash = Fnv1a64(text);
+  if (out->data_start > file_size) {
+    return file_label + ": the header (" + std::to_string(text.size()) +
+           " bytes) runs past the end of the file (" + std::to_string(file_size) + " bytes)";
+  }
+  const uint64_t data_bytes = file_size - out->data_start;
+  json doc;
+  std::string err = StrictParse(text, &doc);
+  if (!err.empty()) return file_label + ": header: " + err;
+  if (!doc.is_object()) {
+    return file_label + ": header: must be a JSON object of tensors, got " + doc.type_name();
+  }
+  for (auto it = doc.begin(); it != doc.end(); ++it) {
+    const std::string& name = it.key();
+    if (name == "__metadata__") {
+      if (!it->is_object()) return file_label + ": __metadata__ must be an object of strings";
+      for (auto m = it->begin(); m != it->end(); ++m) {
+        if (!m->is_string()) {
+          return file_label + ": __metadata__ field " + Quote(m.key()) + " must be a string, got " +
+                 m->type_name();
+        }
+        out->metadata[m.key()] = m->get<std::string>();
+      }
+      continue;
+    }
+    if (name.empty()) return file_label + ": a tensor has an empty name";
+    SafetensorsTensor t;
+    t.name = name;
+    err = ParseTensor(file_label + ": tensor " + Quote(name), *it, data_bytes, &t);
+    if (!err.empty()) return err;
+    out->tensors.push_back(std::move(t));
+  }
+  std::sort(out->tensors.begin(), out->tensors.end(),
+            [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+            });
+  // The data area must be covered exactly: no overlap, no hole, nothing after.
+  uint64_t cursor = 0;
+  const SafetensorsTensor* prev = nullptr;
+  for (const auto& t : out->tensors) {
+    if (t.begin < cursor) {
+      return file_label + ": tensors " + Quote(prev->name) + " [" + std::to_string(prev->begin) +
+             ", " + std::to_string(prev->end) + ") and " + Quote(t.name) + " [" +
+             std::to_string(t.begin) + ", " + std::to_string(t.end) + ") overlap";
+    }
+    if (t.begin > cursor) {
+      return file_label + ": bytes [" + std::to_string(cursor) + ", " + std::to_string(t.begin) +
+             ") of the data area belong to no tensor (before " + Quote(t.name) +
+             "); safetensors data must be fully indexed, without holes";
+    }
+    cursor = t.end;
+    prev = &t;
+  }
+  if (cursor != data_bytes) {
+    return file_label + ": the tensors end at byte " + std::to_string(cursor) +
+           " of the data area but the file has " + std::to_string(data_bytes) +
+           " data bytes: trailing bytes, or a wrong header length";
+  }
+  return "";
+}
+
+std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data,
+                                   uint64_t size, SafetensorsHeader* out) {
+  if (size < 8) {
+    return file_label + ": truncated: " + std::to_string(size) +
+           " bytes, shorter than the 8-byte header length";
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | data[i];
+  if (n > kMaxHeaderBytes) {
+    return file_label + ": header length " + std::to_string(n) + " exceeds the " +
+           std::to_string(kMaxHeaderBytes) + "-byte limit (not a safetensors file?)";
+  }
+  if (n > size - 8) {
+    return file_label + ": header length " + std::to_string(n) +
+           " runs past the end of the file (" + std::to_string(size) +
+           " bytes): truncated or not a safetensors file";
+  }
+  return ParseSafetensorsJson(
+      file_label, std::string_view(reinterpret_cast<const char*>(data) + 8, n), size, out);
+}
+
+std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out) {
+  const off_t end = lseek(fd, 0, SEEK_END);
+  if (end < 0) return file_label + ": cannot seek: " + std::strerror(errno);
+  const uint64_t size = static_cast<uint64_t>(end);
+  uint8_t len_bytes[8];
+  if (size < 8) {
+    return file_label + ": truncated: " + std::to_string(size) +
+           " bytes, shorter than the 8-byte header length";
+  }
+  if (pread(fd, len_bytes, 8, 0) != 8) {
+    return file_label + ": cannot read the header length: " + std::strerror(errno);
+  }
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
+  if (n > kMaxHeaderBytes) {
+    return file_label + ": header length " + std::to_string(n) + " exceeds the " +
+           std::to_string(kMaxHeaderBytes) + "-byte limit (not a safetensors file?)";
+  }
+  if (n > size - 8) {
+    return file_label + ": header length " + std::to_string(n) +
+           " runs past the end of the file (" + std::to_string(size) +
+           " bytes): truncated or not a safetensors file";
+  }
+  std::string text(n, '\0');
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t r = pread(fd, text.data() + done, n - done, static_cast<off_t>(8 + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return file_label + ": cannot read the header: " + std::strerror(errno);
+    done += static_cast<uint64_t>(r);
+  }
+  return ParseSafetensorsJson(file_label, text, size, out);
+}
+
+std::string ParseShardIndex(const std::string& file_label, std::string_view text, ShardIndex* out) {
+  *out = ShardIndex();
+  json doc;
+  std::string err = StrictParse(text, &doc);
+  if (!err.empty()) return file_label + ": " + err;
+  if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
+    return file_label +
+           ": must be an object with a \"weight_map\" object (tensor name -> shard "
+           "file name)";
+  }
+  std::set<std::string> shards;
+  for (auto it = doc["weight_map"].begin(); it != doc["weight_map"].end(); ++it) {
+    if (!it->is_string()) {
+      return file_label + ": weight_map[" + Quote(it.key()) + "] must be a file name string";
+    }
+    const std::string file = it->get<std::string>();
+    if (file.empty() || file == "." || file == ".." || file.find('/') != std::string::npos ||
+        file.find('\0') != std::string::npos) {
+      return file_label + ": weight_map[" + Quote(it.key()) + "] = " + Quote(file) +
+             " is not a file name in the model's folder (no '/', not '.' or '..')";
+    }
+    out->weight_map[it.key()] = file;
+    shards.insert(file);
+  }
+  if (shards.empty()) return file_label + ": weight_map is empty";
+  out->shards.assign(shards.begin(), shards.end());
+  return "";
+}
+
+}  // namespace trainstream::daemon::base

@@ -1,0 +1,93 @@
+// A strict reader of the safetensors format (an 8-byte little-endian header
+// length N, N bytes of UTF-8 JSON, then the raw tensor bytes), and of the shard
+// index (`model.safetensors.index.json`) that splits a model over several files.
+//
+// Everything a file says is checked before any tensor byte is trusted: the header
+// length against the file size, the JSON (no duplicate keys, no unknown fields,
+// at most kMaxJsonDepth levels), each tensor's dtype (one of kSafetensorsDTypes),
+// shape (non-negative integers whose byte size does not overflow) and
+// data_offsets (begin <= end, end - begin == the shape's byte size), and the data
+// area as a whole (tensors do not overlap, leave no holes, and end exactly where
+// the file ends). Errors name the file, the tensor and what is wrong, and say
+// what is accepted.
+//
+// No I/O beyond pread on a caller's fd, no gRPC: the fuzz target
+// (tests/fuzz/safetensors_fuzz.cc) links only this file and nlohmann-json.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace trainstream::daemon::base {
+
+enum class SafetensorsDType : uint8_t {
+  kF64,
+  kF32,
+  kF16,
+  kBF16,
+  kI64,
+  kI32,
+  kI16,
+  kI8,
+  kU8,
+  kBool,
+  kF8E4M3,
+  kF8E5M2,
+};
+
+// "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8_E5M2".
+extern const char* const kSafetensorsDTypes;
+// The header's spelling ("BF16") and the element size in bytes.
+const char* SafetensorsDTypeName(SafetensorsDType d);
+uint64_t SafetensorsDTypeSize(SafetensorsDType d);
+bool ParseSafetensorsDType(std::string_view name, SafetensorsDType* out);
+
+// Headers larger than this are refused (the largest real ones are a few MiB).
+inline constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+inline constexpr int kMaxJsonDepth = 4;
+
+struct SafetensorsTensor {
+  std::string name;
+  SafetensorsDType dtype = SafetensorsDType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // data_offsets, relative to the data area
+  uint64_t end = 0;
+  uint64_t numel() const;
+  uint64_t bytes() const { return end - begin; }
+};
+
+struct SafetensorsHeader {
+  uint64_t header_bytes = 0;  // N
+  uint64_t data_start = 0;    // 8 + N: file offset of the data area
+  uint64_t file_size = 0;
+  uint64_t header_hash = 0;  // FNV-1a 64 of the N header bytes (part of a base's key)
+  std::map<std::string, std::string> metadata;  // "__metadata__"
+  std::vector<SafetensorsTensor> tensors;       // in data order (sorted by begin)
+};
+
+// Parses a header whose JSON is `json` (N bytes) for a file of `file_size` bytes.
+// Returns "" on success, else an error that starts with `file_label`.
+std::string ParseSafetensorsJson(const std::string& file_label, std::string_view json,
+                                 uint64_t file_size, SafetensorsHeader* out);
+
+// Treats `data[0, size)` as a whole safetensors file (the fuzz target's entry).
+std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data,
+                                   uint64_t size, SafetensorsHeader* out);
+
+// Reads and parses the header of the open file `fd` (pread; the file offset is
+// not moved). `file_label` is the path shown in errors.
+std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out);
+
+// A parsed `model.safetensors.index.json`: tensor name -> shard file name (a
+// plain file name in the same folder: no '/', not "." or "..").
+struct ShardIndex {
+  std::map<std::string, std::string> weight_map;
+  std::vector<std::string> shards;  // distinct file names, sorted
+};
+
+std::string ParseShardIndex(const std::string& file_label, std::string_view json, ShardIndex* out);
+
+}  // namespace trainstream::daemon::base

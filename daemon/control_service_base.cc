@@ -1,0 +1,155 @@
+// ControlService's frozen-base RPCs: LoadBase, ReleaseBase, ListBases, DropBase
+// (docs/base-cache.md). The work is BaseCache's; these authorise and translate.
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+
+#include "control_service.h"
+
+namespace trainstream::daemon {
+namespace {
+
+grpc::Status NoCache() {
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this trainstreamd has no base cache");
+}
+
+void ToProto(const base::BaseInfo& b, v1::BaseInfo* out) {
+  out->set_key(b.key);
+  out->set_path(b.path);
+  out->set_format(b.format);
+  out->set_block_size(static_cast<uint32_t>(b.block_size));
+  out->set_owner_uid(b.owner_uid);
+  out->set_segment_name(b.segment_name);
+  out->set_segment_bytes(b.segment_bytes);
+  out->set_source_bytes(b.source_bytes);
+  out->set_tensors(b.tensors);
+  out->set_quantized_tensors(b.quantized_tensors);
+  out->set_refcount(b.refcount);
+  for (uint64_t s : b.sessions) out->add_sessions(s);
+  out->set_load_seconds(b.load_seconds);
+  out->set_scratch_peak_bytes(b.scratch_peak_bytes);
+  out->set_cached(b.cached);
+}
+
+}  // namespace
+
+void ControlService::FillBaseStatus(v1::StatusResponse* resp) {
+  if (bases_ == nullptr) return;
+  PeerCredentials all;
+  all.admin = true;  // status lists every base, as it lists every session
+  for (const auto& b : bases_->List(all)) {
+    auto* bs = resp->add_bases();
+    bs->set_key(b.key);
+    bs->set_bytes(b.segment_bytes);
+    bs->set_refcount(b.refcount);
+    bs->set_format(b.format);
+    bs->set_path(b.path);
+    bs->set_owner_uid(b.owner_uid);
+    auto* seg = resp->add_segments();
+    seg->set_name(b.segment_name);
+    seg->set_kind(v1::SEGMENT_KIND_BASE);
+    seg->set_bytes(b.segment_bytes);
+    seg->set_session_id(0);
+    seg->set_label("base " + b.key);
+  }
+}
+
+grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBaseRequest* req,
+                                      grpc::ServerWriter<v1::LoadBaseEvent>* writer) {
+  PeerCredentials creds;
+  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
+  if (bases_ == nullptr) return NoCache();
+  std::shared_ptr<Session> session;
+  if (req->session_id() != 0) {
+    if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
+      return s;
+  }
+  base::BaseLoadOptions options;
+  options.path = req->path();
+  options.format = req->format();
+  options.block_size = req->block_size();
+  // Progress at most every 100 ms (and the last one); a cancelled call stops the load.
+  auto last_sent = std::chrono::steady_clock::now() - std::chrono::seconds(1);
+  auto progress = [&](const base::LoadProgress& p) {
+    if (ctx->IsCancelled() || state_->shutting_down.load()) return false;
+    state_->Touch();  // a long load is activity (embedded mode's idle exit)
+    const auto now = std::chrono::steady_clock::now();
+    if (p.tensors_total == 0 ||
+        (now - last_sent < std::chrono::milliseconds(100) && p.tensors_done != p.tensors_total)) {
+      return true;
+    }
+    last_sent = now;
+    v1::LoadBaseEvent event;
+    auto* pe = event.mutable_progress();
+    pe->set_bytes_read(p.bytes_read);
+    pe->set_bytes_total(p.bytes_total);
+    pe->set_tensors_done(p.tensors_done);
+    pe->set_tensors_total(p.tensors_total);
+    writer->Write(event);
+    return true;
+  };
+  base::BaseInfo info;
+  grpc::Status st = bases_->Load(creds, options, session ? session->id : 0, progress, &info);
+  if (!st.ok()) {
+    spdlog::info("LoadBase of '{}' by uid {} pid {} refused: {}", options.path.substr(0, 256),
+                 creds.uid, creds.pid, st.error_message());
+    return st;
+  }
+  if (session) {
+    // A session that ended while this load ran must not keep a reference: End()
+    // sets `closed` before its end hook releases the session's bases.
+    std::lock_guard<std::mutex> lock(session->mu);
+    if (session->closed) {
+      bases_->ReleaseSession(session->id);
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+    }
+  }
+  v1::LoadBaseEvent event;
+  auto* done = event.mutable_done();
+  ToProto(info, done->mutable_base());
+  auto* region = done->mutable_region();
+  region->set_region_id(0);
+  region->set_segment_name(info.segment_name);
+  region->set_offset(0);
+  region->set_length(info.segment_bytes);
+  region->set_segment_size(info.segment_bytes);
+  region->set_kind(v1::SEGMENT_KIND_BASE);
+  region->set_read_only(true);
+  done->set_shm_dir(config_.shm_dir);
+  writer->Write(event);
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::ReleaseBase(grpc::ServerContext* ctx,
+                                         const v1::ReleaseBaseRequest* req,
+                                         v1::ReleaseBaseResponse*) {
+  PeerCredentials creds;
+  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
+  if (bases_ == nullptr) return NoCache();
+  std::shared_ptr<Session> session;
+  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
+    return s;
+  return bases_->Release(session->id, req->key());
+}
+
+grpc::Status ControlService::ListBases(grpc::ServerContext* ctx, const v1::ListBasesRequest*,
+                                       v1::ListBasesResponse* resp) {
+  PeerCredentials creds;
+  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
+  if (bases_ == nullptr) return NoCache();
+  for (const auto& b : bases_->List(creds)) ToProto(b, resp->add_bases());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::DropBase(grpc::ServerContext* ctx, const v1::DropBaseRequest* req,
+                                      v1::DropBaseResponse* resp) {
+  PeerCredentials creds;
+  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
+  if (bases_ == nullptr) return NoCache();
+  uint64_t freed = 0;
+  grpc::Status st = bases_->Drop(creds, req->key(), &freed);
+  resp->set_bytes_freed(freed);
+  return st;
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,467 @@
+#include "group_registry.h"
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "group_plane.h"
+#include "param_layout.h"
+#include "trainstream/wire/segment_header.h"
+
+namespace trainstream::daemon {
+namespace {
+
+grpc::Status Invalid(const std::string& msg) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
+}
+grpc::Status Precondition(const std::string& msg) {
+  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, msg);
+}
+
+std::string Shape(const v1::ParameterSpec& p) {
+  std::string s = "[";
+  for (int d = 0; d < p.shape_size(); ++d) s += (d ? ", " : "") + std::to_string(p.shape(d));
+  return s + "]";
+}
+
+// "" when `b` (local rank rb) registers what `a` (local rank ra) did, else what differs.
+std::string DiffRegistration(const v1::RegisterParametersRequest& a, int ra,
+                             const v1::RegisterParametersRequest& b, int rb) {
+  const std::string A = "local rank " + std::to_string(ra), B = "local rank " + std::to_string(rb);
+  if (a.params_size() != b.params_size()) {
+    return B + " registers " + std::to_string(b.params_size()) + " parameters, " + A + " " +
+           std::to_string(a.params_size());
+  }
+  for (int i = 0; i < a.params_size(); ++i) {
+    const auto& p = a.params(i);
+    const auto& q = b.params(i);
+    const std::string what = "parameter " + std::to_string(i) + " ('" + p.name() + "'): ";
+    auto both = [&](const std::string& x, const std::string& y) {
+      return x + " on " + B + ", " + y + " on " + A;
+    };
+    if (p.name() != q.name())
+      return what + "named " + both("'" + q.name() + "'", "'" + p.name() + "'");
+    if (p.param_id() != q.param_id())
+      return what + "id " + both(std::to_string(q.param_id()), std::to_string(p.param_id()));
+    if (Shape(p) != Shape(q)) return what + "shape " + both(Shape(q), Shape(p));
+    if (p.dtype() != q.dtype() || p.grad_dtype() != q.grad_dtype())
+      return what + "dtypes differ between " + A + " and " + B;
+    if (p.group() != q.group()) return what + "parameter groups differ between " + A + " and " + B;
+  }
+  if (a.groups_size() != b.groups_size()) return B + " has a different number of parameter groups";
+  for (int g = 0; g < a.groups_size(); ++g) {
+    const auto& x = a.groups(g);
+    const auto& y = b.groups(g);
+    if (x.lr() != y.lr() || x.beta1() != y.beta1() || x.beta2() != y.beta2() ||
+        x.eps() != y.eps() || x.weight_decay() != y.weight_decay()) {
+      return "parameter group " + std::to_string(g) +
+             ": hyper-parameters (lr, betas, eps, weight_decay) differ between " + A + " and " + B;
+    }
+  }
+  if (a.moment_dtype() != b.moment_dtype())
+    return "moment_dtype differs between " + A + " and " + B;
+  if (a.max_grad_norm() != b.max_grad_norm())
+    return "max_grad_norm differs between " + A + " and " + B;
+  if (a.seed() != b.seed()) return "seed differs between " + A + " and " + B;
+  return "";
+}
+
+}  // namespace
+
+class Group {
+ public:
+  enum class State { kForming, kRunning, kBroken };
+  struct Member {
+    GroupJoiner joiner;
+    bool registered = false;
+    std::string checksum;
+  };
+
+  // Set at creation, then read-only.
+  uid_t uid = 0;
+  std::string key;
+  std::string job;
+  v1::GroupMembership membership;  // local_rank is the first joiner's; unused
+  double timeout_s = kDefaultGroupTimeoutS;
+
+  std::mutex mu;
+  std::condition_variable cv;                   // Register's barrier
+  std::map<int32_t, Member> members;            // Guarded by mu: by local rank
+  State state = State::kForming;                // Guarded by mu.
+  std::string broken_reason;                    // Guarded by mu.
+  bool have_spec = false;                       // Guarded by mu.
+  v1::RegisterParametersRequest spec;           // Guarded by mu: the first registration
+  int32_t spec_rank = 0;                        // Guarded by mu.
+  int32_t registered = 0;                       // Guarded by mu.
+  RegistrationLayout layout;                    // Guarded by mu: valid while running
+  std::unique_ptr<ShmSegment> state_segment;    // Guarded by mu.
+  std::unique_ptr<ShmSegment> staging_segment;  // Guarded by mu.
+  std::unique_ptr<GroupPlane> plane;            // Guarded by mu.
+
+  Member* FindSession(uint64_t session_id, int32_t* rank) {
+    for (auto& [r, m] : members) {
+      if (m.joiner.session_id == session_id) {
+        *rank = r;
+        return &m;
+      }
+    }
+    return nullptr;
+  }
+};
+
+GroupRegistry::GroupRegistry(SegmentFactory create, SegmentDropper drop,
+                             optimizer::WorkerPool* pool)
+    : create_(std::move(create)), drop_(std::move(drop)), pool_(pool) {}
+
+GroupRegistry::~GroupRegistry() {
+  std::set<std::shared_ptr<Group>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [k, g] : groups_) all.insert(g);
+    for (auto& [s, g] : by_session_) all.insert(g);
+  }
+  for (const auto& g : all) {
+    std::lock_guard<std::mutex> lock(g->mu);
+    if (g->state != Group::State::kBroken) Break(*g, "the daemon is shutting down", -1);
+  }
+}
+
+grpc::Status GroupRegistry::Validate(const v1::GroupMembership& m) {
+  if (m.key().empty() || m.key().size() > kMaxGroupKeyBytes) {
+    return Invalid("attach.group.key: " + std::to_string(m.key().size()) +
+                   " bytes; accepted: 1 to " + std::to_string(kMaxGroupKeyBytes));
+  }
+  if (m.local_world_size() < 1 || m.local_world_size() > kMaxLocalWorldSize) {
+    return Invalid("attach.group.local_world_size: " + std::to_string(m.local_world_size()) +
+                   "; accepted: 1 to " + std::to_string(kMaxLocalWorldSize));
+  }
+  if (m.local_rank() < 0 || m.local_rank() >= m.local_world_size()) {
+    return Invalid("attach.group.local_rank: " + std::to_string(m.local_rank()) +
+                   "; accepted: 0 to local_world_size - 1 (" +
+                   std::to_string(m.local_world_size() - 1) + ")");
+  }
+  if (m.nnodes() < 1 || m.node_rank() < 0 || m.node_rank() >= m.nnodes()) {
+    return Invalid("attach.group.node_rank / nnodes: " + std::to_string(m.node_rank()) + " / " +
+                   std::to_string(m.nnodes()) + "; accepted: nnodes >= 1, 0 <= node_rank < nnodes");
+  }
+  if (m.world_size() < m.local_world_size() || m.world_size() < m.nnodes()) {
+    return Invalid("attach.group.world_size: " + std::to_string(m.world_size()) +
+                   "; accepted: at least local_world_size and nnodes");
+  }
+  if (!std::isfinite(m.timeout_s()) || m.timeout_s() < 0 || m.timeout_s() > 86400) {
+    return Invalid("attach.group.timeout_s: accepted: 0 (the default, 60 s) to 86400");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status GroupRegistry::Join(const GroupJoiner& joiner, const v1::GroupMembership& m) {
+  if (auto st = Validate(m); !st.ok()) return st;
+  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_ptr<Group>& slot = groups_[{joiner.uid, m.key()}];
+  if (!slot) {
+    slot = std::make_shared<Group>();
+    slot->uid = joiner.uid;
+    slot->key = m.key();
+    slot->job = joiner.job;
+    slot->membership = m;
+    slot->timeout_s = m.timeout_s() > 0 ? m.timeout_s() : kDefaultGroupTimeoutS;
+  }
+  Group& g = *slot;
+  std::lock_guard<std::mutex> glock(g.mu);
+  const std::string name = "group '" + g.key + "'";
+  if (g.state != Group::State::kForming) {
+    return Precondition(name +
+                        " has already formed (its ranks are training); a rank cannot join "
+                        "it later: restart the whole job");
+  }
+  const auto& have = g.membership;
+  if (m.local_world_size() != have.local_world_size() || m.nnodes() != have.nnodes() ||
+      m.node_rank() != have.node_rank() || m.world_size() != have.world_size()) {
+    return Invalid(
+        name + ": this rank says local_world_size=" + std::to_string(m.local_world_size()) +
+        " nnodes=" + std::to_string(m.nnodes()) + " node_rank=" + std::to_string(m.node_rank()) +
+        " world_size=" + std::to_string(m.world_size()) + ", the group's first rank " +
+        std::to_string(have.local_world_size()) + ", " + std::to_string(have.nnodes()) + ", " +
+        std::to_string(have.node_rank()) + ", " + std::to_string(have.world_size()));
+  }
+  auto it = g.members.find(m.local_rank());
+  if (it != g.members.end()) {
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                        name + ": local rank " + std::to_string(m.local_rank()) +
+                            " is already attached (session " +
+                            std::to_string(it->second.joiner.session_id) + ", pid " +
+                            std::to_string(it->second.joiner.pid) +
+                            "); two jobs with one key? Pass a distinct job= to wrap()");
+  }
+  g.members[m.local_rank()].joiner = joiner;
+  by_session_[joiner.session_id] = slot;
+  spdlog::info("{}: local rank {} joined (session {}, pid {}), {} of {}", name, m.local_rank(),
+               joiner.session_id, joiner.pid, g.members.size(), have.local_world_size());
+  return grpc::Status::OK;
+}
+
+grpc::Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterParametersRequest& req,
+                                     v1::RegisterParametersResponse* resp) {
+  std::shared_ptr<Group> gp;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_session_.find(session_id);
+    if (it != by_session_.end()) gp = it->second;
+  }
+  if (!gp) return Precondition("session " + std::to_string(session_id) + " is in no group");
+  Group& g = *gp;
+  grpc::Status result = grpc::Status::OK;
+  {
+    std::unique_lock<std::mutex> lock(g.mu);
+    const std::string name = "group '" + g.key + "'";
+    int32_t rank = -1;
+    Group::Member* me = g.FindSession(session_id, &rank);
+    if (g.state == Group::State::kBroken || me == nullptr) {
+      return Precondition(name + " is broken: " + g.broken_reason);
+    }
+    if (me->registered) {
+      return Precondition(name + ": local rank " + std::to_string(rank) +
+                          " registered its parameters already; a data-parallel group registers "
+                          "every parameter once, in wrap() (add_param_group afterwards is not "
+                          "supported)");
+    }
+    if (grpc::Status st = ValidateRegistration(req, {}); !st.ok()) {
+      Break(g, "local rank " + std::to_string(rank) + ": " + st.error_message(), -1);
+      result = st;
+    } else if (!g.have_spec) {
+      g.spec = req;
+      g.spec.clear_session_id();
+      g.spec.clear_session_token();
+      g.spec.clear_weights_checksum();
+      g.spec_rank = rank;
+      g.have_spec = true;
+    } else if (std::string diff = DiffRegistration(g.spec, g.spec_rank, req, rank); !diff.empty()) {
+      const std::string why = "the ranks registered different parameters: " + diff;
+      Break(g, why, -1);
+      result = Invalid(name + ": " + why);
+    }
+    if (result.ok()) {
+      me->registered = true;
+      me->checksum = req.weights_checksum();
+      if (++g.registered == g.membership.local_world_size()) {
+        result = Form(g);
+        g.cv.notify_all();
+      } else {
+        const auto deadline =
+            std::chrono::steady_clock::now() + std::chrono::duration<double>(g.timeout_s);
+        while (g.state == Group::State::kForming) {
+          if (g.cv.wait_until(lock, deadline) == std::cv_status::timeout &&
+              g.state == Group::State::kForming) {
+            std::string missing;
+            for (int32_t r = 0; r < g.membership.local_world_size(); ++r) {
+              auto it = g.members.find(r);
+              if (it == g.members.end() || !it->second.registered)
+                missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+            }
+            Break(g,
+                  "only " + std::to_string(g.registered) + " of " +
+                      std::to_string(g.membership.local_world_size()) +
+                      " local ranks registered within " + std::to_string(g.timeout_s) +
+                      " s (missing local ranks: " + missing + ")",
+                  -1);
+          }
+        }
+      }
+    }
+    if (result.ok() && g.state == Group::State::kBroken) {
+      result = Precondition(name + " is broken: " + g.broken_reason);
+    }
+    if (result.ok()) {
+      const ShmSegment& seg = *g.staging_segment;
+      v1::Region* region = resp->mutable_staging();
+      region->set_region_id(0);  // the group's, not the session's: never freed by a client
+      region->set_segment_name(seg.name());
+      region->set_offset(wire::kSegmentHeaderBytes);
+      region->set_length(seg.size() - wire::kSegmentHeaderBytes);
+      region->set_segment_size(seg.size());
+      region->set_kind(v1::SEGMENT_KIND_SESSION);
+      region->set_read_only(false);
+      for (int i = 0; i < g.spec.params_size(); ++i) {
+        const ParamPlacement& pl = g.layout.params[static_cast<size_t>(i)];
+        auto* slot = resp->add_slots();
+        slot->set_param_id(g.spec.params(i).param_id());
+        slot->set_grad_offset(pl.grad_offset + static_cast<uint64_t>(rank) * pl.grad_stride);
+        slot->set_param_offset(pl.param_offset);
+        slot->set_sum_offset(pl.sum_offset);
+        slot->set_numel(pl.numel);
+      }
+    }
+  }
+  if (!result.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = groups_.find({g.uid, g.key});
+    if (it != groups_.end() && it->second == gp) groups_.erase(it);
+  }
+  return result;
+}
+
+grpc::Status GroupRegistry::Form(Group& g) {
+  const std::string name = "group '" + g.key + "'";
+  const std::string& reference = g.members.at(0).checksum;
+  for (const auto& [r, m] : g.members) {
+    if (m.checksum != reference) {
+      std::string why = "local rank " + std::to_string(r) +
+                        "'s initial weights differ from local rank 0's (checksum " +
+                        m.checksum.substr(0, 16) + " vs " + reference.substr(0, 16) +
+                        "); every rank must start from the same weights (seed the model the "
+                        "same way, or load the same checkpoint, before wrap())";
+      Break(g, why, -1);
+      return Precondition(name + ": " + why);
+    }
+  }
+  const v1::RegisterParametersRequest& req = g.spec;
+  const auto ranks = static_cast<uint32_t>(g.membership.local_world_size());
+  g.layout = ComputeRegistrationLayout(req, ranks, /*sum_slot=*/true);
+  SegmentOwner owner;
+  owner.uid = g.uid;
+  owner.job = g.job;
+  grpc::Status st = create_(v1::SEGMENT_KIND_STATE, g.layout.state_bytes,
+                            "optimizer state of " + name, owner, &g.state_segment);
+  if (st.ok()) {
+    st = create_(v1::SEGMENT_KIND_SESSION, g.layout.staging_bytes, "staging slots of " + name,
+                 owner, &g.staging_segment);
+  }
+  if (!st.ok()) {
+    Break(g, "could not allocate its memory: " + st.error_message(), -1);
+    return st;
+  }
+  wire::StateManifestEntry* entries = WriteStateManifest(g.state_segment->base(), g.layout, req);
+  char* state = g.state_segment->base();
+  char* staging = g.staging_segment->base();
+  std::vector<GroupParamBinding> bindings;
+  for (int i = 0; i < req.params_size(); ++i) {
+    const auto& p = req.params(i);
+    const ParamPlacement& pl = g.layout.params[static_cast<size_t>(i)];
+    GroupParamBinding b;
+    b.param.param_id = p.param_id();
+    b.param.name = p.name();
+    b.param.numel = pl.numel;
+    b.param.group = p.group();
+    b.param.param_dtype = static_cast<WireDType>(p.dtype());
+    b.param.grad_dtype = static_cast<WireDType>(
+        p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype() : p.grad_dtype());
+    b.param.master = reinterpret_cast<float*>(state + pl.master_offset);
+    b.param.exp_avg = state + pl.exp_avg_offset;
+    b.param.exp_avg_sq = state + pl.exp_avg_sq_offset;
+    b.param.param_slot = staging + pl.param_offset;
+    b.param.step_counter = &entries[i].step;
+    for (uint32_t r = 0; r < ranks; ++r)
+      b.rank_grads.push_back(staging + pl.grad_offset + r * pl.grad_stride);
+    b.sum_slot = reinterpret_cast<float*>(staging + pl.sum_offset);
+    bindings.push_back(std::move(b));
+  }
+  std::vector<GroupMemberRings> rings;
+  for (const auto& [r, m] : g.members)
+    rings.push_back(GroupMemberRings{r, m.joiner.session_id, m.joiner.control, m.joiner.resolver});
+  GroupPlaneOptions options;
+  options.name = g.key;
+  options.world_size = static_cast<uint32_t>(g.membership.world_size());
+  options.cross_node = g.membership.nnodes() > 1;
+  options.optimizer.moment_dtype = static_cast<WireDType>(
+      req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype());
+  options.optimizer.max_grad_norm = req.max_grad_norm();
+  options.optimizer.seed = req.seed();
+  g.plane = std::make_unique<GroupPlane>(std::move(options), std::move(rings), std::move(bindings),
+                                         pool_);
+  g.state = Group::State::kRunning;
+  spdlog::info("{} formed: {} local ranks, {} parameters (state {} bytes, staging {} bytes)", name,
+               ranks, req.params_size(), g.layout.state_bytes, g.layout.staging_bytes);
+  return grpc::Status::OK;
+}
+
+void GroupRegistry::Break(Group& g, const std::string& why, int leaver) {
+  if (g.state == Group::State::kBroken) return;
+  g.state = Group::State::kBroken;
+  g.broken_reason = why;
+  spdlog::warn("group '{}' broken: {}", g.key, why);
+  if (g.plane) g.plane->Stop(why, leaver);  // before any member's memory goes
+  g.plane.reset();
+  drop_(std::move(g.state_segment));
+  drop_(std::move(g.staging_segment));
+  g.cv.notify_all();
+}
+
+void GroupRegistry::Leave(uint64_t session_id, const std::string& reason) {
+  std::shared_ptr<Group> gp;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_session_.find(session_id);
+    if (it == by_session_.end()) return;
+    gp = std::move(it->second);
+    by_session_.erase(it);
+  }
+  {
+    std::lock_guard<std::mutex> lock(gp->mu);
+    int32_t rank = -1;
+    Group::Member* m = gp->FindSession(session_id, &rank);
+    if (m != nullptr) {
+      const pid_t pid = m->joiner.pid;
+      Break(*gp,
+            "local rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
+                ") left: " + reason,
+            rank);
+      gp->members.erase(rank);
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = groups_.find({gp->uid, gp->key});
+  if (it != groups_.end() && it->second == gp) groups_.erase(it);
+}
+
+std::string GroupRegistry::KeyOf(uint64_t session_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_session_.find(session_id);
+  return it == by_session_.end() ? "" : it->second->key;
+}
+
+void GroupRegistry::FillStatus(v1::StatusResponse* out) {
+  std::set<std::shared_ptr<Group>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [k, g] : groups_) all.insert(g);
+    for (auto& [s, g] : by_session_) all.insert(g);
+  }
+  for (const auto& g : all) {
+    std::lock_guard<std::mutex> lock(g->mu);
+    auto* gs = out->add_groups();
+    gs->set_key(g->key);
+    gs->set_uid(g->uid);
+    gs->set_local_world_size(g->membership.local_world_size());
+    gs->set_members(static_cast<uint32_t>(g->members.size()));
+    gs->set_node_rank(g->membership.node_rank());
+    gs->set_nnodes(g->membership.nnodes());
+    gs->set_world_size(g->membership.world_size());
+    std::string state = g->state == Group::State::kForming   ? "forming"
+                        : g->state == Group::State::kRunning ? "running"
+                                                             : "broken";
+    if (g->plane && !g->plane->failure().empty()) state = "broken";
+    gs->set_state(state);
+    gs->set_params(g->have_spec ? static_cast<uint64_t>(g->spec.params_size()) : 0);
+    for (const ShmSegment* seg : {g->state_segment.get(), g->staging_segment.get()}) {
+      if (seg == nullptr) continue;
+      const bool is_state = seg == g->state_segment.get();
+      if (is_state) {
+        gs->set_state_bytes(seg->size());
+      } else {
+        gs->set_staging_bytes(seg->size());
+      }
+      auto* s = out->add_segments();
+      s->set_name(seg->name());
+      s->set_kind(static_cast<v1::SegmentKind>(seg->kind()));
+      s->set_bytes(seg->size());
+      s->set_session_id(0);
+      s->set_label("group '" + g->key + "' " + (is_state ? "optimizer-state" : "staging"));
+    }
+  }
+}
+
+}  // namespace trainstream::daemon

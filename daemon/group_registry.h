@@ -1,0 +1,117 @@
+// GroupRegistry: data-parallel groups (docs/data-parallel.md). The ranks of one
+// job on this machine attach with the same GroupMembership key; together they
+// hold ONE optimizer state, one shared staging segment (a grad slot per rank,
+// an fp32 sum slot and one param slot per parameter) and one GroupPlane.
+//
+// Life of a group:
+//   forming   ranks attach (Join) and register their parameters (Register).
+//             Register is a barrier: it returns once every local rank has
+//             registered the same parameters with the same initial weights
+//             (checksums), or fails for all of them, naming the difference.
+//   running   the GroupPlane serves every member's rings.
+//   broken    a member left (detached, or its process died), a registration
+//             disagreed, or the barrier timed out. The plane stops before the
+//             leaver's memory is unmapped, every other member is sent
+//             GROUP_BROKEN naming the rank, the group's segments are freed at
+//             once and its key is free for a new group. Members still attached
+//             keep their own sessions until they detach.
+//
+// Locking (acquire in this order): Session::mu (SessionRegistry::End), then
+// GroupRegistry::mu_, then Group::mu. Register waits on Group::cv holding only
+// Group::mu (released while waiting).
+#pragma once
+
+#include <grpcpp/support/status.h>
+#include <sys/types.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "optimizer_service.h"
+#include "shm_segment.h"
+#include "trainstream/v1/control.pb.h"
+
+namespace trainstream::optimizer {
+class WorkerPool;
+}
+
+namespace trainstream::daemon {
+
+class Group;
+
+// Most local ranks one group may have (one bit each in the plane's masks).
+inline constexpr int32_t kMaxLocalWorldSize = 64;
+inline constexpr size_t kMaxGroupKeyBytes = 200;
+inline constexpr double kDefaultGroupTimeoutS = 60;
+
+// Creates / frees a segment against the machine budget (SessionRegistry's).
+using SegmentFactory =
+    std::function<grpc::Status(uint32_t kind, uint64_t bytes, const std::string& what,
+                               const SegmentOwner& owner, std::unique_ptr<ShmSegment>* out)>;
+using SegmentDropper = std::function<void(std::unique_ptr<ShmSegment>)>;
+
+// Who is joining: what the session layer knows of the attaching session.
+struct GroupJoiner {
+  uint64_t session_id = 0;
+  pid_t pid = 0;
+  uid_t uid = 0;
+  std::string job;
+  void* control = nullptr;  // the daemon's mapping of the session control region
+  RegionResolver resolver;  // the session's regions (state transfers)
+};
+
+class GroupRegistry {
+ public:
+  // `pool` (the optimizer's workers) must outlive the registry.
+  GroupRegistry(SegmentFactory create, SegmentDropper drop, optimizer::WorkerPool* pool);
+  ~GroupRegistry();
+  GroupRegistry(const GroupRegistry&) = delete;
+  GroupRegistry& operator=(const GroupRegistry&) = delete;
+
+  // Checks a membership's fields alone; INVALID_ARGUMENT names the field and
+  // the accepted range. Call before creating anything for the session.
+  static grpc::Status Validate(const v1::GroupMembership& m);
+
+  // Adds the session to its group (creating the group for the first rank).
+  // Fails when the membership disagrees with the group's (local world size,
+  // node rank, ...), the local rank is taken, or the group has already formed.
+  // `joiner.control` must stay mapped until Leave(joiner.session_id) returns.
+  grpc::Status Join(const GroupJoiner& joiner, const v1::GroupMembership& m);
+
+  // The barrier described above. On success fills `resp` with the shared
+  // staging region and this rank's slots.
+  grpc::Status Register(uint64_t session_id, const v1::RegisterParametersRequest& req,
+                        v1::RegisterParametersResponse* resp);
+
+  // The session is ending (`reason` says why). Breaks its group (see above);
+  // when this returns, the group no longer touches the session's memory.
+  // Safe for sessions in no group.
+  void Leave(uint64_t session_id, const std::string& reason);
+
+  // The group key of a session ("" when none).
+  std::string KeyOf(uint64_t session_id);
+
+  // Adds every group (and its segments, with session_id 0) to a status answer.
+  void FillStatus(v1::StatusResponse* out);
+
+ private:
+  grpc::Status Form(Group& g);                               // Group::mu held
+  void Break(Group& g, const std::string& why, int leaver);  // Group::mu held
+
+  const SegmentFactory create_;
+  const SegmentDropper drop_;
+  optimizer::WorkerPool* const pool_;
+
+  std::mutex mu_;
+  // (uid, key) -> the group new ranks join. A broken group leaves this map
+  // (its key is free again) but lives on in by_session_ until its members leave.
+  std::map<std::pair<uid_t, std::string>, std::shared_ptr<Group>> groups_;  // Guarded by mu_.
+  std::map<uint64_t, std::shared_ptr<Group>> by_session_;                   // Guarded by mu_.
+};
+
+}  // namespace trainstream::daemon

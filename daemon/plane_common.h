@@ -1,0 +1,34 @@
+// What the per-session optimizer plane (optimizer_service.cc) and the
+// data-parallel group plane (group_plane.cc) share: dtype mapping, completion
+// messages, and moving one field of a parameter's optimizer state between the
+// AdamW engine and a client region (kLoadState / kExportState).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "optimizer_service.h"
+#include "trainstream/optimizer/adamw_engine.h"
+#include "trainstream/wire/session_control.h"
+
+namespace trainstream::daemon {
+
+kernels::DType ToKernelDType(WireDType d);
+
+// Copies `message` into rec->message, truncated and NUL-terminated.
+void SetCompletionMessage(wire::CompletionRecord* rec, const std::string& message);
+
+// kParamFromSlot is not handled by MoveOptimizerState: initialisation depends
+// on who may trigger it (the session, or a group's local rank 0).
+
+// Applies `cmd` (field kMaster, kExpAvg, kExpAvgSq or kStep; load or export)
+// to `engine`, which must be idle. `resolver` maps the command's region of the
+// issuing session. On export of kStep, *step_out receives the step. When state
+// was imported, *imported is set and *imported_step holds the parameter's new
+// step, so the caller can update the manifest. Returns "" or an error naming
+// what is wrong.
+std::string MoveOptimizerState(optimizer::AdamWEngine& engine, const wire::CommandRecord& cmd,
+                               const RegionResolver& resolver, uint64_t* step_out, bool* imported,
+                               uint64_t* imported_step);
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,162 @@
+// GroupPlane against two in-process "ranks": their rings live in ordinary memory,
+// the test plays the clients' side of session_control.h.
+#include "group_plane.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "catch_compat.h"
+#include "trainstream/optimizer/worker_pool.h"
+#include "trainstream/wire/session_control.h"
+
+using namespace trainstream;
+using namespace trainstream::daemon;
+using wire::CommandRecord;
+using wire::CompletionRecord;
+using wire::Opcode;
+using wire::RingView;
+
+namespace {
+
+constexpr uint64_t kCapacity = 64;
+constexpr size_t kNumel = 5;
+
+// One rank's control region (header + both rings), as SessionRegistry lays it out.
+struct FakeRank {
+  FakeRank() {
+    const size_t ring = wire::RingBytes(kCapacity, sizeof(CommandRecord));
+    bytes = 64 + 2 * ring;
+    memory = static_cast<char*>(std::aligned_alloc(64, bytes));
+    std::memset(memory, 0, bytes);
+    auto* h = new (memory) wire::SessionControlHeader();
+    h->magic = wire::kSessionControlMagic;
+    h->version = wire::kSessionControlVersion;
+    h->command_ring_offset = 64;
+    h->completion_ring_offset = 64 + ring;
+    commands = RingView::Initialize(memory + 64, kCapacity, sizeof(CommandRecord));
+    completions = RingView::Initialize(memory + 64 + ring, kCapacity, sizeof(CompletionRecord));
+  }
+  ~FakeRank() { std::free(memory); }
+  FakeRank(const FakeRank&) = delete;
+  FakeRank& operator=(const FakeRank&) = delete;
+
+  void Post(Opcode op, uint64_t step, double lr = 0.1, wire::StateField field = {}) {
+    CommandRecord c{};
+    c.opcode = op;
+    c.param_id = 0;
+    c.step = step;
+    c.lr = lr;
+    c.beta1 = 0.9;
+    c.beta2 = 0.999;
+    c.eps = 1e-8;
+    c.field = field;
+    c.grads_posted = 1;
+    REQUIRE(commands.TryPush(&c));
+  }
+  // The next completion (fails the test after 5 s).
+  CompletionRecord Next() {
+    CompletionRecord r{};
+    REQUIRE(completions.Pop(&r, 5'000'000'000));
+    return r;
+  }
+
+  char* memory = nullptr;
+  size_t bytes = 0;
+  RingView commands, completions;
+};
+
+struct Fixture {
+  Fixture() : pool(optimizer::WorkerPoolOptions{2, false}) {
+    for (auto* v : {&master, &m, &v, &sum, &param_slot, &g0, &g1}) v->assign(kNumel, 0.f);
+    for (size_t i = 0; i < kNumel; ++i) {
+      param_slot[i] = static_cast<float>(i + 1);
+      g0[i] = 1.0f + i;
+      g1[i] = 3.0f - i;  // sums to 4 everywhere; rank 1's is negative for i > 2
+    }
+  }
+  void Start() {
+    GroupParamBinding b;
+    b.param.param_id = 0;
+    b.param.name = "w";
+    b.param.numel = kNumel;
+    b.param.master = master.data();
+    b.param.exp_avg = m.data();
+    b.param.exp_avg_sq = v.data();
+    b.param.param_slot = param_slot.data();
+    b.param.step_counter = &step_counter;
+    b.rank_grads = {g0.data(), g1.data()};
+    b.sum_slot = sum.data();
+    std::vector<GroupMemberRings> members;
+    members.push_back({0, 1, rank[0].memory, nullptr});
+    members.push_back({1, 2, rank[1].memory, nullptr});
+    GroupPlaneOptions o;
+    o.name = "test";
+    o.world_size = 2;
+    std::vector<GroupParamBinding> params;
+    params.push_back(std::move(b));
+    plane = std::make_unique<GroupPlane>(o, std::move(members), std::move(params), &pool);
+    rank[0].Post(Opcode::kLoadState, 0, 0, wire::StateField::kParamFromSlot);
+    REQUIRE(rank[0].Next().opcode == Opcode::kStateDone);
+  }
+  optimizer::WorkerPool pool;
+  FakeRank rank[2];
+  std::vector<float> master, m, v, sum, param_slot, g0, g1;
+  uint64_t step_counter = 0;
+  std::unique_ptr<GroupPlane> plane;  // last: stopped before the memory above goes
+};
+
+}  // namespace
+
+TEST_CASE("Group: gradients of all ranks are averaged, updated once, announced to all", "[group]") {
+  Fixture f;
+  f.Start();
+  for (int r = 0; r < 2; ++r) f.rank[r].Post(Opcode::kGradReady, 1);
+  for (int r = 0; r < 2; ++r) f.rank[r].Post(Opcode::kStepEnd, 1);
+  for (int r = 0; r < 2; ++r) {
+    CompletionRecord a = f.rank[r].Next();
+    CHECK(a.opcode == Opcode::kParamReady);
+    CHECK(a.step == 1);
+    CHECK(f.rank[r].Next().opcode == Opcode::kStepDone);
+  }
+  for (size_t i = 0; i < kNumel; ++i) {
+    CHECK(f.sum[i] == 2.0f);  // (g0 + g1) / world_size
+    // AdamW's first step moves every weight by lr * sign(gradient) (no decay here).
+    CHECK(std::fabs(f.param_slot[i] - (static_cast<float>(i + 1) - 0.1f)) < 1e-5f);
+  }
+  CHECK(f.step_counter == 1);
+}
+
+TEST_CASE("Group: ranks that disagree get GROUP_BROKEN naming the rank", "[group]") {
+  Fixture f;
+  f.Start();
+  f.rank[0].Post(Opcode::kGradReady, 1, 0.1);
+  f.rank[1].Post(Opcode::kGradReady, 1, 0.2);  // another learning rate
+  for (int r = 0; r < 2; ++r) {
+    CompletionRecord b = f.rank[r].Next();
+    CHECK(b.opcode == Opcode::kGroupBroken);
+    CHECK(std::string(b.message).find("local rank 1") != std::string::npos);
+  }
+  CHECK(!f.plane->failure().empty());
+  // Later waits are answered, not left hanging.
+  f.rank[0].Post(Opcode::kSync, 0);
+  CHECK(f.rank[0].Next().opcode == Opcode::kGroupBroken);
+}
+
+TEST_CASE("Group: Stop tells every rank but the leaver, and drains a half-done step", "[group]") {
+  Fixture f;
+  f.Start();
+  f.rank[0].Post(Opcode::kGradReady, 1);
+  f.rank[1].Post(Opcode::kGradReady, 1);
+  f.rank[0].Post(Opcode::kStepEnd, 1);  // rank 1 "dies" before its STEP_END
+  CHECK(f.rank[0].Next().opcode == Opcode::kParamReady);
+  f.plane->Stop("local rank 1 (pid 7) left: client process exited", 1);
+  CompletionRecord b = f.rank[0].Next();
+  CHECK(b.opcode == Opcode::kGroupBroken);  // not a STEP_DONE for the unfinished step
+  CHECK(std::string(b.message).find("local rank 1 (pid 7) left") != std::string::npos);
+  CompletionRecord c{};
+  while (f.rank[1].completions.TryPop(&c)) CHECK(c.opcode != Opcode::kGroupBroken);  // not told
+}
