@@ -346,6 +346,7 @@ TEST_CASE("an engine limited to some workers runs only on them and still equals 
   REQUIRE(engine.GetStep(2, &step).empty());
   CHECK(step == 11);
   CHECK_FALSE(engine.ExportArray(99, Array::kMaster, v.data()).empty());
+}
 
 // Regression: a client that died between its gradients and STEP_END left a
 // deferred step in flight, and the engine's destructor (the daemon's session
