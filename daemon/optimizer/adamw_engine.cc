@@ -468,47 +468,20 @@ size_t AdamWEngine::ParamNumel(uint64_t param_id) const {
 
 std::string AdamWEngine::ExportState(uint64_t param_id, float* master, float* exp_avg,
                                      float* exp_avg_sq, uint64_t* step) const {
-  auto it = by_id_.find(param_id);
-  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
-  const Param& p = *it->second;
-  const ParamBinding& b = p.binding;
-  std::memcpy(master, b.master, b.numel * sizeof(float));
-  kernels::ConvertToFloat(b.exp_avg, options_.moment_dtype, exp_avg, b.numel);
-  kernels::ConvertToFloat(b.exp_avg_sq, options_.moment_dtype, exp_avg_sq, b.numel);
-  *step = p.state_step;
-  return "";
+  std::string err = ExportArray(param_id, StateArray::kMaster, master);
+  if (err.empty()) err = ExportArray(param_id, StateArray::kExpAvg, exp_avg);
+  if (err.empty()) err = ExportArray(param_id, StateArray::kExpAvgSq, exp_avg_sq);
+  if (err.empty()) err = GetStep(param_id, step);
+  return err;
 }
 
 std::string AdamWEngine::ImportState(uint64_t param_id, const float* master, const float* exp_avg,
                                      const float* exp_avg_sq, uint64_t step) {
-  auto it = by_id_.find(param_id);
-  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
-  Param& p = *it->second;
-  const ParamBinding& b = p.binding;
-  std::memmove(b.master, master, b.numel * sizeof(float));
-  for (size_t i = 0; i < b.numel; ++i) {
-    if (options_.moment_dtype == DType::kBFloat16) {
-      static_cast<uint16_t*>(b.exp_avg)[i] = kernels::FloatToBf16Rne(exp_avg[i]);
-      static_cast<uint16_t*>(b.exp_avg_sq)[i] = kernels::FloatToBf16Rne(exp_avg_sq[i]);
-    } else {
-      static_cast<float*>(b.exp_avg)[i] = exp_avg[i];
-      static_cast<float*>(b.exp_avg_sq)[i] = exp_avg_sq[i];
-    }
-    if (b.param_slot == static_cast<void*>(b.master)) continue;
-    switch (b.param_dtype) {
-      case DType::kFloat32:
-        static_cast<float*>(b.param_slot)[i] = b.master[i];
-        break;
-      case DType::kBFloat16:
-        static_cast<uint16_t*>(b.param_slot)[i] = kernels::FloatToBf16Rne(b.master[i]);
-        break;
-      case DType::kFloat16:
-        static_cast<uint16_t*>(b.param_slot)[i] = kernels::FloatToFp16Rne(b.master[i]);
-        break;
-    }
-  }
-  p.state_step = step;
-  return "";
+  std::string err = ImportArray(param_id, StateArray::kMaster, master);
+  if (err.empty()) err = ImportArray(param_id, StateArray::kExpAvg, exp_avg);
+  if (err.empty()) err = ImportArray(param_id, StateArray::kExpAvgSq, exp_avg_sq);
+  if (err.empty()) err = SetStep(param_id, step);
+  return err;
 }
 
 std::string AdamWEngine::ExportArray(uint64_t param_id, StateArray which, float* out) const {
