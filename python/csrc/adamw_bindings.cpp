@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "check.h"
+#include "kernel_dtype.h"
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/kernels/cpu_features.h"
 
@@ -40,17 +41,7 @@ tk::Isa IsaOrThrow(const std::string& name) {
 tk::DType DTypeOf(const torch::Tensor& t, const char* what) {
   TS_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
   TS_CHECK(t.is_contiguous(), what, " must be contiguous");
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return tk::DType::kFloat32;
-    case at::kBFloat16:
-      return tk::DType::kBFloat16;
-    case at::kHalf:
-      return tk::DType::kFloat16;
-    default:
-      TS_CHECK(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-  return tk::DType::kFloat32;
+  return KernelDType(t.scalar_type(), what);
 }
 
 tk::AdamWHyperParams Hyper(double lr, double beta1, double beta2, double eps, double wd) {

@@ -61,6 +61,7 @@ class ZeroCopyAdamW:
         self._moment = moment_dtype
         self._seed = seed
         self._moment_torch = torch.bfloat16 if moment_dtype == "bfloat16" else torch.float32
+        self._msize = self._moment_torch.itemsize  # bytes per moment element
         self._state: Dict[int, _State] = {}  # param_id -> state
         self._regions: List[Any] = []
         self._registered: List[int] = []
@@ -76,7 +77,7 @@ class ZeroCopyAdamW:
         if not entries:
             return
         c = _C()
-        msize = 2 if self._moment == "bfloat16" else 4
+        msize = self._msize
         layout = []
         offset = 0
         for e in entries:
@@ -156,8 +157,7 @@ class ZeroCopyAdamW:
                           float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]),
                           grad_scale, self._seed, e.param_id, flag if eager else None)
         self._launched[e.param_id] = s.step + 1
-        msize = 2 if self._moment == "bfloat16" else 4
-        self.bytes_pcie += param.numel() * (4 * msize + (8 if s.master is not None else 0))
+        self.bytes_pcie += param.numel() * (4 * self._msize + (8 if s.master is not None else 0))
 
     def on_grad_final(self, e) -> bool:
         """Launches the update of `e` now (eager); False when it must wait for step()."""

@@ -310,7 +310,7 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
 
 
 def ram_available() -> int:
-    """MemAvailable from /proc/meminfo (bytes); total physical memory elsewhere."""
+    """MemAvailable from /proc/meminfo (bytes); available physical pages elsewhere."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -318,7 +318,7 @@ def ram_available() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def measure_capacity(device, vram_limit: Optional[int], daemon_free: Optional[int],

@@ -19,22 +19,12 @@ import torch
 from torch import nn
 
 from ..base import SharedBase, load_base
+from ..planner import ram_available
 from ..quantization import QuantLinear, _check_block_size, _find_block_stack
 
 __all__ = ["load_model", "resolve_quantize"]
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "nf4", "fp8", "nvfp4")
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def resolve_quantize(quantize: Optional[str], block_numel: int, other_numel: int,
@@ -52,7 +42,7 @@ def resolve_quantize(quantize: Optional[str], block_numel: int, other_numel: int
     if isinstance(ram_fraction, bool) or not isinstance(ram_fraction, (int, float)) \
             or not 0 < ram_fraction <= 1:
         raise ValueError(f"ram_fraction={ram_fraction!r}: use a number in (0, 1]")
-    limit = ram_fraction * (available if available is not None else _available_ram())
+    limit = ram_fraction * (available if available is not None else ram_available())
     rest = 2 * other_numel
     scale_bytes = 4 * -(-block_numel // block_size)
     for fmt, nbytes in (("none", 2 * block_numel), ("int8", block_numel + scale_bytes),
