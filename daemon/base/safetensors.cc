@@ -272,39 +272,12 @@ std::string ParseSafetensorsJson(const std::string& file_label, std::string_view
   return "";
 }
 
-std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data,
-                                   uint64_t size, SafetensorsHeader* out) {
-  if (size < 8) {
-    return file_label + ": truncated: " + std::to_string(size) +
-           " bytes, shorter than the 8-byte header length";
-  }
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | data[i];
-  if (n > kMaxHeaderBytes) {
-    return file_label + ": header length " + std::to_string(n) + " exceeds the " +
-           std::to_string(kMaxHeaderBytes) + "-byte limit (not a safetensors file?)";
-  }
-  if (n > size - 8) {
-    return file_label + ": header length " + std::to_string(n) +
-           " runs past the end of the file (" + std::to_string(size) +
-           " bytes): truncated or not a safetensors file";
-  }
-  return ParseSafetensorsJson(
-      file_label, std::string_view(reinterpret_cast<const char*>(data) + 8, n), size, out);
-}
+namespace {
 
-std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out) {
-  const off_t end = lseek(fd, 0, SEEK_END);
-  if (end < 0) return file_label + ": cannot seek: " + std::strerror(errno);
-  const uint64_t size = static_cast<uint64_t>(end);
-  uint8_t len_bytes[8];
-  if (size < 8) {
-    return file_label + ": truncated: " + std::to_string(size) +
-           " bytes, shorter than the 8-byte header length";
-  }
-  if (pread(fd, len_bytes, 8, 0) != 8) {
-    return file_label + ": cannot read the header length: " + std::strerror(errno);
-  }
+// The 8-byte little-endian header length at the start of a file of `size`
+// (>= 8) bytes, checked against the limit and the file's end.
+std::string DecodeHeaderLength(const std::string& file_label, const uint8_t len_bytes[8],
+                               uint64_t size, uint64_t* n_out) {
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
   if (n > kMaxHeaderBytes) {
@@ -316,6 +289,39 @@ std::string ReadSafetensorsHeader(int fd, const std::string& file_label, Safeten
            " runs past the end of the file (" + std::to_string(size) +
            " bytes): truncated or not a safetensors file";
   }
+  *n_out = n;
+  return "";
+}
+
+std::string TooShort(const std::string& file_label, uint64_t size) {
+  return file_label + ": truncated: " + std::to_string(size) +
+         " bytes, shorter than the 8-byte header length";
+}
+
+}  // namespace
+
+std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data,
+                                   uint64_t size, SafetensorsHeader* out) {
+  if (size < 8) return TooShort(file_label, size);
+  uint64_t n = 0;
+  std::string err = DecodeHeaderLength(file_label, data, size, &n);
+  if (!err.empty()) return err;
+  return ParseSafetensorsJson(
+      file_label, std::string_view(reinterpret_cast<const char*>(data) + 8, n), size, out);
+}
+
+std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out) {
+  const off_t end = lseek(fd, 0, SEEK_END);
+  if (end < 0) return file_label + ": cannot seek: " + std::strerror(errno);
+  const uint64_t size = static_cast<uint64_t>(end);
+  uint8_t len_bytes[8];
+  if (size < 8) return TooShort(file_label, size);
+  if (pread(fd, len_bytes, 8, 0) != 8) {
+    return file_label + ": cannot read the header length: " + std::strerror(errno);
+  }
+  uint64_t n = 0;
+  std::string err = DecodeHeaderLength(file_label, len_bytes, size, &n);
+  if (!err.empty()) return err;
   std::string text(n, '\0');
   uint64_t done = 0;
   while (done < n) {
