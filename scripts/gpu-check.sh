@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, offload
+STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, offload, dp, base, paging
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -67,5 +67,36 @@ if [[ $STAGES == *offload* ]]; then
     ${OFFLOAD_MODES:+--modes "$OFFLOAD_MODES"} \
     > "$OUT/bench-offload.log" 2>&1 || { rc=1; echo "bench offload failed"; }
   tail -20 "$OUT/bench-offload.log" | tee -a "$OUT/bench.log"
+fi
+# Data parallel on a 2-GPU host: shared state against 1 rank and per-rank copies, then
+# two simulated machines (gloo against NCCL for the cross-machine all-reduce).
+if [[ $STAGES == *dp* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
+  echo "== dp" | tee -a "$OUT/bench.log"
+  timeout 300 .venv/bin/python benchmarks/dp/bench_dp.py --ranks 2 > "$OUT/bench-dp.log" 2>&1 || { rc=1; echo "bench dp failed"; }
+  tail -12 "$OUT/bench-dp.log" | tee -a "$OUT/bench.log"
+  timeout 240 .venv/bin/python benchmarks/dp/bench_dp.py --nodes 2 --ranks 1 > "$OUT/bench-dp-nodes.log" 2>&1 || { rc=1; echo "bench dp nodes failed"; }
+  tail -12 "$OUT/bench-dp-nodes.log" | tee -a "$OUT/bench.log"
+fi
+# The 14B-shaped NF4 base load, then two processes sharing it in VRAM.
+if [[ $STAGES == *base* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
+  echo "== base" | tee -a "$OUT/bench.log"
+  BASE_DIR=${BASE_DIR:-/tmp/ts-bench-14b}
+  timeout 500 .venv/bin/python benchmarks/base/bench_base_load.py --dir "$BASE_DIR" --keep --reuse \
+    --clients 2 --share-vram > "$OUT/bench-base.log" 2>&1 || { rc=1; echo "bench base failed"; }
+  tail -25 "$OUT/bench-base.log" | tee -a "$OUT/bench.log"
+fi
+# Training bigger than VRAM under a 24 GiB cap, one case per process run; a failed case
+# leaves the allocator's history in $OUT/snapshot-CASE.pickle.
+if [[ $STAGES == *paging* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
+  for c in ${PAGING_CASES:-7b-full 32b-lora-nf4 oom}; do
+    echo "== paging $c" | tee -a "$OUT/bench.log"
+    TS_BENCH_SNAPSHOT=$OUT/snapshot-$c.pickle timeout ${PAGING_TIMEOUT:-300} .venv/bin/python \
+      benchmarks/paging/bench_paging.py --cases "$c" --cap-gib 24 --seq 1024 --timeout 280 \
+      > "$OUT/bench-paging-$c.log" 2>&1 || { rc=1; echo "bench paging $c failed"; }
+    tail -8 "$OUT/bench-paging-$c.log" | tee -a "$OUT/bench.log"
+  done
 fi
 exit $rc

@@ -159,9 +159,35 @@ def _gib(n) -> float:
     return round(n / 2**30, 2)
 
 
+_WRAPPED = {}  # the wrapped model, so a failed case can still report the plan
+
+
+def _failure_report(torch) -> dict:
+    """What a failed case leaves to diagnose it: the plan and events, and with
+    TS_BENCH_SNAPSHOT=path the allocator's history (torch.cuda.memory._dump_snapshot)."""
+    r = {}
+    model = _WRAPPED.get("model")
+    if model is not None:
+        import trainstream
+        try:
+            rep = trainstream.memory_report(model)
+            r["plan"] = rep.get("plan")
+            r["activations"] = rep.get("activations")
+            r["events"] = [{k: v for k, v in e.items() if k != "time"} for e in rep["events"]]
+        except Exception as e:  # noqa: BLE001 (best effort while reporting a failure)
+            r["plan_error"] = repr(e)
+    path = os.environ.get("TS_BENCH_SNAPSHOT")
+    if path and torch.cuda.is_available():
+        torch.cuda.memory._dump_snapshot(path)
+        r["snapshot"] = path
+    return r
+
+
 def run_case(args) -> dict:
     import torch
     import trainstream
+    if os.environ.get("TS_BENCH_SNAPSHOT") and torch.cuda.is_available():
+        torch.cuda.memory._record_memory_history(max_entries=30000)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     case = args.case
@@ -205,6 +231,7 @@ def run_case(args) -> dict:
     t0 = time.perf_counter()
     model, opt = trainstream.wrap(model, lr=args.lr, **options)
     result["wrap_s"] = round(time.perf_counter() - t0, 1)
+    _WRAPPED["model"] = model
     session = model._trainstream_session
     seq, batch = (32, 2) if args.tiny else (args.seq, args.batch)
     g = torch.Generator().manual_seed(1)
@@ -319,6 +346,7 @@ def main() -> int:
                  "trace": traceback.format_exc()[-1500:]}
             if torch.cuda.is_available():
                 r["peak_vram_gib"] = _gib(torch.cuda.max_memory_allocated())
+            r.update(_failure_report(torch))
         print("RESULT " + json.dumps(r), flush=True)
         return 0
     proc = None
