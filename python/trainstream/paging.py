@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -83,7 +84,7 @@ class _Slot:
 
 class _Fetch:
     """A block's weights on the device: one fetch, used by forward or by backward."""
-    __slots__ = ("tensors", "event", "given", "nodes", "bases")
+    __slots__ = ("tensors", "event", "given", "nodes", "bases", "__weakref__")
 
     def __init__(self, tensors, event):
         self.tensors = tensors
@@ -345,8 +346,12 @@ class BlockPager:
                 f.bases.append(given)
                 table[s.name] = given
             if hooks and grad:
+                # Autograd keeps the pack hook with every tensor it saves until backward:
+                # a strong reference to f here would keep this block's device copies
+                # alive through the whole forward (every paged block's weights at once).
+                fetch = weakref.ref(f)
                 with torch.autograd.graph.saved_tensors_hooks(
-                        lambda t: self._pack(i, f, t), self._unpack):
+                        lambda t: self._pack(i, fetch(), t), self._unpack):
                     out = original(*args, **kwargs)
             else:
                 out = original(*args, **kwargs)
@@ -360,8 +365,8 @@ class BlockPager:
         return out
 
     # ------------------------------------------------------------ saved tensors
-    def _pack(self, i: int, f: _Fetch, t: torch.Tensor):
-        ref = self._weight_ref(i, f, t)
+    def _pack(self, i: int, f: Optional[_Fetch], t: torch.Tensor):
+        ref = self._weight_ref(i, f, t) if f is not None else None
         if ref is not None:
             self._refs[i] = self._refs.get(i, 0) + 1
             return ref

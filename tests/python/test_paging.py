@@ -120,6 +120,36 @@ def test_pager_holds_only_a_few_blocks_at_a_time():
     assert pager._fetches == {} or set(pager._fetches) <= {0}
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_pager_frees_each_blocks_weights_after_its_forward(frozen):
+    """Counting the pager's own table is not enough: autograd keeps the pack hook of every
+    tensor it saves, so the hook must not hold a block's device copies until backward."""
+    import gc
+    import weakref
+    cfg, _, ours = _pair(n_layer=6)
+    if frozen:
+        ours.blocks.requires_grad_(False)
+    off = ActivationOffloader(ours, device="cpu", min_offload_bytes=0)
+    pager = BlockPager(list(ours.blocks), "cpu", paged=range(6), prefetch_depth=2,
+                       policy=[OFFLOAD] * 6, offloader=off, min_paged_bytes=0)
+    fetched = []
+    real = pager._fetch
+
+    def recording(i):
+        f = real(i)
+        fetched.extend((i, weakref.ref(t)) for t in f.tensors)
+        return f
+    pager._fetch = recording
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    loss = ours(x, y)
+    gc.collect()
+    alive = sorted({i for i, t in fetched if t() is not None})
+    assert alive == [5], f"blocks whose weight copies outlive their forward: {alive}"
+    loss.backward()
+    gc.collect()
+    assert not any(t() is not None for _, t in fetched), "weight copies left after backward"
+
+
 def test_pager_rejects_bad_block_indices():
     _, _, ours = _pair()
     with pytest.raises(ValueError, match="out of range"):
