@@ -75,8 +75,10 @@ if [[ $STAGES == *dp* ]]; then
   echo "== dp" | tee -a "$OUT/bench.log"
   timeout 300 .venv/bin/python benchmarks/dp/bench_dp.py --ranks 2 > "$OUT/bench-dp.log" 2>&1 || { rc=1; echo "bench dp failed"; }
   tail -12 "$OUT/bench-dp.log" | tee -a "$OUT/bench.log"
-  timeout 240 .venv/bin/python benchmarks/dp/bench_dp.py --nodes 2 --ranks 1 > "$OUT/bench-dp-nodes.log" 2>&1 || { rc=1; echo "bench dp nodes failed"; }
-  tail -12 "$OUT/bench-dp-nodes.log" | tee -a "$OUT/bench.log"
+  if [[ ${DP_NODES:-1} == 1 ]]; then
+    timeout 240 .venv/bin/python benchmarks/dp/bench_dp.py --nodes 2 --ranks 1 > "$OUT/bench-dp-nodes.log" 2>&1 || { rc=1; echo "bench dp nodes failed"; }
+    tail -12 "$OUT/bench-dp-nodes.log" | tee -a "$OUT/bench.log"
+  fi
 fi
 # The 14B-shaped NF4 base load, then two processes sharing it in VRAM.
 if [[ $STAGES == *base* ]]; then
@@ -88,12 +90,12 @@ if [[ $STAGES == *base* ]]; then
   tail -25 "$OUT/bench-base.log" | tee -a "$OUT/bench.log"
 fi
 # Training bigger than VRAM under a 24 GiB cap, one case per process run; a failed case
-# leaves the allocator's history in $OUT/snapshot-CASE.pickle.
+# leaves the allocator's history in $OUT/snapshot-CASE.pickle (PAGING_SNAPSHOT=0: not).
 if [[ $STAGES == *paging* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
   for c in ${PAGING_CASES:-7b-full 32b-lora-nf4 oom}; do
     echo "== paging $c" | tee -a "$OUT/bench.log"
-    TS_BENCH_SNAPSHOT=$OUT/snapshot-$c.pickle timeout ${PAGING_TIMEOUT:-300} .venv/bin/python \
+    TS_BENCH_SNAPSHOT=$([[ ${PAGING_SNAPSHOT:-1} == 1 ]] && echo "$OUT/snapshot-$c.pickle") timeout ${PAGING_TIMEOUT:-300} .venv/bin/python \
       benchmarks/paging/bench_paging.py --cases "$c" --cap-gib 24 --seq 1024 --timeout 280 \
       > "$OUT/bench-paging-$c.log" 2>&1 || { rc=1; echo "bench paging $c failed"; }
     tail -8 "$OUT/bench-paging-$c.log" | tee -a "$OUT/bench.log"

@@ -68,7 +68,9 @@ def worker(args) -> int:
     model = TinyGPT(cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     t0 = time.perf_counter()
-    model, opt = trainstream.wrap(model, opt, timeout_s=300)
+    # The daemon's host AdamW in every configuration (one rank would otherwise pick the
+    # GPU mode, then torch's AdamW once it fits), so the three compare like for like.
+    model, opt = trainstream.wrap(model, opt, timeout_s=300, offload=True, optimizer_mode="cpu")
     wrap_s = time.perf_counter() - t0
     g = torch.Generator(device=dev).manual_seed(1 + int(os.environ.get("RANK", "0")))
     times = []

@@ -155,6 +155,14 @@ class ActivationOffloader:
             self._pages.clear()
             self._arena = HostArena(self.engine.host_empty)
 
+    def replace_arena(self, arena: HostArena) -> bool:
+        """Takes host pages from ``arena`` from now on. Returns whether pages of the old
+        one are still live (saved by a graph whose backward has not run): the caller
+        keeps its memory mapped until then."""
+        self._drain()
+        self._arena = arena
+        return self._live > 0
+
     # ----------------------------------------------------------------- the hooks
     def wants(self, t: torch.Tensor) -> bool:
         """Whether ``pack`` would page ``t`` (rather than keep it on the device)."""

@@ -127,7 +127,8 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                 if ok:
                     opt._registered_host.append(r.base_address)
     regions = session.activation_regions
-    arena = HostArena(lambda n: _session_chunk(opt, n, regions, cuda),
+    registered: List[int] = []  # arena chunks registered with CUDA (not the optimizer's)
+    arena = HostArena(lambda n: _session_chunk(opt, n, regions, registered, cuda),
                       chunk_bytes=(256 if cuda else 64) << 20)
     offloader = ActivationOffloader(model, device=prepared.device,
                                     min_offload_bytes=config["min_offload_bytes"],
@@ -139,6 +140,20 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
         if e is None or e.param_slot is None or e.param_slot.dtype != p.dtype:
             return None
         return e.param_slot.view(p.shape)
+
+    def leave_session():
+        # The daemon session ends (offload="auto" moved the optimizer to the GPU, or
+        # unwrap): activation pages move to pinned process memory. Left in the session's
+        # regions they would outlive its budget and, unregistered, copy at pageable speed.
+        for address in registered:
+            _C.unregister_host(address)
+        registered.clear()
+        in_flight = offloader.replace_arena(HostArena(offloader.engine.host_empty,
+                                                      chunk_bytes=(256 if cuda else 64) << 20))
+        if in_flight:  # pages of a graph not yet run backward stay mapped
+            session.retired_regions.extend(regions)
+        regions.clear()
+    opt.before_detach.append(leave_session)
 
     pager = BlockPager(prepared.blocks, prepared.device, paged=plan.paged,
                        prefetch_depth=config["prefetch_depth"], offloader=offloader,
@@ -164,7 +179,8 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
     session.hooks.append(model.register_forward_pre_hook(before_forward))
 
 
-def _session_chunk(opt, nbytes: int, regions: List[Any], cuda: bool) -> torch.Tensor:
+def _session_chunk(opt, nbytes: int, regions: List[Any], registered: List[int],
+                   cuda: bool) -> torch.Tensor:
     """Activation pages in a shared-memory region of the daemon session (registered
     with CUDA); pinned process memory when the daemon's budget refuses."""
     from . import _C
@@ -176,7 +192,7 @@ def _session_chunk(opt, nbytes: int, regions: List[Any], cuda: bool) -> torch.Te
     if cuda and _C.with_cuda:
         ok, _ = _C.register_host(region.base_address, region.segment_size, False)
         if ok:
-            opt._registered_host.append(region.base_address)
+            registered.append(region.base_address)
     return _C.tensor_from_address(region.address, [nbytes], "uint8")
 
 

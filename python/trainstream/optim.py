@@ -20,7 +20,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -94,6 +94,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._regions: List[Any] = []  # mappings the slot tensors view; kept alive
         self._scratch = None
         self._registered_host: List[int] = []
+        # Called before the daemon session ends (offload="auto" going local, unwrap):
+        # users of the session's memory outside the optimizer (activation pages) move out.
+        self.before_detach: List[Callable[[], None]] = []
         self._step_id = 0
         self._gpu: Optional[_gpu_adamw.ZeroCopyAdamW] = None  # optimizer_mode="gpu"
         self.optimizer_mode: Optional[str] = None  # resolved at attach()
@@ -189,6 +192,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def detach(self) -> None:
         """Ends the daemon session (its memory is freed). ``attach()`` starts a new one
         with the current weights as masters and fresh moments."""
+        for leave in self.before_detach:
+            leave()
         if self._gpu is not None:
             self._gpu.close(self._session)
             self._gpu = None

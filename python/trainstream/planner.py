@@ -291,9 +291,11 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
                   if capacity.daemon_free is not None else ""))
         raise MemoryError(
             f"trainstream: host memory does not fit: needs {_fmt(sum(need_host.values()))} "
-            f"({_by_category(need_host)}), {where}. Options: moment_dtype='bfloat16', "
-            "quantize='nf4' for a frozen base, a larger daemon --budget, fewer trained "
-            "parameters (LoRA); check_memory=False skips this check")
+            f"({_by_category(need_host)}), {where}. Options: "
+            + ("moment_dtype='bfloat16', " if moment_bytes == 4 else "")
+            + ("quantize='nf4' for a frozen base, " if frozen_quantizable and not q_now else "")
+            + "a larger daemon --budget, fewer trained parameters (LoRA); check_memory=False "
+            "skips this check")
     if quantize is not None and not any(d.startswith("quantize") for d in decisions):
         decisions.append(f"quantize={quantize!r}: frozen linear weights of the blocks")
 

@@ -28,6 +28,7 @@ class TrainStreamSession:
     attention: Any = None
     hooks: List[Any] = field(default_factory=list)
     activation_regions: List[Any] = field(default_factory=list)  # keep the mappings alive
+    retired_regions: List[Any] = field(default_factory=list)    # ... after the session ended
 
     @property
     def steps(self) -> int:

@@ -117,6 +117,26 @@ def test_cuda_vram_limit_caps_and_adapter_settles(daemon):
     del big
 
 
+def test_activation_pages_leave_the_session_when_the_optimizer_goes_local(daemon):
+    """offload="auto" ends the daemon session once torch's AdamW fits: the activation
+    pages, which lived in the session's registered shared memory, must move to pinned
+    process memory (left behind unregistered, every copy ran at pageable speed)."""
+    cfg, _, model = _pair(seed=4)
+    model, opt = trainstream.wrap(model.cuda(), socket=daemon.socket, device="cuda",
+                                  activation_offload=True, min_offload_bytes=0, offload="auto")
+    offloader = model._trainstream_session.pager.offloader
+    for x, y in text_batches(corpus(), cfg, batch=4, steps=4, seed=4):
+        loss = model(x.cuda(), y.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.optimizer_mode == "local", opt.offload_decision
+    chunks = offloader._arena._chunks
+    assert chunks, "steps after the switch paged activations"
+    assert all(c.is_pinned() for c in chunks), "activation pages in unpinned memory"
+    assert not model._trainstream_session.activation_regions
+
+
 def test_cuda_attention_auto_times_backends(daemon):
     cfg, _, model = _pair(seed=3)
     model, opt = trainstream.wrap(model.to(torch.bfloat16), socket=daemon.socket, device="cuda")
