@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ._pinning import register_fresh
 from .errors import NonFiniteGradientError, TrainStreamError
 
 _ALIGN = 256
@@ -93,10 +94,10 @@ class ZeroCopyAdamW:
             layout.append((e, off_m, off_v, off_w))
         region = session.allocate_region(max(offset, _ALIGN), "gpu-optimizer-state")
         self._regions.append(region)
-        ok, why = c.register_host(region.base_address, region.segment_size, False)
+        ok, why = register_fresh(region.base_address, region.segment_size)
         if ok:
             self._registered.append(region.base_address)
-        elif "already" not in why:
+        else:
             raise TrainStreamError(
                 f"optimizer_mode='gpu' needs the optimizer state pinned and mapped for the GPU, "
                 f"but cudaHostRegister failed: {why}; use optimizer_mode='cpu'")

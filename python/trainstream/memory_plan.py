@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import planner
+from ._pinning import register_fresh
 from .activations import ActivationOffloader, HostArena
 from .adapter import Adapter
 from .attention import AttentionSelector, selector_report
@@ -190,7 +191,7 @@ def _session_chunk(opt, nbytes: int, regions: List[Any], registered: List[int],
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     regions.append(region)
     if cuda and _C.with_cuda:
-        ok, _ = _C.register_host(region.base_address, region.segment_size, False)
+        ok, _ = register_fresh(region.base_address, region.segment_size)
         if ok:
             registered.append(region.base_address)
     return _C.tensor_from_address(region.address, [nbytes], "uint8")

@@ -27,6 +27,7 @@ import torch
 from . import _daemon, _gpu_adamw
 from . import distributed as _distributed
 from ._options import validate
+from ._pinning import register_fresh
 from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
 
 # Wire constants (proto/include/trainstream/wire/session_control.h).
@@ -250,7 +251,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._regions.append(staging)
         c = _C()
         if any(e.param.is_cuda for e in entries) and c.with_cuda:
-            ok, why = c.register_host(staging.base_address, staging.segment_size, False)
+            ok, why = register_fresh(staging.base_address, staging.segment_size)
             if ok:
                 self._registered_host.append(staging.base_address)
             elif self._options["verbose"]:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ._pinning import registered_empty
 from ._streams import CopyEngine
 from .activations import ActivationOffloader
 
@@ -204,15 +205,14 @@ class BlockPager:
         return slots
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if self.engine.cuda:
-            from . import _C
-            ok, _ = _C.register_host(buf.data_ptr(), nbytes, False) if _C.with_cuda \
-                else (False, "")
-            if ok:
-                self._registered.append(buf.data_ptr())
-            else:
-                buf = buf.pin_memory()
+        if not self.engine.cuda:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        # Registered for as long as the block's tensors view it (after unwrap too);
+        # unregistered before it is unmapped.
+        buf = registered_empty(nbytes)
+        if buf is None:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._registered.append(buf.data_ptr())
         return buf
 
     def remove(self) -> None:

@@ -1,0 +1,60 @@
+"""Registering host memory this process has just mapped or allocated with CUDA.
+
+A registration outlives its memory when the memory is unmapped or freed while still
+registered (a shared-memory region dropped in an unusual order, a freed pinned
+buffer): the driver keeps the old pages pinned, and when the address is reused,
+``cudaHostRegister`` of the new memory fails with "already registered" while
+``cudaHostGetDevicePointer`` still answers, with the old pages behind it. A kernel
+reading through that pointer (``optimizer_mode="gpu"``) would then compute on stale
+bytes. Memory that was just created cannot legitimately be registered already, so
+``register_fresh`` drops such a stale registration and registers again, and
+``registered_empty`` gives a buffer whose registration ends when its memory does.
+"""
+from __future__ import annotations
+
+import mmap
+from typing import Optional, Tuple
+
+import torch
+
+
+def register_fresh(address: int, nbytes: int) -> Tuple[bool, str]:
+    """cudaHostRegister (mapped, portable) of memory created just now; returns (ok, why).
+    A stale registration found at ``address`` is replaced; one that overlaps the range
+    from another start address cannot be, and is reported (ok False)."""
+    from . import _C
+    if not _C.with_cuda:
+        return False, "built without CUDA"
+    ok, why = _C.register_host(address, nbytes, False)
+    if not ok and "already" in why:
+        _C.unregister_host(address)
+        ok, why = _C.register_host(address, nbytes, False)
+        if not ok:
+            why = (f"{why} (a stale registration overlaps [{address:#x}, +{nbytes}) and "
+                   "does not start there)")
+    return ok, why
+
+
+class _RegisteredMapping(mmap.mmap):
+    """Anonymous memory whose CUDA registration ends with it: ``__del__`` runs before the
+    mapping is unmapped, when the last tensor viewing it is gone."""
+
+    def __del__(self):
+        address = getattr(self, "registered_address", None)
+        if address is not None:
+            from . import _C
+            _C.unregister_host(address)
+            self.registered_address = None
+
+
+def registered_empty(nbytes: int) -> Optional[torch.Tensor]:
+    """A flat uint8 host tensor of exactly ``nbytes`` (no power-of-two rounding, unlike
+    torch's pinned allocator), registered with CUDA for as long as any view of it lives;
+    None when registration fails (the caller falls back to ``pin_memory()``)."""
+    memory = _RegisteredMapping(-1, max(nbytes, 1))
+    buf = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)  # keeps memory alive
+    ok, _ = register_fresh(buf.data_ptr(), max(nbytes, 1))
+    if not ok:
+        return None
+    memory.registered_address = buf.data_ptr()
+    return buf
