@@ -12,9 +12,12 @@ they are decided from measurements:
    the step at the measured PCIe bandwidth and ``recompute="auto"``, the excess
    blocks recompute instead.
 3. Later steps: a peak above the usable memory moves a kept block to paging (or a
-   resident weight block to paged); two steps in a row within it settle the plan
-   (``session.adapting`` becomes False). After that a watchdog does the same if a
-   later step grows.
+   resident weight block to paged). A peak well below it moves paged blocks back to
+   keeping their activations (the calibration's per-block figure is an estimate, and
+   every block kept is PCIe traffic saved), at most ``LOOSEN_ROUNDS`` times and never
+   after a step went over. Two steps in a row within the usable memory, with nothing
+   moved, settle the plan (``session.adapting`` becomes False). After that a watchdog
+   moves blocks out if a later step grows.
 
 Every decision is an event in ``memory_report(model)["events"]``. Adaptation needs
 measured peaks, so it runs on CUDA devices; elsewhere the policy is the static one.
@@ -30,6 +33,10 @@ from .paging import KEEP, OFFLOAD, RECOMPUTE, BlockPager, in_backward
 from .planner import Plan, _chosen, _fmt
 
 SETTLE_STEPS = 2
+# Moving blocks back in spends at most this share of the measured room per step (the
+# next step's peak is measured, not predicted), in at most LOOSEN_ROUNDS steps.
+LOOSEN_SHARE = 0.5
+LOOSEN_ROUNDS = 3
 
 
 class Adapter:
@@ -48,6 +55,8 @@ class Adapter:
         self.t_start: Optional[float] = None
         self.offloaded_at_start = 0
         self.act_per_block = 0
+        self.loosen_rounds = 0
+        self.went_over = False  # a step's peak exceeded the usable memory
         self.history: List[Dict[str, Any]] = []
         self._static_policy()
 
@@ -133,12 +142,16 @@ class Adapter:
             return
         if peak > usable:
             self.stable = 0
+            self.went_over = True
             moved = self._tighten()
             kind = "watchdog" if self.settled else "plan"
             ev(kind, what="tighten", peak=peak, usable=usable, moved=moved,
                why=f"step peak {_fmt(peak)} above usable {_fmt(usable)}")
             self.session.adapting = True
             self.settled = False
+            return
+        if not self.settled and self._loosen(peak, usable):
+            self.stable = 0
             return
         self.stable += 1
         if not self.settled and self.stable >= SETTLE_STEPS:
@@ -147,6 +160,27 @@ class Adapter:
             ev("plan", what="settled", peak=peak, usable=usable, policy=self.policies(),
                paged_blocks=list(self.pager.paged),
                why=f"{SETTLE_STEPS} steps within usable memory (peak {_fmt(peak)})")
+
+    def _loosen(self, peak: int, usable: int) -> bool:
+        """Moves paged blocks (the last ones: backward reads them first) back to keeping
+        their activations when the measured room allows; True if it moved any."""
+        if (self.went_over or self.loosen_rounds >= LOOSEN_ROUNDS or not self.act_per_block
+                or self.config["activation_offload"] != "auto"):
+            return False
+        paged = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
+        count = min(len(paged), int(LOOSEN_SHARE * (usable - peak) // self.act_per_block))
+        if count <= 0:
+            return False
+        for i in paged[len(paged) - count:]:
+            self.pager.set_policy(i, KEEP)
+        self.loosen_rounds += 1
+        self.session.event("plan", what="loosen", peak=peak, usable=usable,
+                           moved=f"blocks {paged[len(paged) - count:]} activations: offload -> "
+                                 "keep", policy=self.policies(),
+                           why=f"step peak {_fmt(peak)} leaves {_fmt(usable - peak)} of usable "
+                               f"{_fmt(usable)}; {self.act_per_block / 2**20:.1f} MiB of "
+                               "activations per block")
+        return True
 
     def _tighten(self) -> str:
         kept = [i for i, p in enumerate(self.pager.policy) if p == KEEP]

@@ -13,7 +13,7 @@ from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches
 from trainstream import planner
 from trainstream.activations import ActivationOffloader
 from trainstream.attention import AttentionSelector, allowed_backends
-from trainstream.paging import OFFLOAD, RECOMPUTE, BlockPager
+from trainstream.paging import KEEP, OFFLOAD, RECOMPUTE, BlockPager
 
 STEPS = 10
 
@@ -420,3 +420,58 @@ def test_frozen_and_quantized_weights_page_exactly():
         for m in (ref, ours):
             m.zero_grad()
     assert pager.report()["fetches_backward"] > 0
+
+
+class _Session:
+    def __init__(self):
+        self.adapting = True
+        self.events = []
+
+    def event(self, kind, **details):
+        self.events.append(dict(details, kind=kind))
+
+
+def _adapter(n=8, usable=2000 << 20):
+    from trainstream.adapter import Adapter
+    _, _, ours = _pair(n_layer=n)
+    pager = BlockPager(list(ours.blocks), "cpu")
+    plan = planner.Plan(paged=[], moment_dtype="float32", quantize=None,
+                        activation_offload="auto", recompute=False, usable_vram=usable)
+    session = _Session()
+    config = dict(activation_offload="auto", recompute=False, max_activation_slowdown=0.15)
+    adapter = Adapter(session, pager, plan, config, h2d_gb_s=0.0)
+    for i in range(n):  # what calibration does on a CUDA device
+        pager.set_policy(i, OFFLOAD)
+    return adapter, pager, session
+
+
+def test_adapter_moves_blocks_back_in_when_measured_room_allows():
+    MiB = 1 << 20
+    adapter, pager, session = _adapter()
+    steps = [(1400, 8 * 100), (1500, 0), (1700, 0), (1800, 0), (1800, 0)]
+    for step, (peak, offloaded) in enumerate(steps):
+        adapter.step = step
+        adapter._decide(peak * MiB, 1.0, offloaded * MiB)
+        if step == 0:  # 600 MiB of room at 100 MiB a block: the last 5 keep theirs
+            assert pager.policy == [OFFLOAD] * 3 + [KEEP] * 5
+        if step == 1:  # 500 MiB of room, half of it spent: 2 more blocks keep
+            assert pager.policy == [OFFLOAD] + [KEEP] * 7
+    assert pager.policy == [KEEP] * 8
+    loosened = [e for e in session.events if e.get("what") == "loosen"]
+    assert len(loosened) == 2 and "offload -> keep" in loosened[0]["moved"]
+    assert adapter.settled and not session.adapting
+
+
+def test_adapter_does_not_move_blocks_back_in_after_a_step_went_over():
+    MiB = 1 << 20
+    adapter, pager, session = _adapter()
+    adapter._decide(1400 * MiB, 1.0, 800 * MiB)
+    adapter.step = 1
+    adapter._decide(2100 * MiB, 1.0, 0)          # over: a kept block pages again
+    assert pager.policy == [OFFLOAD] * 4 + [KEEP] * 4
+    for step in (2, 3):
+        adapter.step = step
+        adapter._decide(1000 * MiB, 1.0, 0)      # room, but no more loosening
+    assert pager.policy == [OFFLOAD] * 4 + [KEEP] * 4
+    assert not [e for e in session.events if e.get("what") == "loosen"]
+    assert adapter.settled
