@@ -35,6 +35,9 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 ACTIVATION_RESERVE = 0.25
+# On CUDA the plan leaves at least this much free whatever vram_headroom says: the
+# caching allocator rounds blocks up and fragments, which at small caps outgrows 10%.
+CUDA_MIN_HEADROOM = 128 << 20
 GiB = float(1 << 30)
 
 
@@ -206,6 +209,8 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
     usable = None
     if capacity.vram_bytes is not None:
         usable = int(capacity.vram_bytes * (1.0 - config.get("vram_headroom", 0.10)))
+        if capacity.device.startswith("cuda"):
+            usable = max(0, min(usable, capacity.vram_bytes - CUDA_MIN_HEADROOM))
 
     def device_need(paged: Sequence[int], q: bool) -> Dict[str, int]:
         resident = [i for i in range(n) if i not in paged]
@@ -259,7 +264,9 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
                 f"trainstream: the model does not fit on {capacity.device}: needs "
                 f"{_fmt(sum(need.values()))} with {len(paged)} of {n} blocks paged "
                 f"({_by_category(need)}), usable {_fmt(usable)} ({capacity.source}, "
-                f"vram_headroom={config.get('vram_headroom', 0.10)}). Options: a larger "
+                f"vram_headroom={config.get('vram_headroom', 0.10)}"
+                + (f", at least {_fmt(CUDA_MIN_HEADROOM)} on CUDA"
+                   if capacity.device.startswith("cuda") else "") + "). Options: a larger "
                 "vram_limit, param_offload=True, quantize='nf4' for a frozen base, a smaller "
                 "model; check_memory=False skips this check")
 

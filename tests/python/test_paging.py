@@ -475,3 +475,17 @@ def test_adapter_does_not_move_blocks_back_in_after_a_step_went_over():
     assert pager.policy == [OFFLOAD] * 4 + [KEEP] * 4
     assert not [e for e in session.events if e.get("what") == "loosen"]
     assert adapter.settled
+
+
+def test_planner_keeps_at_least_128_mib_free_on_cuda():
+    small = planner.Capacity("cuda:0", 512 << 20, 64 << 30, None, 50.0, source="test")
+    p = planner.plan(_summary(n=8, trained=8 << 20, outside=8 << 20), small,
+                     _config(vram_headroom=0.10))
+    assert p.usable_vram == (512 - 128) << 20       # not 90% of 512 MiB
+    declared = planner.Capacity("cpu", 512 << 20, 64 << 30, None, 0.0, source="test")
+    p = planner.plan(_summary(n=8, trained=8 << 20, outside=8 << 20), declared,
+                     _config(vram_headroom=0.10))
+    assert p.usable_vram == int((512 << 20) * 0.9)  # a declared CPU capacity: the fraction
+    big = planner.Capacity("cuda:0", 24 << 30, 64 << 30, None, 50.0, source="test")
+    p = planner.plan(_summary(), big, _config(vram_headroom=0.10))
+    assert p.usable_vram == int((24 << 30) * 0.9)
