@@ -42,19 +42,24 @@ class _RegisteredMapping(mmap.mmap):
     def __del__(self):
         address = getattr(self, "registered_address", None)
         if address is not None:
-            from . import _C
-            _C.unregister_host(address)
             self.registered_address = None
+            self.unregister(address)  # bound at creation: no import at interpreter exit
 
 
 def registered_empty(nbytes: int) -> Optional[torch.Tensor]:
     """A flat uint8 host tensor of exactly ``nbytes`` (no power-of-two rounding, unlike
     torch's pinned allocator), registered with CUDA for as long as any view of it lives;
     None when registration fails (the caller falls back to ``pin_memory()``)."""
-    memory = _RegisteredMapping(-1, max(nbytes, 1))
+    from . import _C
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    # Private: a forked process (a DataLoader worker) gets copy-on-write pages, as with
+    # malloc'd memory, not a shared mapping.
+    memory = _RegisteredMapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)  # keeps memory alive
-    ok, _ = register_fresh(buf.data_ptr(), max(nbytes, 1))
+    ok, _ = register_fresh(buf.data_ptr(), nbytes)
     if not ok:
         return None
+    memory.unregister = _C.unregister_host
     memory.registered_address = buf.data_ptr()
     return buf

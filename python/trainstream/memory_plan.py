@@ -146,15 +146,19 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
         # The daemon session ends (offload="auto" moved the optimizer to the GPU, or
         # unwrap): activation pages move to pinned process memory. Left in the session's
         # regions they would outlive its budget and, unregistered, copy at pageable speed.
+        # Copies into the old pages finish first (replace_arena drains them).
+        in_flight = offloader.replace_arena(HostArena(offloader.engine.host_empty,
+                                                      chunk_bytes=(256 if cuda else 64) << 20))
         for address in registered:
             _C.unregister_host(address)
         registered.clear()
-        in_flight = offloader.replace_arena(HostArena(offloader.engine.host_empty,
-                                                      chunk_bytes=(256 if cuda else 64) << 20))
         if in_flight:  # pages of a graph not yet run backward stay mapped
             session.retired_regions.extend(regions)
+        else:
+            session.retired_regions.clear()
         regions.clear()
     opt.before_detach.append(leave_session)
+    session.leave_session = leave_session
 
     pager = BlockPager(prepared.blocks, prepared.device, paged=plan.paged,
                        prefetch_depth=config["prefetch_depth"], offloader=offloader,
@@ -205,6 +209,12 @@ def uninstall(model: nn.Module, session) -> None:
     for h in session.hooks:
         h.remove()
     session.hooks.clear()
+    leave = getattr(session, "leave_session", None)
+    if leave is not None:  # the activation pages leave the daemon session now, once
+        leave()
+        if session.optimizer is not None and leave in session.optimizer.before_detach:
+            session.optimizer.before_detach.remove(leave)
+        session.leave_session = None
     pager = session.pager
     if pager is not None:
         pager.remove()

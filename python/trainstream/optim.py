@@ -193,8 +193,13 @@ class OffloadAdamW(torch.optim.Optimizer):
     def detach(self) -> None:
         """Ends the daemon session (its memory is freed). ``attach()`` starts a new one
         with the current weights as masters and fresh moments."""
-        for leave in self.before_detach:
-            leave()
+        try:
+            for leave in self.before_detach:
+                leave()
+        finally:
+            self._end_session()
+
+    def _end_session(self) -> None:
         if self._gpu is not None:
             self._gpu.close(self._session)
             self._gpu = None

@@ -267,8 +267,11 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
                 f"vram_headroom={config.get('vram_headroom', 0.10)}"
                 + (f", at least {_fmt(CUDA_MIN_HEADROOM)} on CUDA"
                    if capacity.device.startswith("cuda") else "") + "). Options: a larger "
-                "vram_limit, param_offload=True, quantize='nf4' for a frozen base, a smaller "
-                "model; check_memory=False skips this check")
+                "vram_limit, "
+                + ("param_offload=True, " if len(paged) < n else "")
+                + ("quantize='nf4' for a frozen base, " if frozen_quantizable and not q_now
+                   else "")
+                + "a smaller model; check_memory=False skips this check")
 
     # ---- moments and host memory
     moment_opt = config.get("moment_dtype", "float32")
@@ -300,7 +303,8 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
             f"trainstream: host memory does not fit: needs {_fmt(sum(need_host.values()))} "
             f"({_by_category(need_host)}), {where}. Options: "
             + ("moment_dtype='bfloat16', " if moment_bytes == 4 else "")
-            + ("quantize='nf4' for a frozen base, " if frozen_quantizable and not q_now else "")
+            + ("quantize='nf4' for a frozen base, "
+               if frozen_quantizable and not q_now and paged and quant_opt != "auto" else "")
             + "a larger daemon --budget, fewer trained parameters (LoRA); check_memory=False "
             "skips this check")
     if quantize is not None and not any(d.startswith("quantize") for d in decisions):

@@ -29,6 +29,7 @@ class TrainStreamSession:
     hooks: List[Any] = field(default_factory=list)
     activation_regions: List[Any] = field(default_factory=list)  # keep the mappings alive
     retired_regions: List[Any] = field(default_factory=list)    # ... after the session ended
+    leave_session: Any = None  # moves activation pages out of the daemon session (memory_plan)
 
     @property
     def steps(self) -> int:
