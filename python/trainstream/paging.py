@@ -46,6 +46,17 @@ POLICIES = (KEEP, OFFLOAD, RECOMPUTE)
 
 
 
+def registered_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` is dense host memory CUDA copies from as it is (pinned or
+    registered: a shared base's mapping, a tensor the user pinned)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    try:
+        return t.is_pinned()
+    except RuntimeError:  # no CUDA in this process
+        return False
+
+
 def in_backward() -> bool:
     """True while autograd's engine runs a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
@@ -160,9 +171,12 @@ class BlockPager:
     # ------------------------------------------------------------------ setup
     def _page_out(self, block: nn.Module, host_home) -> List[_Slot]:
         """Moves the block's small tensors to the device and its big ones to their host
-        homes: a trained weight's home from ``host_home`` (the param slot), the others
-        into one host buffer for the block, registered with CUDA (pinned without the
-        power-of-two rounding of torch's pinned allocator)."""
+        homes: a trained weight's home from ``host_home`` (the param slot); a frozen
+        tensor already in registered host memory (a shared base's mapping,
+        ``load_model``) stays where it is and pages from there, so every process on the
+        machine streams one copy; the others go into one host buffer for the block,
+        registered with CUDA (pinned without the power-of-two rounding of torch's
+        pinned allocator)."""
         slots: List[_Slot] = []
         pending = []  # (module, kind, name, tensor, param): need a home in the block buffer
         for module in block.modules():
@@ -173,6 +187,8 @@ class BlockPager:
                     p.data = p.data.to(self.device)
                     continue
                 home = host_home(p) if (host_home is not None and p.requires_grad) else None
+                if home is None and not p.requires_grad and registered_host(p.data):
+                    home = p.data
                 if home is None:
                     pending.append((module, "param", name, p.data, p))
                     continue
@@ -183,6 +199,9 @@ class BlockPager:
                     continue
                 if b.numel() * b.element_size() < self.min_paged_bytes:
                     module._buffers[name] = b.to(self.device)
+                    continue
+                if registered_host(b):
+                    slots.append(_Slot(module, "buffer", name, b, None))
                     continue
                 pending.append((module, "buffer", name, b, None))
         if pending:

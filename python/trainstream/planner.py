@@ -49,6 +49,7 @@ class BlockSummary:
     frozen_bytes: int = 0         # frozen parameters and buffers as stored now
     quantizable_bytes: int = 0    # frozen nn.Linear weights as stored now
     quantized_bytes: int = 0      # the same after quantization (plan.quantize)
+    frozen_registered_bytes: int = 0  # frozen tensors already in registered host memory
 
     def weight_bytes(self, quantize: bool) -> int:
         frozen = self.frozen_bytes - (self.quantizable_bytes - self.quantized_bytes
@@ -110,6 +111,7 @@ def _nbytes(t) -> int:
 def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: int,
               quant_format: Optional[str] = "nf4", quant_block_size: int = 64) -> ModelSummary:
     """Reads the sizes the planner needs from the model's tensors (no data touched)."""
+    from .paging import registered_host
     from .quantization import _quantized_bytes
     in_blocks = set()
     out: List[BlockSummary] = []
@@ -127,6 +129,8 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
                     b.small_trained_bytes += n
             else:
                 b.frozen_bytes += n
+                if registered_host(p.data):
+                    b.frozen_registered_bytes += n
                 if id(p) in linear_weights:
                     b.quantizable_bytes += n
                     b.quantized_bytes += _quantized_bytes(quant_format or "nf4", p.numel(),
@@ -135,6 +139,8 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
             for buf in m.buffers(recurse=False):
                 in_blocks.add(id(buf))
                 b.frozen_bytes += _nbytes(buf)
+                if registered_host(buf):
+                    b.frozen_registered_bytes += _nbytes(buf)
         out.append(b)
     outside = outside_grad = trained_numel = trained_bytes = 0
     seen = set()
@@ -192,8 +198,13 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
 
     # ---- host side: moments, slots, pinned frozen weights
     def host_need(moment_bytes: int, quantize: bool, paged: Sequence[int]) -> Dict[str, int]:
-        frozen = sum(summary.blocks[i].paged_bytes(quantize) - summary.blocks[i].trained_bytes
-                     for i in paged)
+        # Frozen tensors already in registered host memory (a shared base) page from
+        # there and need no new host memory, unless the plan quantizes them.
+        frozen = 0
+        for i in paged:
+            b = summary.blocks[i]
+            reused = 0 if quantize else b.frozen_registered_bytes
+            frozen += max(0, b.paged_bytes(quantize) - b.trained_bytes - reused)
         return {"daemon master weights (fp32)": 4 * summary.trained_numel,
                 f"daemon moments ({'bf16' if moment_bytes == 2 else 'fp32'})":
                     2 * moment_bytes * summary.trained_numel,

@@ -489,3 +489,35 @@ def test_planner_keeps_at_least_128_mib_free_on_cuda():
     big = planner.Capacity("cuda:0", 24 << 30, 64 << 30, None, 50.0, source="test")
     p = planner.plan(_summary(), big, _config(vram_headroom=0.10))
     assert p.usable_vram == int((24 << 30) * 0.9)
+
+
+def test_frozen_weights_in_registered_host_memory_page_from_where_they_are(monkeypatch):
+    """A shared base's mapping (load_model) is registered host memory: its blocks page
+    straight from it, with no per-process copy. Registration is faked here (no CUDA)."""
+    from trainstream import paging
+    cfg, ref, ours = _pair(seed=5)
+    ours.blocks.requires_grad_(False)
+    ref.blocks.requires_grad_(False)
+    shared = {t.data_ptr() for t in list(ours.blocks.parameters()) + list(ours.blocks.buffers())}
+    monkeypatch.setattr(paging, "registered_host", lambda t: t.data_ptr() in shared)
+    buffers = []
+    real = BlockPager._host_buffer
+    monkeypatch.setattr(BlockPager, "_host_buffer",
+                        lambda self, n: buffers.append(n) or real(self, n))
+    pager = BlockPager(list(ours.blocks), "cpu", paged=range(4), min_paged_bytes=0)
+    assert buffers == [], "frozen weights in registered memory were copied"
+    homes = {s.host.data_ptr() for slots in pager._slots.values() for s in slots}
+    assert homes and homes <= shared
+    for x, y in text_batches(corpus(), cfg, batch=2, steps=3, seed=5):
+        a, b = ref(x, y), ours(x, y)
+        assert a.item() == b.item()
+        a.backward()
+        b.backward()
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            if p.requires_grad:
+                assert torch.equal(p.grad, q.grad), name
+    summary = planner.summarize(ours, list(ours.blocks), 0)
+    assert all(b.frozen_registered_bytes == b.frozen_bytes > 0 for b in summary.blocks)
+    plan = planner.plan(summary, planner.Capacity("cpu", 1 << 20, 64 << 30, None), _config(
+        param_offload=True, check_memory=False))
+    assert plan.host_bytes["pinned frozen weights of paged blocks"] == 0
