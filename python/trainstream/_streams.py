@@ -56,18 +56,7 @@ class CopyEngine:
         """dst.copy_(src) on the H2D stream, after the compute stream has reached this
         point (dst was allocated on it). The compute stream must wait on the returned
         event (``wait``) before reading dst."""
-        self.bytes_h2d += src.numel() * src.element_size()
-        if not self.cuda:
-            dst.copy_(src)
-            return None
-        allocated = torch.cuda.Event()
-        allocated.record(self.compute_stream())
-        with torch.cuda.stream(self.h2d):
-            self.h2d.wait_event(allocated)
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.h2d)
-        return done
+        return self.to_device_many([(src, dst)])
 
     def to_device_many(self, pairs) -> Optional[torch.cuda.Event]:
         """``to_device`` for several (src, dst) pairs, with one event for all."""
