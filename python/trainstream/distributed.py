@@ -8,7 +8,8 @@ optimizer state in the daemon.
   posts its gradient to its own slot; the daemon sums them (divided by the world
   size), updates once, and every rank copies the one new weight back. With
   several machines, local rank 0 all-reduces each machine sum with
-  ``torch.distributed`` (gloo, over the shared-memory slot) before the update:
+  ``torch.distributed`` (NCCL through a GPU buffer, or gloo over the shared-memory
+  slot: :func:`choose_reduce_backend`) before the update:
   :meth:`DataParallelPlan.reduce_machine_sums`.
 * mode ``"replicated"`` (``TRAINSTREAM_SHM=0`` or ``shared_state=False``): each
   rank keeps its own session and state; gradients are averaged with
@@ -68,7 +69,7 @@ class DataParallelPlan:
     nnodes: int
     timeout_s: float
     leaders: Any = None       # process group of the local rank 0s (group mode, nnodes > 1)
-    reduce_backend: str = "gloo"  # $TRAINSTREAM_DP_REDUCE: how the leaders all-reduce
+    reduce_backend: str = "gloo"  # how the leaders all-reduce (choose_reduce_backend)
     stats: Dict[str, float] = field(default_factory=lambda: {"allreduce_s": 0.0,
                                                              "allreduce_bytes": 0})
 
@@ -92,12 +93,8 @@ class DataParallelPlan:
         if self.mode != "group" or self.nnodes == 1:
             return
         dist = _dist()
-        backend = os.environ.get("TRAINSTREAM_DP_REDUCE", "gloo")
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"TRAINSTREAM_DP_REDUCE={backend!r}: accepted: 'gloo' (on the "
-                             "shared-memory sum) or 'nccl' (through a GPU buffer)")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise ValueError("TRAINSTREAM_DP_REDUCE='nccl' needs CUDA; use 'gloo'")
+        backend = choose_reduce_backend(os.environ.get("TRAINSTREAM_DP_REDUCE", "auto"),
+                                 str(dist.get_backend()), torch.cuda.is_available())
         self.reduce_backend = backend
         ranks = [n * self.local_world_size for n in range(self.nnodes)]
         self.leaders = dist.new_group(ranks=ranks, backend=backend,
@@ -168,6 +165,23 @@ class DataParallelPlan:
             return done[0] == len(order)
         if order:
             wait(want)
+
+
+def choose_reduce_backend(requested: str, default_group_backend: str, cuda: bool) -> str:
+    """How machines' local rank 0s all-reduce their sums ($TRAINSTREAM_DP_REDUCE).
+    "auto": NCCL when the job's default process group uses NCCL (its ranks then have
+    their GPUs set), since on the 2-GPU H200 host NCCL through a GPU buffer took 0.35 s
+    a step where gloo on the shared-memory sum took 1.13 s (docs/data-parallel.md);
+    else gloo."""
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"TRAINSTREAM_DP_REDUCE={requested!r}: accepted: 'auto' (NCCL when "
+                         "the default process group uses it), 'gloo' (on the shared-memory "
+                         "sum) or 'nccl' (through a GPU buffer)")
+    if requested == "nccl" and not cuda:
+        raise ValueError("TRAINSTREAM_DP_REDUCE='nccl' needs CUDA; use 'gloo'")
+    if requested == "auto":
+        return "nccl" if cuda and "nccl" in default_group_backend else "gloo"
+    return requested
 
 
 def weights_checksum(named: List[tuple]) -> str:

@@ -269,3 +269,17 @@ def test_distributed_true_without_launcher_names_what_is_missing(daemon, monkeyp
     with pytest.raises(ValueError, match="LOCAL_RANK"):
         trainstream.OffloadAdamW([torch.nn.Parameter(torch.zeros(2))], distributed=True,
                                  socket=daemon.socket)
+
+
+def test_cross_machine_reduce_backend_choice():
+    from trainstream.distributed import choose_reduce_backend as choose
+    assert choose("auto", "nccl", cuda=True) == "nccl"
+    assert choose("auto", "cpu:gloo,cuda:nccl", cuda=True) == "nccl"
+    assert choose("auto", "gloo", cuda=True) == "gloo"      # the job chose gloo
+    assert choose("auto", "nccl", cuda=False) == "gloo"
+    assert choose("gloo", "nccl", cuda=True) == "gloo"
+    assert choose("nccl", "gloo", cuda=True) == "nccl"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        choose("nccl", "gloo", cuda=False)
+    with pytest.raises(ValueError, match="TRAINSTREAM_DP_REDUCE='mpi'.*accepted"):
+        choose("mpi", "gloo", cuda=True)
