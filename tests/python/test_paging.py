@@ -508,14 +508,12 @@ def test_frozen_weights_in_registered_host_memory_page_from_where_they_are(monke
     assert buffers == [], "frozen weights in registered memory were copied"
     homes = {s.host.data_ptr() for slots in pager._slots.values() for s in slots}
     assert homes and homes <= shared
-    for x, y in text_batches(corpus(), cfg, batch=2, steps=3, seed=5):
+    for step, (x, y) in enumerate(text_batches(corpus(), cfg, batch=2, steps=3, seed=5)):
         a, b = ref(x, y), ours(x, y)
-        assert a.item() == b.item()
+        assert a.item() == b.item(), f"step {step}"
         a.backward()
         b.backward()
-        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
-            if p.requires_grad:
-                assert torch.equal(p.grad, q.grad), name
+        _assert_grads_equal(ref, ours, step)
     summary = planner.summarize(ours, list(ours.blocks), 0)
     assert all(b.frozen_registered_bytes == b.frozen_bytes > 0 for b in summary.blocks)
     plan = planner.plan(summary, planner.Capacity("cpu", 1 << 20, 64 << 30, None), _config(
