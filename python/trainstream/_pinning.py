@@ -18,6 +18,17 @@ from typing import Optional, Tuple
 import torch
 
 
+def registered_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` is dense host memory CUDA copies from as it is (pinned or
+    registered: a shared base's mapping, a tensor the user pinned)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    try:
+        return t.is_pinned()
+    except RuntimeError:  # no CUDA in this process
+        return False
+
+
 def register_fresh(address: int, nbytes: int) -> Tuple[bool, str]:
     """cudaHostRegister (mapped, portable) of memory created just now; returns (ok, why).
     A stale registration found at ``address`` is replaced; one that overlaps the range

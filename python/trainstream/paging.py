@@ -37,24 +37,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ._pinning import registered_empty
+from ._pinning import registered_empty, registered_host
 from ._streams import CopyEngine
 from .activations import ActivationOffloader
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
 POLICIES = (KEEP, OFFLOAD, RECOMPUTE)
 
-
-
-def registered_host(t: torch.Tensor) -> bool:
-    """Whether ``t`` is dense host memory CUDA copies from as it is (pinned or
-    registered: a shared base's mapping, a tensor the user pinned)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        return False
-    try:
-        return t.is_pinned()
-    except RuntimeError:  # no CUDA in this process
-        return False
 
 
 def in_backward() -> bool:
@@ -368,6 +357,7 @@ class BlockPager:
                 # Autograd keeps the pack hook with every tensor it saves until backward:
                 # a strong reference to f here would keep this block's device copies
                 # alive through the whole forward (every paged block's weights at once).
+                # The hook only runs inside this call, while f is held here.
                 fetch = weakref.ref(f)
                 with torch.autograd.graph.saved_tensors_hooks(
                         lambda t: self._pack(i, fetch(), t), self._unpack):
@@ -384,8 +374,8 @@ class BlockPager:
         return out
 
     # ------------------------------------------------------------ saved tensors
-    def _pack(self, i: int, f: Optional[_Fetch], t: torch.Tensor):
-        ref = self._weight_ref(i, f, t) if f is not None else None
+    def _pack(self, i: int, f: _Fetch, t: torch.Tensor):
+        ref = self._weight_ref(i, f, t)
         if ref is not None:
             self._refs[i] = self._refs.get(i, 0) + 1
             return ref

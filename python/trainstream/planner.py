@@ -34,6 +34,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from torch import nn
 
+from ._pinning import registered_host
+
 ACTIVATION_RESERVE = 0.25
 # On CUDA the plan leaves at least this much free whatever vram_headroom says: the
 # caching allocator rounds blocks up and fragments, which at small caps outgrows 10%.
@@ -111,7 +113,6 @@ def _nbytes(t) -> int:
 def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: int,
               quant_format: Optional[str] = "nf4", quant_block_size: int = 64) -> ModelSummary:
     """Reads the sizes the planner needs from the model's tensors (no data touched)."""
-    from .paging import registered_host
     from .quantization import _quantized_bytes
     in_blocks = set()
     out: List[BlockSummary] = []

@@ -499,7 +499,11 @@ def test_frozen_weights_in_registered_host_memory_page_from_where_they_are(monke
     ours.blocks.requires_grad_(False)
     ref.blocks.requires_grad_(False)
     shared = {t.data_ptr() for t in list(ours.blocks.parameters()) + list(ours.blocks.buffers())}
-    monkeypatch.setattr(paging, "registered_host", lambda t: t.data_ptr() in shared)
+
+    def registered(t):
+        return t.data_ptr() in shared
+    monkeypatch.setattr(paging, "registered_host", registered)
+    monkeypatch.setattr(planner, "registered_host", registered)
     buffers = []
     real = BlockPager._host_buffer
     monkeypatch.setattr(BlockPager, "_host_buffer",
