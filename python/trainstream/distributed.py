@@ -93,11 +93,11 @@ class DataParallelPlan:
         if self.mode != "group" or self.nnodes == 1:
             return
         dist = _dist()
-        backend = choose_reduce_backend(os.environ.get("TRAINSTREAM_DP_REDUCE", "auto"),
-                                 str(dist.get_backend()), torch.cuda.is_available())
-        self.reduce_backend = backend
+        self.reduce_backend = choose_reduce_backend(
+            os.environ.get("TRAINSTREAM_DP_REDUCE", "auto"), str(dist.get_backend()),
+            torch.cuda.is_available())
         ranks = [n * self.local_world_size for n in range(self.nnodes)]
-        self.leaders = dist.new_group(ranks=ranks, backend=backend,
+        self.leaders = dist.new_group(ranks=ranks, backend=self.reduce_backend,
                                       timeout=timedelta(seconds=self.timeout_s))
 
     def check_same_weights(self, checksum: str) -> None:

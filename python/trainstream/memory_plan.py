@@ -129,8 +129,9 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                     opt._registered_host.append(r.base_address)
     regions = session.activation_regions
     registered: List[int] = []  # arena chunks registered with CUDA (not the optimizer's)
+    chunk_bytes = (256 if cuda else 64) << 20
     arena = HostArena(lambda n: _session_chunk(opt, n, regions, registered, cuda),
-                      chunk_bytes=(256 if cuda else 64) << 20)
+                      chunk_bytes=chunk_bytes)
     offloader = ActivationOffloader(model, device=prepared.device,
                                     min_offload_bytes=config["min_offload_bytes"],
                                     prefetch_depth=config["prefetch_depth"],
@@ -148,7 +149,7 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
         # regions they would outlive its budget and, unregistered, copy at pageable speed.
         # Copies into the old pages finish first (replace_arena drains them).
         in_flight = offloader.replace_arena(HostArena(offloader.engine.host_empty,
-                                                      chunk_bytes=(256 if cuda else 64) << 20))
+                                                      chunk_bytes=chunk_bytes))
         for address in registered:
             _C.unregister_host(address)
         registered.clear()
@@ -194,8 +195,8 @@ def _session_chunk(opt, nbytes: int, regions: List[Any], registered: List[int],
     except Exception:  # noqa: BLE001 (budget refused: fall back, still pinned)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     regions.append(region)
-    if cuda and _C.with_cuda:
-        ok, _ = register_fresh(region.base_address, region.segment_size)
+    if cuda:
+        ok, _ = register_fresh(region.base_address, region.segment_size)  # False without CUDA
         if ok:
             registered.append(region.base_address)
     return _C.tensor_from_address(region.address, [nbytes], "uint8")
@@ -209,7 +210,7 @@ def uninstall(model: nn.Module, session) -> None:
     for h in session.hooks:
         h.remove()
     session.hooks.clear()
-    leave = getattr(session, "leave_session", None)
+    leave = session.leave_session
     if leave is not None:  # the activation pages leave the daemon session now, once
         leave()
         if session.optimizer is not None and leave in session.optimizer.before_detach:
