@@ -117,14 +117,16 @@ GroupRegistry::GroupRegistry(SegmentFactory create, SegmentDropper drop,
                              optimizer::WorkerPool* pool)
     : create_(std::move(create)), drop_(std::move(drop)), pool_(pool) {}
 
-GroupRegistry::~GroupRegistry() {
+std::set<std::shared_ptr<Group>> GroupRegistry::AllGroups() {
   std::set<std::shared_ptr<Group>> all;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [k, g] : groups_) all.insert(g);
-    for (auto& [s, g] : by_session_) all.insert(g);
-  }
-  for (const auto& g : all) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [k, g] : groups_) all.insert(g);
+  for (auto& [s, g] : by_session_) all.insert(g);
+  return all;
+}
+
+GroupRegistry::~GroupRegistry() {
+  for (const auto& g : AllGroups()) {
     std::lock_guard<std::mutex> lock(g->mu);
     if (g->state != Group::State::kBroken) Break(*g, "the daemon is shutting down", -1);
   }
@@ -424,13 +426,7 @@ std::string GroupRegistry::KeyOf(uint64_t session_id) {
 }
 
 void GroupRegistry::FillStatus(v1::StatusResponse* out) {
-  std::set<std::shared_ptr<Group>> all;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [k, g] : groups_) all.insert(g);
-    for (auto& [s, g] : by_session_) all.insert(g);
-  }
-  for (const auto& g : all) {
+  for (const auto& g : AllGroups()) {
     std::lock_guard<std::mutex> lock(g->mu);
     auto* gs = out->add_groups();
     gs->set_key(g->key);

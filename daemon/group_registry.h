@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "optimizer_service.h"
@@ -100,6 +101,8 @@ class GroupRegistry {
   void FillStatus(v1::StatusResponse* out);
 
  private:
+  // Every group, joinable (groups_) or broken and still held by members (by_session_).
+  std::set<std::shared_ptr<Group>> AllGroups();              // takes mu_
   grpc::Status Form(Group& g);                               // Group::mu held
   void Break(Group& g, const std::string& why, int leaver);  // Group::mu held
 
