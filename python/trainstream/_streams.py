@@ -43,14 +43,7 @@ class CopyEngine:
         if not self.cuda or not src.is_cuda:
             dst.copy_(src)
             return None
-        produced = torch.cuda.Event()
-        produced.record(self.compute_stream())
-        with torch.cuda.stream(self.d2h):
-            self.d2h.wait_event(produced)
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.d2h)
-        return done
+        return self._copy_after_compute(self.d2h, [(src, dst)])
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Optional[torch.cuda.Event]:
         """dst.copy_(src) on the H2D stream, after the compute stream has reached this
@@ -60,20 +53,26 @@ class CopyEngine:
 
     def to_device_many(self, pairs) -> Optional[torch.cuda.Event]:
         """``to_device`` for several (src, dst) pairs, with one event for all."""
+        pairs = list(pairs)
+        self.bytes_h2d += sum(src.numel() * src.element_size() for src, _ in pairs)
         if not self.cuda:
             for src, dst in pairs:
-                self.bytes_h2d += src.numel() * src.element_size()
                 dst.copy_(src)
             return None
-        allocated = torch.cuda.Event()
-        allocated.record(self.compute_stream())
-        with torch.cuda.stream(self.h2d):
-            self.h2d.wait_event(allocated)
+        return self._copy_after_compute(self.h2d, pairs)
+
+    def _copy_after_compute(self, stream, pairs) -> torch.cuda.Event:
+        """The copies on ``stream`` once the compute stream reaches this point (the
+        source was written, or the destination allocated, there); the returned event
+        marks them done."""
+        reached = torch.cuda.Event()
+        reached.record(self.compute_stream())
+        with torch.cuda.stream(stream):
+            stream.wait_event(reached)
             for src, dst in pairs:
-                self.bytes_h2d += src.numel() * src.element_size()
                 dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.h2d)
+            done.record(stream)
         return done
 
     def wait(self, event: Optional[torch.cuda.Event]) -> None:
