@@ -44,16 +44,6 @@ tk::DType DTypeOf(const torch::Tensor& t, const char* what) {
   return KernelDType(t.scalar_type(), what);
 }
 
-tk::AdamWHyperParams Hyper(double lr, double beta1, double beta2, double eps, double wd) {
-  tk::AdamWHyperParams hp;
-  hp.lr = lr;
-  hp.beta1 = beta1;
-  hp.beta2 = beta2;
-  hp.eps = eps;
-  hp.weight_decay = wd;
-  return hp;
-}
-
 // One AdamW step on whole tensors, single-threaded. `step` is torch's
 // state['step'] after its increment (1 on the first call).
 void AdamWStep(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
@@ -83,7 +73,7 @@ void AdamWStep(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_av
     r.param_out = param_out->data_ptr();
   }
   const auto scalars =
-      tk::ComputeAdamWStepScalars(Hyper(lr, beta1, beta2, eps, weight_decay),
+      tk::ComputeAdamWStepScalars(tk::AdamWHyperParams{lr, beta1, beta2, eps, weight_decay},
                                   static_cast<uint64_t>(step), static_cast<float>(grad_scale));
   pybind11::gil_scoped_release release;
   tk::AdamWUpdate(r, scalars,
@@ -174,7 +164,7 @@ class PyAdamWEngine {
   void Submit(int64_t id, int64_t step, double lr, double beta1, double beta2, double eps,
               double wd) {
     Check(engine_->SubmitGrad(static_cast<uint64_t>(id), static_cast<uint64_t>(step),
-                              Hyper(lr, beta1, beta2, eps, wd)));
+                              tk::AdamWHyperParams{lr, beta1, beta2, eps, wd}));
   }
 
   void StepEnd(int64_t step) { Check(engine_->StepEnd(static_cast<uint64_t>(step))); }

@@ -73,14 +73,9 @@ void AdamWCudaStep(const at::Tensor& param, const at::Tensor& grad, uintptr_t ma
         "adamw_cuda_step: skip must be one int32 on the parameter's device");
     skip_flag = skip->data_ptr<int32_t>();
   }
-  tk::AdamWHyperParams hp;
-  hp.lr = lr;
-  hp.beta1 = beta1;
-  hp.beta2 = beta2;
-  hp.eps = eps;
-  hp.weight_decay = weight_decay;
   const tk::AdamWStepScalars s =
-      tk::ComputeAdamWStepScalars(hp, static_cast<uint64_t>(step), static_cast<float>(grad_scale));
+      tk::ComputeAdamWStepScalars(tk::AdamWHyperParams{lr, beta1, beta2, eps, weight_decay},
+                                  static_cast<uint64_t>(step), static_cast<float>(grad_scale));
   const c10::cuda::CUDAGuard guard(param.device());
   const cudaError_t err =
       tk::AdamWUpdateCuda(t, s, static_cast<uint64_t>(seed), static_cast<uint64_t>(param_key),
