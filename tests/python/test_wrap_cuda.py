@@ -19,13 +19,15 @@ def _pair(seed):
     return cfg, ref, copy.deepcopy(ref)
 
 
-def _run(model, opt, batches, autocast=False):
+def _run(model, opt, batches, autocast=False, clip=None):
     losses = []
     for x, y in batches:
         x, y = x.cuda(), y.cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(x, y)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import trainstream
+from test_wrap_cuda import _run
 from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -19,21 +20,6 @@ def _model(seed):
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, n_embd=64)
     return cfg, TinyGPT(cfg).cuda()
-
-
-def _run(model, opt, batches, clip=None, autocast=False):
-    losses = []
-    for x, y in batches:
-        x, y = x.cuda(), y.cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(x, y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.fixture(autouse=True)
