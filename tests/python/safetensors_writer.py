@@ -20,6 +20,19 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
+def write_qwen_folder(folder, seed: int = 0):
+    """A random-weight Qwen2 model folder (config.json and a bf16 model.safetensors), the
+    shape the GPU base tests load; returns the model it saved."""
+    import transformers
+    cfg = transformers.Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=512, vocab_size=512)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    cfg.save_pretrained(folder)
+    write_safetensors(f"{folder}/model.safetensors", dict(model.state_dict()))
+    return model
+
+
 def write_safetensors(path, tensors: Dict[str, torch.Tensor],
                       metadata: Optional[Dict[str, str]] = None) -> None:
     header, blobs, offset = {}, [], 0

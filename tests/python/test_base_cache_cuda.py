@@ -4,7 +4,7 @@ model over an NF4 base runs on the GPU and matches its CPU forward."""
 import pytest
 import torch
 
-from safetensors_writer import write_safetensors
+from safetensors_writer import write_qwen_folder, write_safetensors
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -28,14 +28,9 @@ def test_base_mapping_registers_read_only_and_copies_to_gpu(daemon, tmp_path):
 
 
 def test_nf4_model_over_the_base_runs_on_gpu(daemon, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from trainstream.integrations.huggingface import load_model
-    cfg = transformers.Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=512, vocab_size=512)
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    cfg.save_pretrained(tmp_path)
-    write_safetensors(tmp_path / "model.safetensors", dict(ref.state_dict()))
+    write_qwen_folder(tmp_path)
     model = load_model(str(tmp_path), quantize="nf4", socket=daemon.socket)
     tokens = torch.randint(0, 512, (2, 16))
     with torch.no_grad():

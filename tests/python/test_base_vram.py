@@ -6,7 +6,6 @@ with FAILED_PRECONDITION naming why, and the daemon stays healthy. On a GPU host
 processes that share one base on one GPU see the base's VRAM counted once, and the
 tensors they view equal the host base byte for byte."""
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from conftest import wait_until
-from safetensors_writer import write_safetensors
+from safetensors_writer import write_qwen_folder, write_safetensors
 
 import trainstream._control as control
 from trainstream.base import load_base
@@ -164,7 +163,7 @@ def test_two_processes_share_one_vram_copy(daemon, tmp_path):
 
 @needs_gpu
 def test_share_vram_bad_device_and_model_on_gpu(daemon, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from trainstream.integrations.huggingface import load_model
     from trainstream.quantization import QuantLinear
     client = control.Client.connect(daemon.socket)
@@ -180,12 +179,7 @@ def test_share_vram_bad_device_and_model_on_gpu(daemon, tmp_path):
 
     folder = tmp_path / "model"
     folder.mkdir()
-    cfg = transformers.Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=512, vocab_size=512)
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    cfg.save_pretrained(folder)
-    write_safetensors(folder / "model.safetensors", dict(ref.state_dict()))
+    write_qwen_folder(folder)
     cpu_model = load_model(str(folder), quantize="nf4", socket=daemon.socket)
     gpu_model = load_model(str(folder), quantize="nf4", socket=daemon.socket, share_vram=True)
     vram = gpu_model.trainstream_base.share_vram()
