@@ -249,12 +249,18 @@ def run_case(args) -> dict:
                 + t.get("bytes_pcie", 0) + 2 * act.get("bytes_offloaded", 0))
     losses, times = [], []
     peak = 0
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
+    # Warm up for --warmup steps, and on while the plan still adapts (up to
+    # --max-warmup): the measured steps are the settled plan's.
+    warmup, step = None, 0
+    while warmup is None or step < warmup + args.steps:
+        if warmup is None and step >= args.warmup and (not session.adapting
+                                                         or step >= args.max_warmup):
+            warmup = step
             sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             bytes0 = moved()
+        step += 1
         sync()
         t = time.perf_counter()
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=mode != "full"):
@@ -265,7 +271,7 @@ def run_case(args) -> dict:
         sync()
         times.append(time.perf_counter() - t)
         losses.append(round(loss.item(), 4))
-    measured = times[args.warmup:]
+    measured = times[warmup:]
     step_s = sorted(measured)[len(measured) // 2]
     per_step = (moved() - bytes0) / max(1, args.steps)
     if cuda:
@@ -273,7 +279,8 @@ def run_case(args) -> dict:
     rep = trainstream.memory_report(model)
     status = json.loads(trainstream._daemon.connect(args.socket).status_json())
     result.update(
-        step_s=round(step_s, 4), losses=losses, loss_decreased=losses[-1] < losses[0],
+        step_s=round(step_s, 4), warmup_steps=warmup,
+        step_times=[round(t, 4) for t in measured], losses=losses, loss_decreased=losses[-1] < losses[0],
         peak_vram_gib=_gib(peak), within_cap=(cap is None or peak <= cap),
         host_rss_gib=_gib(_rss()), daemon_shm_gib=_gib(status["budget"]["used"]),
         pcie_bytes_per_step=int(per_step), pcie_gb_s=round(per_step / step_s / 1e9, 2),
@@ -324,8 +331,11 @@ def main() -> int:
     ap.add_argument("--cap-gib", type=float, default=24.0)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps; the median is reported")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="steps before measuring, at least (default 3)")
+    ap.add_argument("--max-warmup", type=int, default=12,
+                    help="warm up on while the plan adapts, up to this many steps (default 12)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: checks the script on CPU")
     ap.add_argument("--tiny-cap-kib", type=int, default=1024,
@@ -360,7 +370,8 @@ def main() -> int:
             for uncapped in variants:
                 cmd = [sys.executable, __file__, "--case", case, "--cap-gib", str(args.cap_gib),
                        "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
-                       str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
+                       str(args.steps), "--warmup", str(args.warmup), "--max-warmup",
+                       str(args.max_warmup), "--lr", str(args.lr),
                        "--socket", args.socket, "--tiny-cap-kib", str(args.tiny_cap_kib)]
                 cmd += ["--tiny"] if args.tiny else []
                 cmd += ["--uncapped"] if uncapped else []
