@@ -89,14 +89,15 @@ if [[ $STAGES == *base* ]]; then
     --clients 2 --share-vram > "$OUT/bench-base.log" 2>&1 || { rc=1; echo "bench base failed"; }
   tail -25 "$OUT/bench-base.log" | tee -a "$OUT/bench.log"
 fi
-# Training bigger than VRAM under a 24 GiB cap, one case per process run; a failed case
+# Training bigger than VRAM under a 24 GiB cap, one case per process run (PAGING_ARGS: more
+# bench_paging.py flags, e.g. --profile); a failed case
 # leaves the allocator's history in $OUT/snapshot-CASE.pickle (PAGING_SNAPSHOT=0: not).
 if [[ $STAGES == *paging* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
   for c in ${PAGING_CASES:-7b-full 32b-lora-nf4 oom}; do
     echo "== paging $c" | tee -a "$OUT/bench.log"
     TS_BENCH_SNAPSHOT=$([[ ${PAGING_SNAPSHOT:-1} == 1 ]] && echo "$OUT/snapshot-$c.pickle") timeout ${PAGING_TIMEOUT:-300} .venv/bin/python \
-      benchmarks/paging/bench_paging.py --cases "$c" --cap-gib 24 --seq 1024 --timeout 280 \
+      benchmarks/paging/bench_paging.py --cases "$c" --cap-gib 24 --seq 1024 --timeout 280 ${PAGING_ARGS:-} \
       > "$OUT/bench-paging-$c.log" 2>&1 || { rc=1; echo "bench paging $c failed"; }
     tail -8 "$OUT/bench-paging-$c.log" | tee -a "$OUT/bench.log"
   done

@@ -183,6 +183,42 @@ def _failure_report(torch) -> dict:
     return r
 
 
+def _alloc_stats(cuda: bool) -> dict:
+    if not cuda:
+        return {}
+    import torch
+    s = torch.cuda.memory_stats()
+    return {k: s.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                                     "num_sync_all_streams")}
+
+
+def _profile_step(model, opt, ids, dev, mode, cuda) -> dict:
+    """One more step under torch.profiler: the device's busy time against the wall time
+    (a step far longer than its kernels waits on the host or on copies), and the
+    costliest operators."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=mode != "full"):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key, 0) for e in events) / 1e6
+    top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:12]
+    return {"wall_s": round(wall, 4), "device_busy_s": round(busy, 4),
+            "top": [[e.key, e.count, round(getattr(e, key, 0) / 1e3, 2),
+                     round(e.self_cpu_time_total / 1e3, 2)] for e in top],
+            "columns": ["op", "calls", "self device ms", "self cpu ms"]}
+
+
 def run_case(args) -> dict:
     import torch
     import trainstream
@@ -260,6 +296,7 @@ def run_case(args) -> dict:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             bytes0 = moved()
+            alloc0 = _alloc_stats(cuda)
         step += 1
         sync()
         t = time.perf_counter()
@@ -272,6 +309,12 @@ def run_case(args) -> dict:
         times.append(time.perf_counter() - t)
         losses.append(round(loss.item(), 4))
     measured = times[warmup:]
+    # Allocator churn over the measured steps: retries (the cap made the caching
+    # allocator free its cache and synchronize) and cudaMalloc/cudaFree calls.
+    alloc = {k: v - alloc0.get(k, 0) for k, v in _alloc_stats(cuda).items()}
+    if cuda:
+        alloc["max_reserved_gib"] = _gib(torch.cuda.max_memory_reserved())
+    profile = _profile_step(model, opt, ids, dev, mode, cuda) if args.profile else None
     step_s = sorted(measured)[len(measured) // 2]
     per_step = (moved() - bytes0) / max(1, args.steps)
     if cuda:
@@ -280,7 +323,7 @@ def run_case(args) -> dict:
     status = json.loads(trainstream._daemon.connect(args.socket).status_json())
     result.update(
         step_s=round(step_s, 4), warmup_steps=warmup,
-        step_times=[round(t, 4) for t in measured], losses=losses, loss_decreased=losses[-1] < losses[0],
+        step_times=[round(t, 4) for t in measured], allocator=alloc, losses=losses, loss_decreased=losses[-1] < losses[0],
         peak_vram_gib=_gib(peak), within_cap=(cap is None or peak <= cap),
         host_rss_gib=_gib(_rss()), daemon_shm_gib=_gib(status["budget"]["used"]),
         pcie_bytes_per_step=int(per_step), pcie_gb_s=round(per_step / step_s / 1e9, 2),
@@ -291,6 +334,8 @@ def run_case(args) -> dict:
         attention=rep["attention"],
         events=[{k: v for k, v in e.items() if k != "time"} for e in rep["events"]
                 if e["kind"] in ("plan", "watchdog", "attention")])
+    if profile is not None:
+        result["profile"] = profile
     if case.startswith("14b"):
         paged = rep["params"]
         # What must cross per step: the paged weights twice (forward, backward); LoRA
@@ -334,6 +379,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="measured steps; the median is reported")
     ap.add_argument("--warmup", type=int, default=3,
                     help="steps before measuring, at least (default 3)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one extra step: device busy time and the top operators")
     ap.add_argument("--max-warmup", type=int, default=12,
                     help="warm up on while the plan adapts, up to this many steps (default 12)")
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -372,6 +419,7 @@ def main() -> int:
                        "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
                        str(args.steps), "--warmup", str(args.warmup), "--max-warmup",
                        str(args.max_warmup), "--lr", str(args.lr),
+                       *(["--profile"] if args.profile else []),
                        "--socket", args.socket, "--tiny-cap-kib", str(args.tiny_cap_kib)]
                 cmd += ["--tiny"] if args.tiny else []
                 cmd += ["--uncapped"] if uncapped else []

@@ -135,7 +135,8 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
     offloader = ActivationOffloader(model, device=prepared.device,
                                     min_offload_bytes=config["min_offload_bytes"],
                                     prefetch_depth=config["prefetch_depth"],
-                                    max_inflight_bytes=config["max_inflight_bytes"], arena=arena)
+                                    max_inflight_bytes=plan.max_inflight_bytes
+                                    or config["max_inflight_bytes"], arena=arena)
 
     def host_home(p):
         e = opt._entries.get(id(p))

@@ -20,7 +20,10 @@ Device memory model (bytes that are live at the peak of a step):
   small resident tensors (and their gradients);
   activations: unknown until a step has run, so ``ACTIVATION_RESERVE`` of the
   usable memory is set aside for them at wrap(); the first steps then measure
-  (``Adapter`` in wrap.py's session) and move blocks.
+  (``Adapter`` in wrap.py's session) and move blocks. Paged activations hold device
+  memory until their copy ends: copies in flight each way are bounded by half the
+  reserve (``Plan.max_inflight_bytes``), else a fast forward runs ahead of its D2H
+  copies and holds every paged block's activations at once.
 Host memory model: the daemon's fp32 master and two moments per trained element,
 its staging slots (a gradient and a weight slot in the parameter's dtype) and the
 pinned copies of paged frozen tensors.
@@ -37,6 +40,8 @@ from torch import nn
 from ._pinning import registered_host
 
 ACTIVATION_RESERVE = 0.25
+# The smallest bound on activation copies in flight: one copy of a few MiB must go.
+MIN_INFLIGHT = 4 << 20
 # On CUDA the plan leaves at least this much free whatever vram_headroom says: the
 # caching allocator rounds blocks up and fragments, which at small caps outgrows 10%.
 CUDA_MIN_HEADROOM = 128 << 20
@@ -96,6 +101,8 @@ class Plan:
     usable_vram: Optional[int] = None
     decisions: List[str] = field(default_factory=list)
     pcie_bytes_per_step: int = 0
+    max_inflight_bytes: Optional[int] = None  # the activation copies' bound, or no bound
+
 
     def as_dict(self) -> Dict[str, Any]:
         return {"paged_blocks": list(self.paged), "moment_dtype": self.moment_dtype,
@@ -103,6 +110,7 @@ class Plan:
                 "recompute": self.recompute, "device_bytes": dict(self.device_bytes),
                 "host_bytes": dict(self.host_bytes), "usable_vram": self.usable_vram,
                 "pcie_bytes_per_step": self.pcie_bytes_per_step,
+                "max_inflight_bytes": self.max_inflight_bytes,
                 "decisions": list(self.decisions)}
 
 
@@ -326,12 +334,19 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
     for i in paged:
         b = summary.blocks[i]
         pcie += 2 * b.paged_bytes(q_now) + b.trained_bytes  # H2D fwd + bwd, grads D2H
+    inflight = None
+    if usable is not None:
+        inflight = min(config.get("max_inflight_bytes", 1 << 30),
+                       max(MIN_INFLIGHT, int(usable * ACTIVATION_RESERVE) // 2))
+        if inflight < config.get("max_inflight_bytes", 1 << 30):
+            decisions.append(f"max_inflight_bytes: {_fmt(inflight)} (half the activation "
+                             "reserve: paged activations hold device memory until copied)")
     return Plan(paged=list(paged), moment_dtype="bfloat16" if moment_bytes == 2 else "float32",
                 quantize=quantize, activation_offload=config.get("activation_offload", "auto"),
                 recompute=config.get("recompute", "auto"),
                 device_bytes=device_need(paged, q_now) if usable is not None else {},
                 host_bytes=need_host, usable_vram=usable, decisions=decisions,
-                pcie_bytes_per_step=pcie)
+                pcie_bytes_per_step=pcie, max_inflight_bytes=inflight)
 
 
 def ram_available() -> int:

@@ -213,6 +213,8 @@ def test_declared_vram_limit_pages_some_blocks_and_stays_exact(daemon):
                                  socket=daemon.socket, vram_limit=limit, min_offload_bytes=0)
     plan = ours._trainstream_session.plan
     assert 0 < len(plan.paged) < 6, plan.decisions
+    offloader = ours._trainstream_session.pager.offloader
+    assert offloader.max_inflight_bytes == plan.max_inflight_bytes < 1 << 30
     assert plan.paged == list(range(len(plan.paged))), "the first blocks page"
     ref, ref_opt = trainstream.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3),
                                     socket=daemon.socket)
@@ -489,6 +491,21 @@ def test_planner_keeps_at_least_128_mib_free_on_cuda():
     big = planner.Capacity("cuda:0", 24 << 30, 64 << 30, None, 50.0, source="test")
     p = planner.plan(_summary(), big, _config(vram_headroom=0.10))
     assert p.usable_vram == int((24 << 30) * 0.9)
+
+
+def test_planner_bounds_activation_copies_in_flight_by_half_the_reserve():
+    # A fast forward runs ahead of its D2H copies; each copy holds its device tensor.
+    s = _summary(n=8, trained=8 << 20, outside=8 << 20)
+    small = planner.Capacity("cuda:0", 512 << 20, 64 << 30, None, 50.0, source="test")
+    p = planner.plan(s, small, _config())
+    assert p.max_inflight_bytes == int(((512 - 128) << 20) * planner.ACTIVATION_RESERVE) // 2
+    assert any(d.startswith("max_inflight_bytes") for d in p.decisions), p.decisions
+    assert planner.plan(s, small, _config(max_inflight_bytes=1 << 20)).max_inflight_bytes == 1 << 20
+    big = planner.plan(s, _cap(24), _config())
+    assert big.max_inflight_bytes == 1 << 30   # the option's default is below the bound
+    assert not any(d.startswith("max_inflight_bytes") for d in big.decisions)
+    unknown = planner.Capacity("cpu", None, 64 << 30, None, 0.0, source="test")
+    assert planner.plan(s, unknown, _config()).max_inflight_bytes is None
 
 
 def test_frozen_weights_in_registered_host_memory_page_from_where_they_are(monkeypatch):
