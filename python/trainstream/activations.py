@@ -5,15 +5,17 @@
     loss.backward()
 
 While active, every tensor autograd saves for backward that is at least
-``min_offload_bytes`` big, dense and on the device is copied to host memory on a
-D2H stream (the device copy is released once the copy has run); in backward each
+``min_offload_bytes`` big and on the device, and dense or a strided view reaching at
+most ``VIEW_SPAN_RATIO`` times its elements (q, k and v sliced from one projection),
+is copied to host memory on a D2H stream (the device copy is released once the copy has run); in backward each
 one is copied back on an H2D stream when it is needed, and the next
 ``prefetch_depth`` ones (in reverse order of saving, the order backward reads them)
 are fetched ahead. ``max_inflight_bytes`` bounds the device memory held by copies in
 flight each way (the training thread waits for the oldest copy beyond it).
 
 Exactness: the bytes come back unchanged, with the original sizes and strides, so
-backward computes exactly what it would have without paging.
+backward computes exactly what it would have without paging. (A strided view is paged
+compactly and comes back inside a fresh buffer of its span.)
 
 Host memory: pinned memory from torch's caching host allocator, or, when a
 ``HostArena`` is given (``wrap()`` gives one over shared-memory regions of the
@@ -70,14 +72,21 @@ class HostArena:
         self._offset = 0
 
 
+# A saved view that is not dense is paged when the storage its strides reach is at most
+# this many times its elements (q, k, v split from one projection: about 3). Kept on the
+# device, it would hold the whole base there; paged, it comes back in a buffer of its span.
+VIEW_SPAN_RATIO = 4
+
+
 class _Page:
     """One saved tensor that lives on the host until backward needs it."""
-    __slots__ = ("host", "size", "stride", "dtype", "nbytes", "copied", "device_copy",
+    __slots__ = ("host", "size", "stride", "dtype", "nbytes", "span", "copied", "device_copy",
                  "fetched", "uses", "index", "done", "__weakref__")
 
-    def __init__(self, host, size, stride, dtype, nbytes, index):
-        self.host = host
+    def __init__(self, host, size, stride, dtype, nbytes, index, span=None):
+        self.host = host          # same strides as the tensor, or compact when span is set
         self.size, self.stride, self.dtype, self.nbytes = size, stride, dtype, nbytes
+        self.span = span          # a strided view's span in elements, else None
         self.copied = None        # event: D2H done (None on CPU or once observed)
         self.device_copy = None   # the tensor back on the device, once fetched
         self.fetched = None       # event: H2D done
@@ -170,7 +179,8 @@ class ActivationOffloader:
         return (nbytes >= self.min_offload_bytes and t.device == self.engine.device
                 and not isinstance(t, nn.Parameter) and not t.is_sparse
                 and t.layout == torch.strided and t.data_ptr() not in self._weights
-                and _dense(t))
+                and (_dense(t) or (min(t.stride(), default=0) >= 0
+                                   and _span(t) <= VIEW_SPAN_RATIO * t.numel())))
 
     def pack(self, t: torch.Tensor):
         if not self.wants(t):
@@ -186,10 +196,14 @@ class ActivationOffloader:
             self._arena.reset()
             self._pages.clear()
         nbytes = t.numel() * t.element_size()
-        span = _span(t)
-        raw = self._arena.allocate(span * t.element_size())
-        host = raw.view(t.dtype).as_strided(t.size(), t.stride())
-        page = _Page(host, t.size(), t.stride(), t.dtype, nbytes, len(self._pages))
+        if _dense(t):
+            raw = self._arena.allocate(_span(t) * t.element_size())
+            host = raw.view(t.dtype).as_strided(t.size(), t.stride())
+            page = _Page(host, t.size(), t.stride(), t.dtype, nbytes, len(self._pages))
+        else:  # a strided view: only its elements cross
+            host = self._arena.allocate(nbytes).view(t.dtype).view(t.size())
+            page = _Page(host, t.size(), t.stride(), t.dtype, nbytes, len(self._pages),
+                         span=_span(t))
         page.copied = self.engine.to_host(t, host)
         page.uses = 1
         self._pages.append(weakref.ref(page))
@@ -255,10 +269,7 @@ class ActivationOffloader:
             if page.copied is not None:
                 # The host copy must be complete before it is read back.
                 self.engine.h2d.wait_event(page.copied)
-            out = torch.empty_strided(page.size, page.stride, dtype=page.dtype,
-                                      device=self.engine.device)
-        else:
-            out = torch.empty_strided(page.size, page.stride, dtype=page.dtype)
+        out = _empty_like_page(page, self.engine.device)
         page.fetched = self.engine.to_device(page.host, out)
         page.device_copy = out
         self._prefetched_bytes += page.nbytes
@@ -276,6 +287,15 @@ class ActivationOffloader:
                 break
             self._fetch(page)
             fetched += 1
+
+
+def _empty_like_page(page: _Page, device) -> torch.Tensor:
+    """A tensor with the page's sizes and strides (a strided view's inside a fresh
+    buffer of its span)."""
+    if page.span is None:
+        return torch.empty_strided(page.size, page.stride, dtype=page.dtype, device=device)
+    buf = torch.empty(page.span, dtype=page.dtype, device=device)
+    return buf.as_strided(page.size, page.stride)
 
 
 def _span(t: torch.Tensor) -> int:

@@ -327,6 +327,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         if e.backward_count == n and self._options["grad_post"] == "backward":
             self._post_grad(e, e.external_grad)
             e.external_grad = None
+            # Nothing reads it again (p.grad never held it, so step() has no change to
+            # check) and the copy keeps its memory until done: held here, every paged
+            # block's gradient would stay on the device until step().
+            e.posted_grad = None
         return True
 
     def _post_grad(self, e: _Param, grad: Optional[torch.Tensor] = None) -> None:
@@ -444,8 +448,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             for e in self._entries.values():
                 p = e.param
                 if e.posted_step == step:
-                    changed = p.grad is not e.posted_grad or p.grad._version != e.posted_version
-                    if not e.external and changed:
+                    if not e.external and (p.grad is not e.posted_grad
+                                           or p.grad._version != e.posted_version):
                         raise RuntimeError(
                             f"trainstream: the gradient of {e.name} changed after backward handed it "
                             "to the daemon (e.g. clip_grad_norm_ or GradScaler.unscale_). Pass "

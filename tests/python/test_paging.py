@@ -52,6 +52,53 @@ def test_activation_offloader_alone_is_exact_and_pages():
     assert off.stats["tensors_offloaded"] == before["tensors_offloaded"]
 
 
+def test_activation_offloader_pages_split_views():
+    # q, k and v sliced from one fused projection are not dense: kept on the device,
+    # any of them would hold the whole projection output there.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 3 * 64)
+    x = torch.randn(8, 16, 64)
+
+    def run(offloader):
+        lin.zero_grad()
+        ctx = offloader if offloader is not None else torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: t)
+        with ctx:
+            q, k, v = lin(x).split(64, dim=-1)
+            assert not q.is_contiguous() and q._base is not None
+            loss = ((q * k).softmax(-1) * v).sum()
+        loss.backward()
+        return lin.weight.grad.clone(), lin.bias.grad.clone()
+
+    ref = run(None)
+    off = ActivationOffloader(device="cpu", min_offload_bytes=1024)
+    ours = run(off)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref)), "paged views rebuilt exactly"
+    assert off.stats["tensors_kept"] == 0, off.stats
+    assert off._live == 0, "every page consumed by backward"
+    # The projection saves x; q * k saves q and k: pages of their own elements, not
+    # of the whole projection output.
+    off = ActivationOffloader(device="cpu", min_offload_bytes=1024)
+    with off:
+        q, k, _ = lin(x).split(64, dim=-1)
+        saved = q * k
+    assert off.stats["tensors_offloaded"] == 3
+    assert off.stats["bytes_offloaded"] == x.numel() * 4 + 2 * q.numel() * 4
+    del saved
+
+
+def test_activation_offloader_keeps_views_of_much_larger_bases():
+    big = torch.randn(64, 1024, requires_grad=True)
+    off = ActivationOffloader(device="cpu", min_offload_bytes=0)
+    with off:
+        y = big * 1.0
+        part = y[:, :8]             # 1/128 of y: paging y for it would move 128x the bytes
+        z = part * part
+    assert off.stats["tensors_kept"] == 2 and off.stats["tensors_offloaded"] == 0, off.stats  # part, twice
+    z.sum().backward()
+    assert torch.equal(big.grad[:, :8], 2 * big.detach()[:, :8])
+
+
 def test_activation_offloader_frees_pages_of_a_graph_dropped_without_backward():
     cfg, _, ours = _pair()
     (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
@@ -201,6 +248,23 @@ def test_wrap_everything_paged_matches_unpaged_bit_for_bit(daemon, accumulation)
     trainstream.unwrap(ours)
     x, y = batches[0]
     assert torch.isfinite(ours(x, y)), "an unwrapped model still runs on its own copies"
+
+
+def test_paged_gradients_are_not_held_after_they_are_posted(daemon):
+    # A paged weight's gradient goes to the daemon in backward; holding it until step()
+    # kept every paged block's gradient on the device at once.
+    cfg, _, ours = _pair(seed=1)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 socket=daemon.socket, param_offload=True, min_offload_bytes=0)
+    (x, y), = text_batches(corpus(), cfg, batch=4, steps=1, seed=1)
+    ours(x, y).backward()
+    external = [e for e in opt._entries.values() if e.external]
+    assert external, "paged weights hand their gradients over in backward"
+    assert all(e.posted_step == 1 for e in external)
+    held = [e.name for e in external if e.posted_grad is not None or e.external_grad is not None]
+    assert not held, f"gradients still referenced after posting: {held}"
+    opt.step()
+    opt.zero_grad()
 
 
 def test_declared_vram_limit_pages_some_blocks_and_stays_exact(daemon):

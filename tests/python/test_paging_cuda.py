@@ -95,15 +95,16 @@ def test_cuda_vram_limit_caps_and_adapter_settles(daemon_factory):
     # state (fp32 masters, moments, staging) is 1.06 GiB: above the default 1 GiB budget.
     daemon = daemon_factory("--budget", "2G")
     cfg, _, model = _pair(seed=2, n_layer=8, n_embd=768)
-    # Earlier tests in this process may still hold memory: cap at 384 MiB above it, of
-    # which the plan uses 256 MiB (the planner keeps at least 128 MiB free on CUDA).
+    # Earlier tests in this process may still hold memory: cap at 512 MiB above it, of
+    # which the plan uses 384 MiB (the planner keeps at least 128 MiB free on CUDA, for
+    # what it does not count: cuBLAS's workspaces, 32 MiB per stream, fragmentation).
     gc.collect()
     torch.cuda.empty_cache()
-    limit = torch.cuda.memory_allocated() + (384 << 20)
+    limit = torch.cuda.memory_allocated() + (512 << 20)
     model, opt = trainstream.wrap(model, socket=daemon.socket, device="cuda", vram_limit=limit,
                                   min_offload_bytes=1 << 16)
     session = model._trainstream_session
-    assert session.plan.paged, "a 384 MiB cap must page some of the 8 blocks"
+    assert session.plan.paged, "a 512 MiB cap must page some of the 8 blocks"
     assert session.adapting, "calibration first"
     torch.cuda.reset_peak_memory_stats()
     for x, y in text_batches(corpus(), cfg, batch=16, steps=8, seed=2):
