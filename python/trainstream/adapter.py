@@ -88,11 +88,16 @@ class Adapter:
         """Model forward pre-hook: runs once per training step, before block 0."""
         if not torch.is_grad_enabled() or in_backward() or not self.measure:
             return
-        now = self._sync_time()
+        # Step times count while adapting (calibration weighs paging against the step).
+        # Once settled the watchdog needs only the peak, which the allocator knows without
+        # waiting for the device: the next step is queued while this one still runs.
+        synced = not self.settled
+        now = self._sync_time() if synced else time.perf_counter()
         if self.t_start is not None:
             peak = torch.cuda.max_memory_allocated(self.pager.device)
             offloaded = self._offloaded() - self.offloaded_at_start
-            self.history.append({"step": self.step, "peak": peak, "seconds": now - self.t_start,
+            self.history.append({"step": self.step, "peak": peak,
+                                 "seconds": now - self.t_start if synced else None,
                                  "activation_bytes_paged": offloaded})
             self._decide(peak, now - self.t_start, offloaded)
             self.step += 1

@@ -528,6 +528,30 @@ def test_adapter_moves_blocks_back_in_when_measured_room_allows():
     assert adapter.settled and not session.adapting
 
 
+def test_settled_adapter_does_not_synchronize_the_device(monkeypatch):
+    # Adapting, each step is timed (a device sync); settled, only the peak is read.
+    MiB = 1 << 20
+    adapter, pager, session = _adapter()
+    adapter.measure = True
+    calls = {"sync": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.__setitem__(
+        "sync", calls["sync"] + 1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 1500 * MiB)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    for _ in range(6):
+        adapter.on_forward(None, ())
+    assert adapter.settled and calls["sync"] > 0
+    before = calls["sync"]
+    adapter.on_forward(None, ())
+    adapter.on_forward(None, ())
+    assert calls["sync"] == before, "a settled step must not wait for the device"
+    assert adapter.history[-1]["seconds"] is None and adapter.history[-1]["peak"] == 1500 * MiB
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2100 * MiB)
+    adapter.on_forward(None, ())                 # the watchdog still sees a step going over
+    assert not adapter.settled and session.adapting
+    assert [e for e in session.events if e.get("what") == "tighten"]
+
+
 def test_adapter_does_not_move_blocks_back_in_after_a_step_went_over():
     MiB = 1 << 20
     adapter, pager, session = _adapter()
