@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, offload, dp, base, paging
+STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, offload, dp, base, paging, capdiag
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -101,5 +101,13 @@ if [[ $STAGES == *paging* ]]; then
       > "$OUT/bench-paging-$c.log" 2>&1 || { rc=1; echo "bench paging $c failed"; }
     tail -8 "$OUT/bench-paging-$c.log" | tee -a "$OUT/bench.log"
   done
+fi
+# The CUDA cap test's scenario with the allocator's history recorded (diag_cap.py).
+if [[ $STAGES == *capdiag* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
+  OUT=$OUT timeout 120 .venv/bin/python benchmarks/paging/diag_cap.py ${CAPDIAG_ARGS:-} \
+    > "$OUT/capdiag.log" 2>&1 || { rc=1; echo "capdiag failed"; }
+  grep -E "^step|out of memory" "$OUT/capdiag.log"
+  gzip -f "$OUT/cap.pickle" 2>/dev/null
 fi
 exit $rc
