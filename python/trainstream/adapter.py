@@ -18,6 +18,9 @@ they are decided from measurements:
    after a step went over. Two steps in a row within the usable memory, with nothing
    moved, settle the plan (``session.adapting`` becomes False). After that a watchdog
    moves blocks out if a later step grows.
+4. Before settling with ``recompute="auto"``, blocks still paging their activations are
+   tried with recompute for ``TRIAL_STEPS`` steps; the faster of the two measured
+   (best step of each, recompute needing ``TRIAL_MARGIN`` less time) is kept.
 
 Every decision is an event in ``memory_report(model)["events"]``. Adaptation needs
 measured peaks, so it runs on CUDA devices; elsewhere the policy is the static one.
@@ -37,6 +40,10 @@ SETTLE_STEPS = 2
 # next step's peak is measured, not predicted), in at most LOOSEN_ROUNDS steps.
 LOOSEN_SHARE = 0.5
 LOOSEN_ROUNDS = 3
+# The recompute trial: steps measured with the paging blocks recomputing instead, and
+# the share of the paging steps' time recompute must save to be chosen (noise).
+TRIAL_STEPS = 2
+TRIAL_MARGIN = 0.03
 
 
 class Adapter:
@@ -57,6 +64,8 @@ class Adapter:
         self.act_per_block = 0
         self.loosen_rounds = 0
         self.went_over = False  # a step's peak exceeded the usable memory
+        self.trial: Optional[Dict[str, Any]] = None  # the recompute trial under way
+        self.trial_done = False
         self.history: List[Dict[str, Any]] = []
         self._static_policy()
 
@@ -145,6 +154,8 @@ class Adapter:
                         f"{seconds:.3f} s step: {count} recompute instead")
             ev("plan", what="activations", policy=self.policies(), why=why)
             return
+        if self.trial is not None and self._trial_step(peak, seconds, usable):
+            return
         if peak > usable:
             self.stable = 0
             self.went_over = True
@@ -159,6 +170,8 @@ class Adapter:
             self.stable = 0
             return
         self.stable += 1
+        if not self.settled and self.stable >= SETTLE_STEPS and self._start_trial():
+            return
         if not self.settled and self.stable >= SETTLE_STEPS:
             self.settled = True
             self.session.adapting = False
@@ -186,6 +199,50 @@ class Adapter:
                                f"{_fmt(usable)}; {self.act_per_block / 2**20:.1f} MiB of "
                                "activations per block")
         return True
+
+    # ------------------------------------------------------------- recompute trial
+    def _start_trial(self) -> bool:
+        """Switches the blocks that page their activations to recompute for a trial;
+        True if a trial began. The paging steps' times are the last stable steps."""
+        if (self.trial_done or self.config["recompute"] != "auto"
+                or self.config["activation_offload"] != "auto"):
+            return False
+        self.trial_done = True
+        blocks = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
+        timed = [h["seconds"] for h in self.history[-SETTLE_STEPS:] if h["seconds"]]
+        if not blocks or not timed:
+            return False
+        for i in blocks:
+            self.pager.set_policy(i, RECOMPUTE)
+        self.trial = {"blocks": blocks, "offload_s": min(timed), "recompute_s": []}
+        self.stable = 0
+        self.session.event("plan", what="trial", policy=self.policies(),
+                           why=f"blocks {blocks} recompute for {TRIAL_STEPS} steps instead of "
+                               f"paging their activations (paging: best step {min(timed):.3f} s)")
+        return True
+
+    def _trial_step(self, peak: int, seconds: float, usable: int) -> bool:
+        """One step of the recompute trial measured; True when it consumed the step."""
+        trial = self.trial
+        if peak <= usable:
+            trial["recompute_s"].append(seconds)
+            if len(trial["recompute_s"]) < TRIAL_STEPS:
+                return True
+        recompute_s = min(trial["recompute_s"], default=float("inf"))
+        faster = recompute_s < (1.0 - TRIAL_MARGIN) * trial["offload_s"]
+        if not faster:
+            for i in trial["blocks"]:
+                self.pager.set_policy(i, OFFLOAD)
+        self.trial = None
+        self.session.event(
+            "plan", what="trial result", chosen=RECOMPUTE if faster else OFFLOAD,
+            policy=self.policies(), offload_s=trial["offload_s"],
+            recompute_s=trial["recompute_s"],
+            why=(f"recompute best step {recompute_s:.3f} s against paging "
+                 f"{trial['offload_s']:.3f} s" if peak <= usable else
+                 f"a recompute step peaked at {_fmt(peak)}, above usable {_fmt(usable)}"))
+        # A step over the limit goes on to the usual tightening with paging restored.
+        return peak <= usable
 
     def _tighten(self) -> str:
         kept = [i for i, p in enumerate(self.pager.policy) if p == KEEP]

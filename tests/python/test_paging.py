@@ -528,6 +528,67 @@ def test_adapter_moves_blocks_back_in_when_measured_room_allows():
     assert adapter.settled and not session.adapting
 
 
+def _trial_adapter():
+    adapter, pager, session = _adapter()
+    adapter.config["recompute"] = "auto"
+    return adapter, pager, session
+
+
+@pytest.mark.parametrize("recompute_s, chosen", [(0.8, RECOMPUTE), (0.99, OFFLOAD),
+                                                 (1.3, OFFLOAD)])
+def test_adapter_tries_recompute_for_paging_blocks_and_keeps_the_faster(recompute_s, chosen):
+    MiB = 1 << 20
+    adapter, pager, session = _trial_adapter()
+    # Calibration leaves 200 MiB of room at 100 MiB a block: the last 1 keeps (0.9 x room).
+    steps = [(1800, 1.0, 800), (1950, 1.0, 0), (1950, 1.0, 0)]
+    for step, (peak, seconds, offloaded) in enumerate(steps):
+        adapter.step = step
+        adapter._decide(peak * MiB, seconds, offloaded * MiB)
+        adapter.history.append({"seconds": seconds})
+    trial = [e for e in session.events if e.get("what") == "trial"]
+    assert trial and pager.policy == [RECOMPUTE] * 7 + [KEEP], session.events[-1]
+    for step in (3, 4):
+        adapter.step = step
+        adapter._decide(1500 * MiB, recompute_s, 0)
+        adapter.history.append({"seconds": recompute_s})
+    result = [e for e in session.events if e.get("what") == "trial result"]
+    assert len(result) == 1 and result[0]["chosen"] == chosen, result
+    assert result[0]["recompute_s"] == [recompute_s] * 2 and result[0]["offload_s"] == 1.0
+    assert pager.policy == [chosen] * 7 + [KEEP]
+    for step in (5, 6):
+        adapter.step = step
+        adapter._decide(1950 * MiB, 1.0, 0)
+    assert adapter.settled and not session.adapting
+    assert len([e for e in session.events if e.get("what") == "trial"]) == 1, "one trial"
+
+
+def test_recompute_trial_that_goes_over_restores_paging():
+    MiB = 1 << 20
+    adapter, pager, session = _trial_adapter()
+    for step, (peak, offloaded) in enumerate([(1800, 800), (1950, 0), (1950, 0)]):
+        adapter.step = step
+        adapter._decide(peak * MiB, 1.0, offloaded * MiB)
+        adapter.history.append({"seconds": 1.0})
+    assert pager.policy == [RECOMPUTE] * 7 + [KEEP]
+    adapter.step = 3
+    adapter._decide(2100 * MiB, 0.5, 0)         # over the usable 2000 MiB
+    result = [e for e in session.events if e.get("what") == "trial result"]
+    assert result and result[0]["chosen"] == OFFLOAD
+    # Paging restored, then the usual tightening: the kept block pages too.
+    assert pager.policy == [OFFLOAD] * 8
+    assert [e for e in session.events if e.get("what") == "tighten"]
+
+
+def test_no_recompute_trial_unless_recompute_is_auto():
+    MiB = 1 << 20
+    adapter, pager, session = _adapter()         # recompute=False
+    for step, (peak, offloaded) in enumerate([(1800, 800), (1950, 0), (1950, 0)]):
+        adapter.step = step
+        adapter._decide(peak * MiB, 1.0, offloaded * MiB)
+        adapter.history.append({"seconds": 1.0})
+    assert RECOMPUTE not in pager.policy and adapter.settled
+
+
 def test_settled_adapter_does_not_synchronize_the_device(monkeypatch):
     # Adapting, each step is timed (a device sync); settled, only the peak is read.
     MiB = 1 << 20
