@@ -383,8 +383,8 @@ def main() -> int:
                     help="14B cases: capped and uncapped runs, alternated, this many times each")
     ap.add_argument("--profile", action="store_true",
                     help="profile one extra step: device busy time and the top operators")
-    ap.add_argument("--max-warmup", type=int, default=12,
-                    help="warm up on while the plan adapts, up to this many steps (default 12)")
+    ap.add_argument("--max-warmup", type=int, default=16,
+                    help="warm up on while the plan adapts, up to this many steps (default 16)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: checks the script on CPU")
     ap.add_argument("--tiny-cap-kib", type=int, default=1024,
