@@ -80,19 +80,34 @@ VIEW_SPAN_RATIO = 4
 
 class _Page:
     """One saved tensor that lives on the host until backward needs it."""
-    __slots__ = ("host", "size", "stride", "dtype", "nbytes", "span", "copied", "device_copy",
+    __slots__ = ("host", "size", "stride", "dtype", "nbytes", "span", "device_bytes", "copied",
+                 "device_copy",
                  "fetched", "uses", "index", "done", "__weakref__")
 
     def __init__(self, host, size, stride, dtype, nbytes, index, span=None):
         self.host = host          # same strides as the tensor, or compact when span is set
         self.size, self.stride, self.dtype, self.nbytes = size, stride, dtype, nbytes
         self.span = span          # a strided view's span in elements, else None
+        # Device memory the page occupies when fetched (a view comes back in its span).
+        self.device_bytes = nbytes if span is None else span * host.element_size()
         self.copied = None        # event: D2H done (None on CPU or once observed)
         self.device_copy = None   # the tensor back on the device, once fetched
         self.fetched = None       # event: H2D done
         self.uses = 0             # unpacks still expected
         self.index = index
         self.done = [False]       # every unpack ran, or the graph was freed without one
+
+
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """Whether no two of t's elements share memory (an expand()ed view's do): only
+    such a view can be rebuilt by copying its elements into a buffer of its span."""
+    dims = sorted((st, sz) for sz, st in zip(t.size(), t.stride()) if sz != 1)
+    reach = 1
+    for stride, size in dims:
+        if stride < reach:
+            return False
+        reach = stride * size
+    return True
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -179,7 +194,7 @@ class ActivationOffloader:
         return (nbytes >= self.min_offload_bytes and t.device == self.engine.device
                 and not isinstance(t, nn.Parameter) and not t.is_sparse
                 and t.layout == torch.strided and t.data_ptr() not in self._weights
-                and (_dense(t) or (min(t.stride(), default=0) >= 0
+                and (_dense(t) or (_non_overlapping(t)
                                    and _span(t) <= VIEW_SPAN_RATIO * t.numel())))
 
     def pack(self, t: torch.Tensor):
@@ -215,8 +230,8 @@ class ActivationOffloader:
         self.stats["bytes_offloaded"] += nbytes
         self.stats["peak_host_bytes"] = max(self.stats["peak_host_bytes"], self._arena.capacity)
         if page.copied is not None:
-            self._inflight.append((page.copied, t, nbytes))
-            self._inflight_bytes += nbytes
+            self._inflight.append((page.copied, t, page.device_bytes))
+            self._inflight_bytes += page.device_bytes
             self._retire(self.max_inflight_bytes)
         return page
 
@@ -233,7 +248,7 @@ class ActivationOffloader:
         out = page.device_copy
         page.uses -= 1
         if page.uses == 0:
-            self._prefetched_bytes -= page.nbytes
+            self._prefetched_bytes -= page.device_bytes
             page.device_copy = None
             self._page_done(page.done)
         self._prefetch_before(page.index)
@@ -272,7 +287,7 @@ class ActivationOffloader:
         out = _empty_like_page(page, self.engine.device)
         page.fetched = self.engine.to_device(page.host, out)
         page.device_copy = out
-        self._prefetched_bytes += page.nbytes
+        self._prefetched_bytes += page.device_bytes
 
     def _prefetch_before(self, index: int) -> None:
         """Fetches the ``prefetch_depth`` pages saved just before ``index``."""
@@ -283,7 +298,7 @@ class ActivationOffloader:
             j -= 1
             if page is None or page.uses == 0 or page.device_copy is not None:
                 continue
-            if self._prefetched_bytes + page.nbytes > self.max_inflight_bytes:
+            if self._prefetched_bytes + page.device_bytes > self.max_inflight_bytes:
                 break
             self._fetch(page)
             fetched += 1

@@ -324,7 +324,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"trainstream: backward() reached {e.name} {e.backward_count} times since the last "
                 f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
                 f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
-        if e.backward_count == n and self._options["grad_post"] == "backward":
+        # Replicated data parallel averages every gradient across ranks in step() first.
+        if e.backward_count == n and self._options["grad_post"] == "backward" and \
+                not self._replicated():
             self._post_grad(e, e.external_grad)
             e.external_grad = None
             # Nothing reads it again (p.grad never held it, so step() has no change to
@@ -442,8 +444,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             return loss
         posted = []
         if self._replicated():
-            self._dp.average_gradients([e.param.grad for e in self._entries.values()
-                                        if e.param.grad is not None])
+            # A paged weight's gradient is its external one (p.grad never holds it).
+            self._dp.average_gradients([e.external_grad if e.external else e.param.grad
+                                        for e in self._entries.values()
+                                        if (e.external_grad if e.external else e.param.grad)
+                                        is not None])
         try:
             for e in self._entries.values():
                 p = e.param

@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=30.0)
     ap.add_argument("--no-process-group", action="store_true")
     ap.add_argument("--cuda", action="store_true", help="the model on cuda:<LOCAL_RANK>")
+    ap.add_argument("--param-offload", action="store_true",
+                    help="page every block's weights (their gradients bypass p.grad)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -70,6 +72,8 @@ def main() -> int:
         options = dict(timeout_s=args.timeout_s, distributed=True)
         if args.max_grad_norm:
             options["max_grad_norm"] = args.max_grad_norm
+        if args.param_offload:
+            options.update(param_offload=True, min_offload_bytes=0)
         model, opt = trainstream.wrap(model, opt, **options)
         batches = text_batches(corpus(), cfg, batch=args.batch * world, steps=args.steps)
         for step, (x, y) in enumerate(batches, start=1):

@@ -170,6 +170,19 @@ def test_per_rank_copies_with_trainstream_shm_0(daemon, tmp_path):
     assert _state_bytes(status) >= 1.9 * one, "per-rank copies hold one state per rank"
 
 
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_paged_weights_match_one_process(daemon, tmp_path, shm):
+    """Paged weights hand their gradients over in backward, past p.grad: the group must
+    still sum them, and per-rank copies (replicated) must still average them."""
+    proc = _torchrun(daemon, tmp_path, 2, "--param-offload", env_extra={"TRAINSTREAM_SHM": shm})
+    ref = _reference(2)
+    _finish(proc, f"torchrun --nproc-per-node 2 --param-offload, TRAINSTREAM_SHM={shm}")
+    r0, r1 = _results(tmp_path, 2)
+    assert r0["stats"]["data_parallel"]["mode"] == ("group" if shm == "1" else "replicated")
+    _assert_equal_to_reference(ref, r0["params"], "rank 0")
+    _assert_equal_to_reference(ref, r1["params"], "rank 1")
+
+
 def test_two_machines_two_daemons(daemon_factory, tmp_path):
     """Also clips: the global norm is that of the gradient all-reduced across machines."""
     daemons = [daemon_factory(), daemon_factory()]

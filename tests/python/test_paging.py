@@ -99,6 +99,31 @@ def test_activation_offloader_keeps_views_of_much_larger_bases():
     assert torch.equal(big.grad[:, :8], 2 * big.detach()[:, :8])
 
 
+def test_activation_offloader_keeps_overlapping_views():
+    # An expand()ed view's elements share memory: copied into a buffer of its span they
+    # could not be rebuilt, so it stays on the device (and backward still works).
+    torch.manual_seed(0)
+    x = torch.randn(1, 256, requires_grad=True)
+    b = torch.randn(32, 256, 4, requires_grad=True)
+
+    def run(offloader):
+        x.grad = b.grad = None
+        ctx = offloader if offloader is not None else torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: t)
+        with ctx:
+            e = (x * 1.0).expand(32, 256)
+            w = (x * 2.0).t().unfold(0, 4, 1)   # overlapping windows, no zero stride
+            y = torch.bmm(e.unsqueeze(1), b).sum() + (w * w).sum()
+        y.backward()
+        return x.grad.clone(), b.grad.clone()
+
+    ref = run(None)
+    off = ActivationOffloader(device="cpu", min_offload_bytes=0)
+    ours = run(off)
+    assert all(torch.equal(a, c) for a, c in zip(ours, ref))
+    assert off.stats["tensors_kept"] >= 2, off.stats
+
+
 def test_activation_offloader_frees_pages_of_a_graph_dropped_without_backward():
     cfg, _, ours = _pair()
     (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
