@@ -9,9 +9,8 @@ While active, every tensor autograd saves for backward that is at least
 view reaching at most ``VIEW_SPAN_RATIO`` times its elements (q, k and v sliced from
 one projection), is copied to host memory on a D2H stream (the device copy is released
 once the copy has run); in backward each one is copied back on an H2D stream when it is
-needed, and the next
-``prefetch_depth`` ones (in reverse order of saving, the order backward reads them)
-are fetched ahead. ``max_inflight_bytes`` bounds the device memory held by copies in
+needed, and the next ``prefetch_depth`` ones (in reverse order of saving, the order
+backward reads them) are fetched ahead. ``max_inflight_bytes`` bounds the device memory held by copies in
 flight each way (the training thread waits for the oldest copy beyond it).
 
 Exactness: the bytes come back unchanged, with the original sizes and strides, so
