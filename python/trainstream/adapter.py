@@ -14,8 +14,8 @@ they are decided from measurements:
 3. Later steps: a peak above the usable memory moves a kept block to paging (or a
    resident weight block to paged). A peak well below it moves paged blocks back to
    keeping their activations (the calibration's per-block figure is an estimate, and
-   every block kept is PCIe traffic saved), at most ``LOOSEN_ROUNDS`` times and never
-   after a step went over. Two steps in a row within the usable memory, with nothing
+   every block kept is PCIe traffic saved), and once none pages, paged weight blocks
+   back to residence; at most ``LOOSEN_ROUNDS`` times and never after a step went over. Two steps in a row within the usable memory, with nothing
    moved, settle the plan (``session.adapting`` becomes False). After that a watchdog
    moves blocks out if a later step grows.
 4. Before settling with ``recompute="auto"``, blocks still paging their activations are
@@ -180,24 +180,41 @@ class Adapter:
                why=f"{SETTLE_STEPS} steps within usable memory (peak {_fmt(peak)})")
 
     def _loosen(self, peak: int, usable: int) -> bool:
-        """Moves paged blocks (the last ones: backward reads them first) back to keeping
-        their activations when the measured room allows; True if it moved any."""
-        if (self.went_over or self.loosen_rounds >= LOOSEN_ROUNDS or not self.act_per_block
-                or self.config["activation_offload"] != "auto"):
+        """Spends part of the measured room: first on paging blocks (the last ones:
+        backward reads them first), which go back to keeping their activations; once
+        none page, on paged weight blocks (the last ones), which go back to residence.
+        At most ``LOOSEN_ROUNDS`` rounds, never after a step went over; True if it moved
+        anything."""
+        if self.went_over or self.loosen_rounds >= LOOSEN_ROUNDS:
             return False
-        paged = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
-        count = min(len(paged), int(LOOSEN_SHARE * (usable - peak) // self.act_per_block))
-        if count <= 0:
+        room = int(LOOSEN_SHARE * (usable - peak))
+        paging = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
+        moved, why = "", ""
+        if paging and self.act_per_block and self.config["activation_offload"] == "auto":
+            count = min(len(paging), room // self.act_per_block)
+            if count > 0:
+                for i in paging[len(paging) - count:]:
+                    self.pager.set_policy(i, KEEP)
+                moved = f"blocks {paging[len(paging) - count:]} activations: offload -> keep"
+                why = f"; {self.act_per_block / 2**20:.1f} MiB of activations per block"
+        elif not paging and self.config.get("param_offload", "auto") == "auto":
+            brought, spent = [], 0
+            for i in sorted(self.pager.paged, reverse=True):
+                cost = self.pager.page_in_cost(i)
+                if spent + cost > room or not self.pager.page_in(i):
+                    break
+                spent += cost
+                brought.append(i)
+            if brought:
+                moved = f"blocks {sorted(brought)} weights: paged -> resident"
+                why = f"; {spent / len(brought) / 2**20:.1f} MiB a block resident"
+        if not moved:
             return False
-        for i in paged[len(paged) - count:]:
-            self.pager.set_policy(i, KEEP)
         self.loosen_rounds += 1
-        self.session.event("plan", what="loosen", peak=peak, usable=usable,
-                           moved=f"blocks {paged[len(paged) - count:]} activations: offload -> "
-                                 "keep", policy=self.policies(),
+        self.session.event("plan", what="loosen", peak=peak, usable=usable, moved=moved,
+                           policy=self.policies(), paged_blocks=list(self.pager.paged),
                            why=f"step peak {_fmt(peak)} leaves {_fmt(usable - peak)} of usable "
-                               f"{_fmt(usable)}; {self.act_per_block / 2**20:.1f} MiB of "
-                               "activations per block")
+                               f"{_fmt(usable)}" + why)
         return True
 
     # ------------------------------------------------------------- recompute trial

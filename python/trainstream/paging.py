@@ -246,6 +246,33 @@ class BlockPager:
         self.paged = sorted(self.paged + [i])
         return True
 
+    def page_in(self, i: int) -> bool:
+        """Brings paged block i back to residence: its tensors are copied to the device
+        and no longer paged. A trained weight leaves its host home (the param slot),
+        which the optimizer then copies each update from, as for any resident weight.
+        Call between steps. False when block i is not paged."""
+        slots = self._slots.pop(i, None)
+        if slots is None:
+            return False
+        with torch.no_grad():
+            for s in slots:
+                resident = s.host.to(self.device, copy=True)
+                if s.param is not None:
+                    s.param.data = resident
+                else:
+                    s.module._buffers[s.name] = resident
+        self.block_bytes.pop(i, None)
+        self.paged = [j for j in self.paged if j != i]
+        self._fetches.pop(i, None)
+        self._refs.pop(i, None)
+        return True
+
+    def page_in_cost(self, i: int) -> int:
+        """Device bytes block i takes resident: its paged tensors, plus gradients for
+        the trained ones."""
+        return sum(s.nbytes * (2 if s.param is not None and s.param.requires_grad else 1)
+                   for s in self._slots.get(i, []))
+
     def restore_to_host(self) -> None:
         """Leaves every paged tensor in host memory it owns (unwrap): trained weights get
         a private copy of their home, the session's param slot, which is about to be

@@ -293,6 +293,31 @@ def test_paged_gradients_are_not_held_after_they_are_posted(daemon):
     opt.zero_grad()
 
 
+def test_paged_blocks_brought_back_in_train_exactly(daemon):
+    # page_in between steps: the block's weights leave their host homes (a trained
+    # weight's param slot) for the device, and training goes on bit for bit.
+    cfg, ref, ours = _pair(seed=3)
+    batches = text_batches(corpus(), cfg, batch=4, steps=6, seed=3)
+    ref, ref_opt = trainstream.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3),
+                                    socket=daemon.socket)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 socket=daemon.socket, param_offload=True, min_offload_bytes=0)
+    pager = ours._trainstream_session.pager
+    assert _train(ref, ref_opt, batches[:3]) == _train(ours, opt, batches[:3])
+    weight = ours.blocks[3].mlp[0].weight
+    slot = opt._entries[id(weight)].param_slot
+    assert weight.data_ptr() == slot.data_ptr()
+    cost = pager.page_in_cost(3)
+    assert cost == 2 * sum(p.numel() * 4 for p in ours.blocks[3].parameters())
+    assert pager.page_in(3) and pager.page_in(2) and not pager.page_in(3)
+    assert pager.paged == [0, 1] and weight.data_ptr() != slot.data_ptr()
+    assert torch.equal(weight, slot.view(weight.shape))
+    assert _train(ref, ref_opt, batches[3:]) == _train(ours, opt, batches[3:])
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(p, q), f"{name} differs after bringing blocks 2 and 3 back in"
+    assert trainstream.memory_report(ours)["params"]["paged_blocks"] == [0, 1]
+
+
 def test_declared_vram_limit_pages_some_blocks_and_stays_exact(daemon):
     cfg, ref, ours = _pair(seed=2, n_layer=6)
     block_bytes = sum(p.numel() * 4 for p in ours.blocks[0].parameters())
@@ -552,6 +577,30 @@ def test_adapter_moves_blocks_back_in_when_measured_room_allows():
     loosened = [e for e in session.events if e.get("what") == "loosen"]
     assert len(loosened) == 2 and "offload -> keep" in loosened[0]["moved"]
     assert adapter.settled and not session.adapting
+
+
+def test_adapter_brings_paged_weight_blocks_back_when_no_block_pages_activations():
+    MiB = 1 << 20
+    adapter, pager, session = _adapter()
+    _, _, model = _pair(n_layer=8)
+    pager = BlockPager(list(model.blocks), "cpu", paged=range(8), min_paged_bytes=0)
+    adapter.pager = pager
+    adapter.config["param_offload"] = "auto"
+    for i in range(8):
+        pager.set_policy(i, KEEP)
+    cost = pager.page_in_cost(7)
+    assert cost > 0
+    adapter.step = 1
+    # Room for 2.5 blocks at LOOSEN_SHARE 0.5: the last 2 paged blocks come back.
+    peak = 2000 * MiB - int(5 * cost)
+    adapter._decide(peak, 1.0, 0)
+    assert pager.paged == [0, 1, 2, 3, 4, 5]
+    loosen = [e for e in session.events if e.get("what") == "loosen"]
+    assert loosen and "weights: paged -> resident" in loosen[0]["moved"], loosen
+    adapter.config["param_offload"] = True   # an explicit choice is left alone
+    adapter.step = 2
+    adapter._decide(peak, 1.0, 0)
+    assert pager.paged == [0, 1, 2, 3, 4, 5]
 
 
 def _trial_adapter():
