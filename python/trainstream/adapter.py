@@ -28,7 +28,7 @@ measured peaks, so it runs on CUDA devices; elsewhere the policy is the static o
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -48,9 +48,13 @@ TRIAL_MARGIN = 0.03
 
 class Adapter:
     def __init__(self, session, pager: BlockPager, plan: Plan, config: Dict[str, Any],
-                 h2d_gb_s: float):
+                 h2d_gb_s: float, between_steps: Optional[Callable[[], bool]] = None):
         self.session = session
         self.pager = pager
+        # Whether no gradient of a step is pending (not between the micro-batches of an
+        # accumulated step): only then may weight blocks move between host and device,
+        # since a move changes the path a weight's gradient takes.
+        self.between_steps = between_steps or (lambda: True)
         self.plan = plan
         self.config = config
         self.h2d_gb_s = h2d_gb_s or 0.0
@@ -197,7 +201,8 @@ class Adapter:
                     self.pager.set_policy(i, KEEP)
                 moved = f"blocks {paging[len(paging) - count:]} activations: offload -> keep"
                 why = f"; {self.act_per_block / 2**20:.1f} MiB of activations per block"
-        elif not paging and self.config.get("param_offload", "auto") == "auto":
+        elif (not paging and self.config.get("param_offload", "auto") == "auto"
+              and self.between_steps()):
             brought, spent = [], 0
             for i in sorted(self.pager.paged, reverse=True):
                 cost = self.pager.page_in_cost(i)
@@ -246,20 +251,21 @@ class Adapter:
             if len(trial["recompute_s"]) < TRIAL_STEPS:
                 return True
         recompute_s = min(trial["recompute_s"], default=float("inf"))
-        faster = recompute_s < (1.0 - TRIAL_MARGIN) * trial["offload_s"]
+        faster = peak <= usable and recompute_s < (1.0 - TRIAL_MARGIN) * trial["offload_s"]
         if not faster:
             for i in trial["blocks"]:
                 self.pager.set_policy(i, OFFLOAD)
         self.trial = None
+        self.stable = 0
         self.session.event(
             "plan", what="trial result", chosen=RECOMPUTE if faster else OFFLOAD,
             policy=self.policies(), offload_s=trial["offload_s"],
             recompute_s=trial["recompute_s"],
             why=(f"recompute best step {recompute_s:.3f} s against paging "
                  f"{trial['offload_s']:.3f} s" if peak <= usable else
-                 f"a recompute step peaked at {_fmt(peak)}, above usable {_fmt(usable)}"))
-        # A step over the limit goes on to the usual tightening with paging restored.
-        return peak <= usable
+                 f"a recompute step peaked at {_fmt(peak)}, above usable {_fmt(usable)}; "
+                 "paging, which fitted, is restored"))
+        return True
 
     def _tighten(self) -> str:
         kept = [i for i, p in enumerate(self.pager.policy) if p == KEEP]
@@ -267,7 +273,7 @@ class Adapter:
             self.pager.set_policy(kept[0], OFFLOAD)
             return f"block {kept[0]} activations: keep -> offload"
         for i in range(self.n):
-            if i not in self.pager.paged and self.pager.page_out(i):
+            if i not in self.pager.paged and self.between_steps() and self.pager.page_out(i):
                 return f"block {i} weights: resident -> paged"
         offloaded = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
         if offloaded:

@@ -172,7 +172,8 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
     # local modes update weights on the device, so resident trained blocks stay there.
     pager.can_page_trained = lambda: opt.optimizer_mode == "cpu"
     adapter = Adapter(session, pager, plan, config,
-                      prepared.capacity.h2d_gb_s if prepared.capacity else 0.0)
+                      prepared.capacity.h2d_gb_s if prepared.capacity else 0.0,
+                      between_steps=opt.between_steps)
 
     def before_forward(module, args):
         # A deepcopy of the wrapped model carries this hook; it is not this session's.

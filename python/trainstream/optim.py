@@ -405,6 +405,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         if errors:
             raise TrainStreamError("the daemon could not apply optimizer state: " + "; ".join(errors))
 
+    def between_steps(self) -> bool:
+        """True when no backward has run since the last step() (no gradient pending:
+        not between the micro-batches of an accumulated step)."""
+        return all(e.backward_count == 0 and e.external_grad is None
+                   for e in self._entries.values())
+
     def _in_group(self) -> bool:
         return self._dp is not None and self._dp.mode == "group"
 
@@ -503,6 +509,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             e.posted_step = 0
             e.posted_grad = None
             e.external = False
+            e.external_grad = None
         self._step_id = step
         norm = result.get("grad_norm", float("nan"))
         self._last_grad_norm = norm if norm >= 0 else None

@@ -257,6 +257,8 @@ class BlockPager:
         with torch.no_grad():
             for s in slots:
                 resident = s.host.to(self.device, copy=True)
+                if self.offloader is not None:  # a weight, not an activation to page
+                    self.offloader._weights.add(resident.data_ptr())
                 if s.param is not None:
                     s.param.data = resident
                 else:
