@@ -192,6 +192,18 @@ def _alloc_stats(cuda: bool) -> dict:
                                      "num_sync_all_streams")}
 
 
+def _train_step(model, opt, ids, dev, mode):
+    """One training step of the benchmark (bf16 autocast unless a full fine-tune);
+    returns the loss."""
+    import torch
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=mode != "full"):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def _profile_step(model, opt, ids, dev, mode, cuda) -> dict:
     """One more step under torch.profiler: the device's busy time against the wall time
     (a step far longer than its kernels waits on the host or on copies), and the
@@ -201,11 +213,7 @@ def _profile_step(model, opt, ids, dev, mode, cuda) -> dict:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         t = time.perf_counter()
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=mode != "full"):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _train_step(model, opt, ids, dev, mode)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
@@ -300,11 +308,7 @@ def run_case(args) -> dict:
         step += 1
         sync()
         t = time.perf_counter()
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=mode != "full"):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _train_step(model, opt, ids, dev, mode)
         sync()
         times.append(time.perf_counter() - t)
         losses.append(round(loss.item(), 4))

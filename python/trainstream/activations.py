@@ -10,8 +10,9 @@ view reaching at most ``VIEW_SPAN_RATIO`` times its elements (q, k and v sliced 
 one projection), is copied to host memory on a D2H stream (the device copy is released
 once the copy has run); in backward each one is copied back on an H2D stream when it is
 needed, and the next ``prefetch_depth`` ones (in reverse order of saving, the order
-backward reads them) are fetched ahead. ``max_inflight_bytes`` bounds the device memory held by copies in
-flight each way (the training thread waits for the oldest copy beyond it).
+backward reads them) are fetched ahead. ``max_inflight_bytes`` bounds the device memory
+held by copies in flight each way (the training thread waits for the oldest copy beyond
+it).
 
 Exactness: the bytes come back unchanged, with the original sizes and strides, so
 backward computes exactly what it would have without paging. (A strided view is paged
@@ -81,8 +82,7 @@ VIEW_SPAN_RATIO = 4
 class _Page:
     """One saved tensor that lives on the host until backward needs it."""
     __slots__ = ("host", "size", "stride", "dtype", "nbytes", "span", "device_bytes", "copied",
-                 "device_copy",
-                 "fetched", "uses", "index", "done", "__weakref__")
+                 "device_copy", "fetched", "uses", "index", "done", "__weakref__")
 
     def __init__(self, host, size, stride, dtype, nbytes, index, span=None):
         self.host = host          # same strides as the tensor, or compact when span is set

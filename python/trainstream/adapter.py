@@ -15,8 +15,9 @@ they are decided from measurements:
    resident weight block to paged). A peak well below it moves paged blocks back to
    keeping their activations (the calibration's per-block figure is an estimate, and
    every block kept is PCIe traffic saved), and once none pages, paged weight blocks
-   back to residence; at most ``LOOSEN_ROUNDS`` times and never after a step went over. Two steps in a row within the usable memory, with nothing
-   moved, settle the plan (``session.adapting`` becomes False). After that a watchdog
+   back to residence; at most ``LOOSEN_ROUNDS`` times and never after a step went
+   over. Two steps in a row within the usable memory, with nothing moved, settle the
+   plan (``session.adapting`` becomes False). After that a watchdog
    moves blocks out if a later step grows.
 4. Before settling with ``recompute="auto"``, blocks still paging their activations are
    tried with recompute for ``TRIAL_STEPS`` steps; the faster of the two measured
@@ -174,9 +175,9 @@ class Adapter:
             self.stable = 0
             return
         self.stable += 1
-        if not self.settled and self.stable >= SETTLE_STEPS and self._start_trial():
-            return
         if not self.settled and self.stable >= SETTLE_STEPS:
+            if self._start_trial():
+                return
             self.settled = True
             self.session.adapting = False
             ev("plan", what="settled", peak=peak, usable=usable, policy=self.policies(),
@@ -272,9 +273,10 @@ class Adapter:
         if kept:
             self.pager.set_policy(kept[0], OFFLOAD)
             return f"block {kept[0]} activations: keep -> offload"
-        for i in range(self.n):
-            if i not in self.pager.paged and self.between_steps() and self.pager.page_out(i):
-                return f"block {i} weights: resident -> paged"
+        if self.between_steps():
+            for i in range(self.n):
+                if i not in self.pager.paged and self.pager.page_out(i):
+                    return f"block {i} weights: resident -> paged"
         offloaded = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
         if offloaded:
             self.pager.set_policy(offloaded[0], RECOMPUTE)

@@ -451,10 +451,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         posted = []
         if self._replicated():
             # A paged weight's gradient is its external one (p.grad never holds it).
-            self._dp.average_gradients([e.external_grad if e.external else e.param.grad
-                                        for e in self._entries.values()
-                                        if (e.external_grad if e.external else e.param.grad)
-                                        is not None])
+            grads = (e.external_grad if e.external else e.param.grad
+                     for e in self._entries.values())
+            self._dp.average_gradients([g for g in grads if g is not None])
         try:
             for e in self._entries.values():
                 p = e.param
