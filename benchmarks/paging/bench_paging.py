@@ -227,6 +227,32 @@ def _profile_step(model, opt, ids, dev, mode, cuda) -> dict:
             "columns": ["op", "calls", "self device ms", "self cpu ms"]}
 
 
+def _pin_to_gpu_local_cpus(torch) -> dict:
+    """Pins this process to the CPUs local to GPU 0 (sysfs), so that every run launches
+    from the same socket: on a two-socket host, where the scheduler puts a process
+    otherwise changes a host-bound step's time from run to run."""
+    props = torch.cuda.get_device_properties(0)
+    bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    where = {"gpu_pci": bus}
+    try:
+        with open(f"/sys/bus/pci/devices/{bus}/local_cpulist") as f:
+            text = f.read().strip()
+        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
+            where["gpu_numa_node"] = int(f.read())
+    except OSError as e:
+        where["pinned"] = f"not pinned: {e}"
+        return where
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    cpus &= os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    where["pinned"] = f"{len(cpus)} CPUs ({text})" if cpus else "not pinned: no allowed local CPU"
+    return where
+
+
 def run_case(args) -> dict:
     import torch
     import trainstream
@@ -240,6 +266,8 @@ def run_case(args) -> dict:
             "14b-lora-bf16": "lora-bf16", "14b-lora-nf4": "lora-nf4"}[case]
     result = {"case": case, "tiny": args.tiny, "cap_gib": None if args.uncapped else args.cap_gib,
               "uncapped": args.uncapped}
+    if cuda and args.pin:
+        result["cpus"] = _pin_to_gpu_local_cpus(torch)
     vocab = 512 if args.tiny else 152064
     cap = None if args.uncapped else (args.cap_gib * 2**30 if cuda else
                                       (args.tiny_cap_kib << 10))
@@ -397,6 +425,8 @@ def main() -> int:
     ap.add_argument("--budget", default="90%", help="shared-memory budget of the private daemon")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="do not pin each run to the CPUs local to the GPU")
     ap.add_argument("--uncapped", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
@@ -428,6 +458,7 @@ def main() -> int:
                        str(args.steps), "--warmup", str(args.warmup), "--max-warmup",
                        str(args.max_warmup), "--lr", str(args.lr),
                        *(["--profile"] if args.profile else []),
+                       *([] if args.pin else ["--no-pin"]),
                        "--socket", args.socket, "--tiny-cap-kib", str(args.tiny_cap_kib)]
                 cmd += ["--tiny"] if args.tiny else []
                 cmd += ["--uncapped"] if uncapped else []

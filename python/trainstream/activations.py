@@ -262,8 +262,21 @@ class ActivationOffloader:
         if self._live == 0:
             self._seen.clear()
 
+    def poll(self) -> None:
+        """Releases the device tensors whose D2H copy has finished; never waits.
+        ``pack`` polls as it goes, but after the last paged tensor of a forward nothing
+        would: whoever runs more work after it (``BlockPager``, before each block) polls,
+        or those tensors stay on the device until backward reaches them."""
+        if self._inflight:
+            self._retire(float("inf"))
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Device bytes held by D2H copies not yet seen to finish."""
+        return self._inflight_bytes
+
     # ---------------------------------------------------------------- internals
-    def _retire(self, limit: int) -> None:
+    def _retire(self, limit: float) -> None:
         """Drops device tensors whose D2H copy has finished; waits for the oldest
         while more than ``limit`` bytes are in flight."""
         while self._inflight:

@@ -350,6 +350,8 @@ class BlockPager:
 
     def _run(self, i: int, hooks: bool, *args, **kwargs):
         forward = self._forwards[i]
+        if self.offloader is not None:
+            self.offloader.poll()  # earlier blocks' finished activation copies
 
         def original(*a, **k):
             with self.attention_context():

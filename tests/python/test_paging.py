@@ -175,6 +175,50 @@ def test_everything_paged_is_bit_identical_over_10_steps(policy, steps):
     assert "forward" not in ours.blocks[0].__dict__
 
 
+class _RunningCopy:
+    """A D2H copy's event that reports the copy running until ``synchronize()``."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_finished_activation_copies_are_released_by_the_next_blocks():
+    """The offloader holds each paged tensor on the device until its D2H copy is seen to
+    finish. Only block 0 pages here: nothing packs after it, so unless the later blocks
+    poll, its tensors stay on the device through the whole forward (on the H200 this
+    made paging three blocks save 170 MiB of peak instead of 695 MiB)."""
+    cfg, ref, ours = _pair(n_layer=4)
+    off = ActivationOffloader(ours, device="cpu", min_offload_bytes=0)
+    copies = []
+
+    def to_host(src, dst):
+        dst.copy_(src)
+        copies.append(_RunningCopy())
+        return copies[-1]
+    off.engine.to_host = to_host
+    BlockPager(list(ours.blocks), "cpu", policy=[OFFLOAD, KEEP, KEEP, KEEP], offloader=off)
+    held = []
+
+    def finish_copies(*_):
+        held.append(off.inflight_bytes)
+        for c in copies:
+            c.synchronize()
+    ours.blocks[2].register_forward_pre_hook(finish_copies)
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    loss = ours(x, y)
+    assert copies and held[0] > 0, "block 0's copies were in flight when block 2 began"
+    assert off.inflight_bytes == 0, "block 3 must release the copies that finished"
+    loss.backward()
+    ref(x, y).backward()
+    _assert_grads_equal(ref, ours, 0)
+
+
 def test_pager_holds_only_a_few_blocks_at_a_time():
     cfg, _, ours = _pair(n_layer=6)
     pager = BlockPager(list(ours.blocks), "cpu", paged=range(6), prefetch_depth=2,
