@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, offload, dp, base, paging, capdiag
+STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, capdiag
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -58,6 +58,25 @@ if [[ $STAGES == *bench* ]]; then
     --params 67108864 --threads 1,4,8,16 --iters 10
   bench quant python3 benchmarks/quant/bench_quant.py --json "$OUT/quant_bench.json"
   bench zero-copy python3 benchmarks/wrap/bench_zero_copy.py
+fi
+# The host's DRAM ceiling for the AdamW engine's access patterns, then the engine and
+# torch's fused AdamW in the same call (docs/adamw.md, "The ceiling").
+if [[ $STAGES == *roofline* ]]; then
+  make venv PYTHON=python3 >> "$OUT/build.log" 2>&1
+  eval cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DPython_EXECUTABLE="$PWD/.venv/bin/python" -DTRAINSTREAM_BUILD_TESTS=OFF \
+    -DTRAINSTREAM_BUILD_BENCHMARKS=ON "$CMAKE_ARGS" >> "$OUT/build.log" 2>&1 &&
+  cmake --build build-gpu -j "$(nproc)" --target trainstream-bench-roofline trainstream-bench-adamw \
+    >> "$OUT/build.log" 2>&1 || { rc=1; tail -40 "$OUT/build.log"; }
+  echo "== roofline" | tee -a "$OUT/bench.log"
+  timeout 200 build-gpu/bin/trainstream-bench-roofline --elems 67108864 --threads ${ROOFLINE_THREADS:-1,4,8,16} \
+    --iters 10 > "$OUT/bench-roofline.log" 2>&1 || { rc=1; echo "bench roofline failed"; }
+  cat "$OUT/bench-roofline.log" | tee -a "$OUT/bench.log"
+  timeout 300 .venv/bin/python benchmarks/adamw/bench_torch_adamw.py --bench build-gpu/bin/trainstream-bench-adamw \
+    --roofline build-gpu/bin/trainstream-bench-roofline \
+    --params 67108864 --threads ${ROOFLINE_THREADS:-1,4,8,16} --iters 10 > "$OUT/bench-adamw.log" 2>&1 \
+    || { rc=1; echo "bench adamw failed"; }
+  tail -30 "$OUT/bench-adamw.log" | tee -a "$OUT/bench.log"
 fi
 # Heavier end-to-end benchmarks, each its own stage (STAGES="... offload").
 if [[ $STAGES == *offload* ]]; then

@@ -13,6 +13,11 @@ fp32 figure from the same run:
   fp32 + bf16 copy       same, plus a bf16 weight copy for the GPU (30 B)
   bf16 g+m + bf16 copy   bf16 grads and moments, bf16 weight copy (20 B)
   fp32 l4l exact check   like-for-like with the exact per-parameter check (32 B)
+
+With --roofline BIN (build/bin/trainstream-bench-roofline), also the host's DRAM ceiling
+for the fp32 (28 B) and bf16 (20 B) patterns at each thread count, in the same run: the
+fastest any engine moving those bytes could go, as a ratio to torch, next to the goals
+(1.2x in fp32, 1.6x in bf16).
 """
 import argparse
 import json
@@ -67,6 +72,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--isa", default="auto")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
+    ap.add_argument("--roofline", help="trainstream-bench-roofline binary: print the DRAM ceiling too")
     args = ap.parse_args()
 
     rows = []
@@ -84,16 +90,43 @@ def main():
                              gparams_per_s=ours["gparams_per_s"], gb_per_s=ours["gb_per_s"],
                              bytes_per_param=ours["bytes_per_param"],
                              ratio_vs_torch=round(ours["gparams_per_s"] / torch_gps, 3)))
+        if args.roofline:
+            rows += ceiling_rows(args, threads, kind, torch_gps)
     if not args.json:
         print(f"torch {torch.__version__}, params {args.params}, tensors of {args.tensor_elems}; "
               f"ratio = ours / torch fused fp32 at the same thread count")
     for r in rows:
         if args.json:
             print(json.dumps(r))
+        elif "ceiling_gb_per_s" in r:
+            print(f"threads {r['threads']:2d}  ceiling {r['pattern']:11s} {r['ceiling_gb_per_s']:6.1f} GB/s = "
+                  f"{r['ceiling_gparams_per_s']:6.3f} Gparam/s at {r['bytes_per_param']} B/param | torch "
+                  f"{r['torch_gparams_per_s']:6.3f} | ceiling ratio {r['ceiling_ratio_vs_torch']:.2f}x "
+                  f"(goal {r['goal_ratio']}x needs {r['goal_gb_per_s']:.1f} GB/s)")
         else:
             print(f"threads {r['threads']:2d}  {r['config']:21s} ours ({r['isa']}) {r['gparams_per_s']:6.3f} Gparam/s "
                   f"{r['gb_per_s']:6.1f} GB/s ({r['bytes_per_param']:.0f} B/param) | torch {r['torch_kind']} fp32 "
                   f"{r['torch_gparams_per_s']:6.3f} Gparam/s | ratio {r['ratio_vs_torch']:.2f}x")
+
+
+GOALS = {"adamw-fp32": (28, 1.2), "adamw-bf16": (20, 1.6)}  # pattern: (B/param, goal ratio)
+
+
+def ceiling_rows(args, threads, kind, torch_gps):
+    cmd = [args.roofline, "--elems", str(args.params), "--threads", str(threads), "--patterns",
+           ",".join(GOALS), "--iters", str(args.iters), "--warmup", str(args.warmup), "--json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    rows = []
+    for line in out.strip().splitlines():
+        r = json.loads(line)
+        nbytes, goal = GOALS[r["pattern"]]
+        ceiling = r["gb_s"] / nbytes
+        rows.append(dict(pattern=r["pattern"], threads=threads, torch_kind=kind,
+                         torch_gparams_per_s=round(torch_gps, 4), bytes_per_param=nbytes,
+                         ceiling_gb_per_s=r["gb_s"], ceiling_gparams_per_s=round(ceiling, 4),
+                         ceiling_ratio_vs_torch=round(ceiling / torch_gps, 3), goal_ratio=goal,
+                         goal_gb_per_s=round(goal * torch_gps * nbytes, 1)))
+    return rows
 
 
 if __name__ == "__main__":
