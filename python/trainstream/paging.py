@@ -398,10 +398,13 @@ class BlockPager:
         finally:
             for table, name, value in saved:
                 table[name] = value
-        # The saved references hold no device memory: backward fetches again. The last
-        # paged block stays, since backward starts with it.
-        if backward or not self._refs.get(i) or i != self.paged[-1]:
-            self._release(i)
+            # The saved references hold no device memory: backward fetches again. The last
+            # paged block stays, since backward starts with it. In a `finally`: recompute
+            # in backward leaves by an exception (checkpoint stops the forward it reruns
+            # once backward has what it needs), and each recomputed block's weights would
+            # otherwise stay until the next forward.
+            if backward or not self._refs.get(i) or i != self.paged[-1]:
+                self._release(i)
         return out
 
     # ------------------------------------------------------------ saved tensors
