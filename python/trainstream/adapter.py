@@ -20,8 +20,9 @@ they are decided from measurements:
    plan (``session.adapting`` becomes False). After that a watchdog
    moves blocks out if a later step grows.
 4. Before settling with ``recompute="auto"``, blocks still paging their activations are
-   tried with recompute for ``TRIAL_STEPS`` steps; the faster of the two measured
-   (best step of each, recompute needing ``TRIAL_MARGIN`` less time) is kept.
+   tried with recompute for ``TRIAL_STEPS`` steps, if the room left holds one block's
+   activations; the faster of the two measured (best step of each, recompute needing
+   ``TRIAL_MARGIN`` less time) is kept.
 
 Every decision is an event in ``memory_report(model)["events"]``. Adaptation needs
 measured peaks, so it runs on CUDA devices; elsewhere the policy is the static one.
@@ -176,7 +177,7 @@ class Adapter:
             return
         self.stable += 1
         if not self.settled and self.stable >= SETTLE_STEPS:
-            if self._start_trial():
+            if self._start_trial(peak, usable):
                 return
             self.settled = True
             self.session.adapting = False
@@ -224,9 +225,12 @@ class Adapter:
         return True
 
     # ------------------------------------------------------------- recompute trial
-    def _start_trial(self) -> bool:
+    def _start_trial(self, peak: int, usable: int) -> bool:
         """Switches the blocks that page their activations to recompute for a trial;
-        True if a trial began. The paging steps' times are the last stable steps."""
+        True if a trial began. The paging steps' times are the last stable steps.
+        Recompute brings a block's activations back all at once in backward (paging
+        brings them page by page), so the trial needs one block's activations of room:
+        a trial step that ran out of memory would end the training, not the trial."""
         if (self.trial_done or self.config["recompute"] != "auto"
                 or self.config["activation_offload"] != "auto"):
             return False
@@ -234,6 +238,12 @@ class Adapter:
         blocks = [i for i, p in enumerate(self.pager.policy) if p == OFFLOAD]
         timed = [h["seconds"] for h in self.history[-SETTLE_STEPS:] if h["seconds"]]
         if not blocks or not timed:
+            return False
+        if usable - peak < self.act_per_block:
+            self.session.event("plan", what="no trial", policy=self.policies(),
+                               why=f"recompute not tried: {_fmt(usable - peak)} of room, less "
+                                   f"than one block's activations "
+                                   f"({self.act_per_block / 2**20:.1f} MiB)")
             return False
         for i in blocks:
             self.pager.set_policy(i, RECOMPUTE)

@@ -709,7 +709,7 @@ def test_adapter_tries_recompute_for_paging_blocks_and_keeps_the_faster(recomput
     adapter, pager, session = _trial_adapter()
     # Calibration leaves 200 MiB of room at 100 MiB a block: the last 1 keeps (0.9 x room).
     # (on_forward records each step in the history, then decides.)
-    steps = [(1800, 5.0, 800), (1950, 1.0, 0), (1950, 1.0, 0)]
+    steps = [(1800, 5.0, 800), (1890, 1.0, 0), (1890, 1.0, 0)]
     for step, (peak, seconds, offloaded) in enumerate(steps):
         adapter.step = step
         adapter.history.append({"seconds": seconds})
@@ -735,7 +735,7 @@ def test_adapter_tries_recompute_for_paging_blocks_and_keeps_the_faster(recomput
 def test_recompute_trial_that_goes_over_restores_paging():
     MiB = 1 << 20
     adapter, pager, session = _trial_adapter()
-    for step, (peak, offloaded) in enumerate([(1800, 800), (1950, 0), (1950, 0)]):
+    for step, (peak, offloaded) in enumerate([(1800, 800), (1890, 0), (1890, 0)]):
         adapter.step = step
         adapter.history.append({"seconds": 1.0})
         adapter._decide(peak * MiB, 1.0, offloaded * MiB)
@@ -749,6 +749,21 @@ def test_recompute_trial_that_goes_over_restores_paging():
     assert pager.policy == [OFFLOAD] * 7 + [KEEP]
     assert not [e for e in session.events if e.get("what") == "tighten"]
     assert not adapter.went_over and not adapter.settled
+
+
+def test_no_recompute_trial_without_room_for_one_blocks_activations():
+    # Recompute brings a block's activations (100 MiB here) back at once in backward;
+    # with 50 MiB of room a trial step could run out of memory, ending the training.
+    MiB = 1 << 20
+    adapter, pager, session = _trial_adapter()
+    for step, (peak, offloaded) in enumerate([(1800, 800), (1950, 0), (1950, 0)]):
+        adapter.step = step
+        adapter.history.append({"seconds": 1.0})
+        adapter._decide(peak * MiB, 1.0, offloaded * MiB)
+    assert pager.policy == [OFFLOAD] * 7 + [KEEP] and adapter.settled
+    skipped = [e for e in session.events if e.get("what") == "no trial"]
+    assert skipped and "one block's activations" in skipped[0]["why"], session.events
+    assert not [e for e in session.events if e.get("what") == "trial"]
 
 
 def test_no_recompute_trial_unless_recompute_is_auto():
