@@ -7,7 +7,8 @@
 //       --grad-dtype fp32,bf16 --moment-dtype fp32,bf16 --param-dtype bf16,master --iters 10 --json
 //
 // --param-dtype master: fp32 parameters whose slot is the master itself (no
-// separate weight copy; what torch's own fp32 AdamW does). --check chunk (the
+// separate weight copy; what torch's own fp32 AdamW does); bf16-split: bf16 parameters
+// whose slot is the fp32 master's upper half (Note [Split master]). --check chunk (the
 // default) uses the engine's per-chunk eager check (one gradient read);
 // --check param the exact per-parameter check (two reads for multi-chunk tensors).
 #include <sys/mman.h>
@@ -57,7 +58,7 @@ std::vector<std::string> Split(const std::string& s) {
   std::fprintf(stderr,
                "%s\nusage: trainstream-bench-adamw [--params N] [--tensor-elems N] [--threads "
                "1,2,...|0=physical cores] [--grad-dtype fp32,bf16,fp16] [--moment-dtype fp32,bf16] "
-               "[--param-dtype fp32,bf16,fp16,master] [--isa auto|scalar|avx2|avx512] [--mode "
+               "[--param-dtype fp32,bf16,fp16,master,bf16-split] [--isa auto|scalar|avx2|avx512] [--mode "
                "eager|deferred] [--check chunk|param] [--pin 0|1] [--iters N] [--warmup N] "
                "[--json]\n",
                msg);
@@ -132,8 +133,10 @@ void* AllocUntouched(size_t bytes) {
   return p;
 }
 
+// out_is_master: fp32 parameters whose slot is the master; split: bf16 parameters whose
+// slot is the master's upper half (Note [Split master] in kernels/bf16.h).
 void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DType pd,
-            bool out_is_master, tk::Isa isa) {
+            bool out_is_master, bool split, tk::Isa isa) {
   to::WorkerPool pool(to::WorkerPoolOptions{threads, a.pin});
   to::EngineOptions opt;
   opt.moment_dtype = md;
@@ -159,7 +162,10 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
     b.numel = n;
     b.param_dtype = pd;
     b.grad_dtype = gd;
-    b.master = static_cast<float*>(AllocUntouched(n * 4));
+    if (split)
+      b.master_lo = static_cast<uint16_t*>(AllocUntouched(n * 2));
+    else
+      b.master = static_cast<float*>(AllocUntouched(n * 4));
     b.exp_avg = AllocUntouched(n * tk::DTypeSize(md));
     b.exp_avg_sq = AllocUntouched(n * tk::DTypeSize(md));
     void* grad = AllocUntouched(n * tk::DTypeSize(gd));
@@ -186,7 +192,8 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
       else
         static_cast<uint16_t*>(b.param_slot)[i] = tk::FloatToFp16Rne(w);
     }
-    for (void* p : {static_cast<void*>(b.master), b.exp_avg, b.exp_avg_sq, grad}) {
+    for (void* p : {split ? static_cast<void*>(b.master_lo) : static_cast<void*>(b.master),
+                    b.exp_avg, b.exp_avg_sq, grad}) {
       allocations.push_back(p);
     }
     if (!out_is_master) allocations.push_back(b.param_slot);
@@ -211,12 +218,13 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
   // Bytes each parameter moves through DRAM per step: the update reads master,
   // gradient and moments and writes master, moments and the weight copy (if
   // any, stored non-temporally); the exact per-parameter check (or deferred
-  // mode) reads multi-chunk gradients a second time.
+  // mode) reads multi-chunk gradients a second time. A split master is 2 + 2 bytes
+  // read and written, its upper half being the weight copy.
   const bool second_grad_read =
       (a.mode == "deferred" || a.check == "param") && a.tensor_elems > opt.chunk_elems;
   const double bytes = 4.0 * 2 + (second_grad_read ? 2.0 : 1.0) * tk::DTypeSize(gd) +
-                       4.0 * tk::DTypeSize(md) + (out_is_master ? 0 : tk::DTypeSize(pd));
-  const char* pname = out_is_master ? "master" : tk::DTypeName(pd);
+                       4.0 * tk::DTypeSize(md) + (out_is_master || split ? 0 : tk::DTypeSize(pd));
+  const char* pname = out_is_master ? "master" : split ? "bf16-split" : tk::DTypeName(pd);
   const double gparams = static_cast<double>(a.params) / seconds / 1e9;
   if (a.json) {
     std::printf(
@@ -251,9 +259,10 @@ int main(int argc, char** argv) {
     for (const auto& g : a.grad_dtypes) {
       for (const auto& m : a.moment_dtypes) {
         for (const auto& p : a.param_dtypes) {
-          const bool master = p == "master";
-          RunOne(a, t, DTypeOrDie(g), DTypeOrDie(m), master ? tk::DType::kFloat32 : DTypeOrDie(p),
-                 master, isa);
+          const bool master = p == "master", split = p == "bf16-split";
+          const tk::DType pd =
+              master ? tk::DType::kFloat32 : split ? tk::DType::kBFloat16 : DTypeOrDie(p);
+          RunOne(a, t, DTypeOrDie(g), DTypeOrDie(m), pd, master, split, isa);
         }
       }
     }

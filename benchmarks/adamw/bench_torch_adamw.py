@@ -12,6 +12,8 @@ fp32 figure from the same run:
   fp32 like-for-like     fp32 grads+moments, the fp32 param is the master (28 B)
   fp32 + bf16 copy       same, plus a bf16 weight copy for the GPU (30 B)
   bf16 g+m + bf16 copy   bf16 grads and moments, bf16 weight copy (20 B)
+  bf16 g+m, split master the same with the master kept as the bf16 copy plus a 16-bit
+                         low half, so the copy is not written separately (18 B)
   fp32 l4l exact check   like-for-like with the exact per-parameter check (32 B)
 
 With --roofline BIN (build/bin/trainstream-bench-roofline), also the host's DRAM ceiling
@@ -30,6 +32,7 @@ CONFIGS = [  # (label, grad, moments, weight copy or "master", eager check)
     ("fp32 like-for-like", "fp32", "fp32", "master", "chunk"),
     ("fp32 + bf16 copy", "fp32", "fp32", "bf16", "chunk"),
     ("bf16 g+m + bf16 copy", "bf16", "bf16", "bf16", "chunk"),
+    ("bf16 g+m, split master", "bf16", "bf16", "bf16-split", "chunk"),
     ("fp32 l4l exact check", "fp32", "fp32", "master", "param"),
 ]
 
@@ -104,7 +107,7 @@ def main():
                   f"{r['torch_gparams_per_s']:6.3f} | ceiling ratio {r['ceiling_ratio_vs_torch']:.2f}x "
                   f"(goal {r['goal_ratio']}x needs {r['goal_gb_per_s']:.1f} GB/s)")
         else:
-            print(f"threads {r['threads']:2d}  {r['config']:21s} ours ({r['isa']}) {r['gparams_per_s']:6.3f} Gparam/s "
+            print(f"threads {r['threads']:2d}  {r['config']:23s} ours ({r['isa']}) {r['gparams_per_s']:6.3f} Gparam/s "
                   f"{r['gb_per_s']:6.1f} GB/s ({r['bytes_per_param']:.0f} B/param) | torch {r['torch_kind']} fp32 "
                   f"{r['torch_gparams_per_s']:6.3f} Gparam/s | ratio {r['ratio_vs_torch']:.2f}x")
 

@@ -128,8 +128,13 @@ void AdamWEngine::SetCallbacks(ParamDoneCallback param_done, StepDoneCallback st
 std::string AdamWEngine::AddParam(const ParamBinding& b) {
   if (by_id_.count(b.param_id)) return "parameter " + std::to_string(b.param_id) + " already added";
   if (b.numel == 0) return "parameter " + std::to_string(b.param_id) + " has no elements";
-  if (!b.master || !b.exp_avg || !b.exp_avg_sq || !b.grad_slot || !b.param_slot) {
+  const bool split = b.master_lo != nullptr;
+  if ((!b.master && !split) || !b.exp_avg || !b.exp_avg_sq || !b.grad_slot || !b.param_slot) {
     return "parameter " + std::to_string(b.param_id) + ": null pointer in binding";
+  }
+  if (split && (b.master != nullptr || b.param_dtype != DType::kBFloat16)) {
+    return "parameter " + std::to_string(b.param_id) +
+           ": a split master (master_lo) needs a bf16 param_slot and no fp32 master";
   }
   if (options_.moment_dtype == DType::kFloat16) return "moments must be fp32 or bf16, not fp16";
   if (b.param_slot == static_cast<void*>(b.master) && b.param_dtype != DType::kFloat32) {
@@ -166,7 +171,9 @@ std::string AdamWEngine::Init() {
     for (const Param::Chunk& c : p->chunks) {
       pool_->Submit(c.worker, [p, c, moment_bytes, &latch] {
         const ParamBinding& b = p->binding;
-        if (b.param_slot != static_cast<void*>(b.master)) {
+        if (b.master_lo != nullptr) {  // the bf16 slot is the master exactly
+          std::memset(b.master_lo + c.offset, 0, c.count * sizeof(uint16_t));
+        } else if (b.param_slot != static_cast<void*>(b.master)) {
           kernels::ConvertToFloat(
               static_cast<const char*>(b.param_slot) + c.offset * kernels::DTypeSize(b.param_dtype),
               b.param_dtype, b.master + c.offset, c.count);
@@ -369,12 +376,13 @@ void AdamWEngine::UpdateChunk(Param* p, size_t chunk) {
   const ParamBinding& b = p->binding;
   const size_t mb = kernels::DTypeSize(options_.moment_dtype);
   kernels::AdamWRange r;
-  r.master = b.master + c.offset;
+  r.master = b.master != nullptr ? b.master + c.offset : nullptr;
+  r.master_lo = b.master_lo != nullptr ? b.master_lo + c.offset : nullptr;
   r.exp_avg = static_cast<char*>(b.exp_avg) + c.offset * mb;
   r.exp_avg_sq = static_cast<char*>(b.exp_avg_sq) + c.offset * mb;
   r.grad = static_cast<const char*>(b.grad_slot) + c.offset * kernels::DTypeSize(b.grad_dtype);
   r.param_out =
-      b.param_slot == static_cast<void*>(b.master)
+      b.master != nullptr && b.param_slot == static_cast<void*>(b.master)
           ? static_cast<void*>(r.master)
           : static_cast<char*>(b.param_slot) + c.offset * kernels::DTypeSize(b.param_dtype);
   r.numel = c.count;
@@ -490,7 +498,12 @@ std::string AdamWEngine::ExportArray(uint64_t param_id, StateArray which, float*
   const ParamBinding& b = it->second->binding;
   switch (which) {
     case StateArray::kMaster:
-      std::memcpy(out, b.master, b.numel * sizeof(float));
+      if (b.master_lo != nullptr) {
+        const auto* hi = static_cast<const uint16_t*>(b.param_slot);
+        for (size_t i = 0; i < b.numel; ++i) out[i] = kernels::SplitMasterDecode(hi[i], b.master_lo[i]);
+      } else {
+        std::memcpy(out, b.master, b.numel * sizeof(float));
+      }
       break;
     case StateArray::kExpAvg:
       kernels::ConvertToFloat(b.exp_avg, options_.moment_dtype, out, b.numel);
@@ -506,6 +519,11 @@ std::string AdamWEngine::ImportArray(uint64_t param_id, StateArray which, const 
   auto it = by_id_.find(param_id);
   if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
   const ParamBinding& b = it->second->binding;
+  if (which == StateArray::kMaster && b.master_lo != nullptr) {
+    auto* hi = static_cast<uint16_t*>(b.param_slot);
+    for (size_t i = 0; i < b.numel; ++i) kernels::SplitMasterEncode(in[i], &hi[i], &b.master_lo[i]);
+    return "";
+  }
   if (which == StateArray::kMaster) {
     std::memmove(b.master, in, b.numel * sizeof(float));
     if (b.param_slot == static_cast<void*>(b.master)) return "";

@@ -90,13 +90,14 @@ void AdamWUpdate(const AdamWRange& range, const AdamWStepScalars& scalars, const
         std::min<uint64_t>(to_boundary, static_cast<uint64_t>(range.numel - done)));
     AdamWRange piece = range;
     piece.numel = n;
-    piece.master = range.master + done;
+    piece.master = range.master != nullptr ? range.master + done : nullptr;
+    piece.master_lo = range.master_lo != nullptr ? range.master_lo + done : nullptr;
     piece.exp_avg = static_cast<char*>(range.exp_avg) + done * DTypeSize(range.moment_dtype);
     piece.exp_avg_sq = static_cast<char*>(range.exp_avg_sq) + done * DTypeSize(range.moment_dtype);
     piece.grad = static_cast<const char*>(range.grad) + done * DTypeSize(range.grad_dtype);
     if (range.param_out != nullptr) {
       piece.param_out =
-          range.param_out == static_cast<void*>(range.master)
+          range.master != nullptr && range.param_out == static_cast<void*>(range.master)
               ? static_cast<void*>(piece.master)
               : static_cast<char*>(range.param_out) + done * DTypeSize(range.param_dtype);
     }

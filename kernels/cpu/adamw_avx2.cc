@@ -58,16 +58,43 @@ __m256i LowBias32(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
-// What the kernel writes besides master and moments.
-enum class Out { kNone, kF32, kBf16, kF16 };
+// What the kernel writes besides master and moments. kSplit: the master is the bf16
+// param_out plus master_lo (Note [Split master] in bf16.h), read and written in place.
+enum class Out { kNone, kF32, kBf16, kF16, kSplit };
 
 struct Pointers {
-  float* master;
+  float* master;  // kSplit: unused
   void* exp_avg;
   void* exp_avg_sq;
   const void* grad;
-  void* param_out;  // kNone: unused
+  void* param_out;       // kNone: unused
+  uint16_t* master_lo;   // kSplit only
 };
+
+// Eight split masters (Note [Split master]) -> fp32: upper half hi, less one where lo
+// says rounding went up.
+__m256 LoadSplit(const uint16_t* hi, const uint16_t* lo) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)));
+  const __m256i l = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
+  const __m256i up = _mm256_cmpgt_epi32(l, _mm256_set1_epi32(0x8000));  // -1 where rounded up
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(h, up), 16), l));
+}
+
+void StoreSplit(__m256 x, uint16_t* hi, uint16_t* lo) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i h =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), NanMask(x));
+  __m256i l = _mm256_and_si256(u, _mm256_set1_epi32(0xFFFF));
+  // A tie that rounded up has no code of its own: one ulp further out (lo 0x8001).
+  const __m256i tie_up =
+      _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(u, 16), h),
+                          _mm256_cmpeq_epi32(l, _mm256_set1_epi32(0x8000)));
+  l = _mm256_or_si256(l, _mm256_and_si256(tie_up, _mm256_set1_epi32(1)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), Narrow(h));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), Narrow(l));
+}
 
 // Scalars broadcast once per call, not once per vector.
 struct Consts {
@@ -92,7 +119,11 @@ inline void Step8(const Pointers& ptr, const Consts& c, uint32_t index, size_t i
   __m256 g = Load(ptr.grad, kG, i);
   __m256 m = Load(ptr.exp_avg, kM, i);
   __m256 v = Load(ptr.exp_avg_sq, kM, i);
-  __m256 p = _mm256_loadu_ps(ptr.master + i);
+  __m256 p;
+  if constexpr (kOut == Out::kSplit)
+    p = LoadSplit(static_cast<const uint16_t*>(ptr.param_out) + i, ptr.master_lo + i);
+  else
+    p = _mm256_loadu_ps(ptr.master + i);
 
   g = _mm256_mul_ps(g, c.grad_scale);
   p = _mm256_mul_ps(p, c.decay);
@@ -103,7 +134,7 @@ inline void Step8(const Pointers& ptr, const Consts& c, uint32_t index, size_t i
   const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), c.eps_scaled);
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.neg_step_scaled, m), denom));
 
-  _mm256_storeu_ps(ptr.master + i, p);
+  if constexpr (kOut != Out::kSplit) _mm256_storeu_ps(ptr.master + i, p);
   if constexpr (kM == DType::kBFloat16) {
     const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index + i)),
                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -120,6 +151,8 @@ inline void Step8(const Pointers& ptr, const Consts& c, uint32_t index, size_t i
   }
   if constexpr (kOut == Out::kNone) {
     return;
+  } else if constexpr (kOut == Out::kSplit) {
+    StoreSplit(p, static_cast<uint16_t*>(ptr.param_out) + i, ptr.master_lo + i);
   } else if constexpr (kOut == Out::kF32) {
     float* out = static_cast<float*>(ptr.param_out) + i;
     if (stream)
@@ -147,11 +180,12 @@ constexpr size_t kPrefetchElems = 256;
 template <DType kG, DType kM, Out kOut, bool kFromEnd>
 void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
   Pointers ptr{r.master, r.exp_avg, r.exp_avg_sq, r.grad,
-               kOut == Out::kNone ? nullptr : r.param_out};
+               kOut == Out::kNone ? nullptr : r.param_out, r.master_lo};
   const Consts c(s, key);
   constexpr size_t kOutBytes = kLanes * (kOut == Out::kF32 ? 4 : 2);
-  const bool stream =
-      kOut != Out::kNone && reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
+  // A split master's halves are read first: their lines are owned, nothing to stream.
+  const bool stream = kOut != Out::kNone && kOut != Out::kSplit &&
+                      reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
   const size_t full = r.numel - r.numel % kLanes;
   constexpr size_t kGB = kG == DType::kFloat32 ? 4 : 2;
   constexpr size_t kMB = kM == DType::kFloat32 ? 4 : 2;
@@ -161,7 +195,14 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   for (; i + 2 * kLanes <= full; i += 2 * kLanes) {
     if (i + kPrefetchElems < r.numel) {
       const size_t j = i + kPrefetchElems;
-      _mm_prefetch(reinterpret_cast<const char*>(ptr.master + j), _MM_HINT_T0);
+      if constexpr (kOut == Out::kSplit) {
+        if (j % 32 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(ptr.master_lo + j), _MM_HINT_T0);
+          _mm_prefetch(static_cast<const char*>(ptr.param_out) + j * 2, _MM_HINT_T0);
+        }
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(ptr.master + j), _MM_HINT_T0);
+      }
       if (kMB == 4 || j % 32 == 0) {
         _mm_prefetch(static_cast<const char*>(ptr.exp_avg) + j * kMB, _MM_HINT_T0);
         _mm_prefetch(static_cast<const char*>(ptr.exp_avg_sq) + j * kMB, _MM_HINT_T0);
@@ -181,14 +222,24 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   // The last < 8 elements go through the same vector code on zero-padded copies.
   alignas(32) float master[kLanes] = {};
   alignas(32) float m[kLanes] = {}, v[kLanes] = {}, g[kLanes] = {}, out[kLanes] = {};
+  alignas(32) uint16_t lo[kLanes] = {};
   const size_t ps = kOut == Out::kF32 ? 4 : 2;
-  std::memcpy(master, r.master + full, tail * 4);
+  constexpr bool kSplit = kOut == Out::kSplit;
+  if constexpr (kSplit) {
+    std::memcpy(out, static_cast<char*>(ptr.param_out) + full * 2, tail * 2);
+    std::memcpy(lo, r.master_lo + full, tail * 2);
+  } else {
+    std::memcpy(master, r.master + full, tail * 4);
+  }
   std::memcpy(m, static_cast<char*>(r.exp_avg) + full * kMB, tail * kMB);
   std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * kMB, tail * kMB);
   std::memcpy(g, static_cast<const char*>(r.grad) + full * kGB, tail * kGB);
-  Pointers local{master, m, v, g, out};
+  Pointers local{master, m, v, g, out, lo};
   Step8<kG, kM, kOut, kFromEnd>(local, c, index_lo + static_cast<uint32_t>(full), 0, false);
-  std::memcpy(r.master + full, master, tail * 4);
+  if constexpr (kSplit)
+    std::memcpy(r.master_lo + full, lo, tail * 2);
+  else
+    std::memcpy(r.master + full, master, tail * 4);
   std::memcpy(static_cast<char*>(r.exp_avg) + full * kMB, m, tail * kMB);
   std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * kMB, v, tail * kMB);
   if constexpr (kOut != Out::kNone) {
@@ -206,6 +257,10 @@ void DispatchLerp(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, ui
 
 template <DType kG, DType kM>
 void DispatchOut(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
+  if (r.master_lo != nullptr) {
+    DispatchLerp<kG, kM, Out::kSplit>(r, s, key, index_lo);
+    return;
+  }
   if (r.param_out == nullptr || r.param_out == static_cast<void*>(r.master)) {
     DispatchLerp<kG, kM, Out::kNone>(r, s, key, index_lo);
     return;

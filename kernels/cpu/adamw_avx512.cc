@@ -59,15 +59,41 @@ __m512i LowBias32(__m512i x) {
 }
 
 // What the kernel writes besides master and moments (see adamw_avx2.cc).
-enum class Out { kNone, kF32, kBf16, kF16 };
+enum class Out { kNone, kF32, kBf16, kF16, kSplit };
 
 struct Pointers {
-  float* master;
+  float* master;  // kSplit: unused
   void* exp_avg;
   void* exp_avg_sq;
   const void* grad;
-  void* param_out;  // kNone: unused
+  void* param_out;      // kNone: unused
+  uint16_t* master_lo;  // kSplit only
 };
+
+// Split masters (Note [Split master] in bf16.h), as in adamw_avx2.cc. The bf16 half is
+// always rounded with integer arithmetic: vcvtneps2bf16 flushes subnormals, and a
+// flushed half would no longer decode to the master.
+__m512 LoadSplit(const uint16_t* hi, const uint16_t* lo) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)));
+  const __m512i l = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
+  const __mmask16 up = _mm512_cmpgt_epu32_mask(l, _mm512_set1_epi32(0x8000));
+  const __m512i upper = _mm512_mask_sub_epi32(h, up, h, _mm512_set1_epi32(1));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(upper, 16), l));
+}
+
+void StoreSplit(__m512 x, uint16_t* hi, uint16_t* lo) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i h =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  h = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), h, _mm512_set1_epi32(0x7FC0));
+  __m512i l = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFF));
+  const __mmask16 tie_up = _mm512_cmpeq_epi32_mask(l, _mm512_set1_epi32(0x8000)) &
+                           _mm512_cmpneq_epi32_mask(_mm512_srli_epi32(u, 16), h);
+  l = _mm512_mask_or_epi32(l, tie_up, l, _mm512_set1_epi32(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(h));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi32_epi16(l));
+}
 
 struct Consts {
   __m512 grad_scale, decay, lerp_coeff, beta2, one_minus_beta2, eps_scaled, neg_step_scaled;
@@ -88,7 +114,11 @@ inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t 
   __m512 g = Load(ptr.grad, kG, i);
   __m512 m = Load(ptr.exp_avg, kM, i);
   __m512 v = Load(ptr.exp_avg_sq, kM, i);
-  __m512 p = _mm512_loadu_ps(ptr.master + i);
+  __m512 p;
+  if constexpr (kOut == Out::kSplit)
+    p = LoadSplit(static_cast<const uint16_t*>(ptr.param_out) + i, ptr.master_lo + i);
+  else
+    p = _mm512_loadu_ps(ptr.master + i);
 
   g = _mm512_mul_ps(g, c.grad_scale);
   p = _mm512_mul_ps(p, c.decay);
@@ -99,7 +129,7 @@ inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t 
   const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), c.eps_scaled);
   p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c.neg_step_scaled, m), denom));
 
-  _mm512_storeu_ps(ptr.master + i, p);
+  if constexpr (kOut != Out::kSplit) _mm512_storeu_ps(ptr.master + i, p);
   if constexpr (kM == DType::kBFloat16) {
     const __m512i idx =
         _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index + i)),
@@ -117,6 +147,8 @@ inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t 
   }
   if constexpr (kOut == Out::kNone) {
     return;
+  } else if constexpr (kOut == Out::kSplit) {
+    StoreSplit(p, static_cast<uint16_t*>(ptr.param_out) + i, ptr.master_lo + i);
   } else if constexpr (kOut == Out::kF32) {
     float* out = static_cast<float*>(ptr.param_out) + i;
     if (stream)
@@ -144,11 +176,12 @@ constexpr size_t kPrefetchElems = 256;
 template <bool kHardwareBf16, DType kG, DType kM, Out kOut, bool kFromEnd>
 void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
   Pointers ptr{r.master, r.exp_avg, r.exp_avg_sq, r.grad,
-               kOut == Out::kNone ? nullptr : r.param_out};
+               kOut == Out::kNone ? nullptr : r.param_out, r.master_lo};
   const Consts c(s, key);
   constexpr size_t kOutBytes = kLanes * (kOut == Out::kF32 ? 4 : 2);
-  const bool stream =
-      kOut != Out::kNone && reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
+  // A split master's halves are read first: their lines are owned, nothing to stream.
+  const bool stream = kOut != Out::kNone && kOut != Out::kSplit &&
+                      reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
   const size_t full = r.numel - r.numel % kLanes;
   constexpr size_t kGB = kG == DType::kFloat32 ? 4 : 2;
   constexpr size_t kMB = kM == DType::kFloat32 ? 4 : 2;
@@ -157,7 +190,14 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   for (size_t i = 0; i < full; i += kLanes) {
     if (i + kPrefetchElems < r.numel) {
       const size_t j = i + kPrefetchElems;
-      _mm_prefetch(reinterpret_cast<const char*>(ptr.master + j), _MM_HINT_T0);
+      if constexpr (kOut == Out::kSplit) {
+        if (j % 32 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(ptr.master_lo + j), _MM_HINT_T0);
+          _mm_prefetch(static_cast<const char*>(ptr.param_out) + j * 2, _MM_HINT_T0);
+        }
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(ptr.master + j), _MM_HINT_T0);
+      }
       if (kMB == 4 || j % 32 == 0) {
         _mm_prefetch(static_cast<const char*>(ptr.exp_avg) + j * kMB, _MM_HINT_T0);
         _mm_prefetch(static_cast<const char*>(ptr.exp_avg_sq) + j * kMB, _MM_HINT_T0);
@@ -174,15 +214,25 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   if (tail == 0) return;
   alignas(64) float master[kLanes] = {};
   alignas(64) float m[kLanes] = {}, v[kLanes] = {}, g[kLanes] = {}, out[kLanes] = {};
+  alignas(64) uint16_t lo[kLanes] = {};
   const size_t ps = kOut == Out::kF32 ? 4 : 2;
-  std::memcpy(master, r.master + full, tail * 4);
+  constexpr bool kSplit = kOut == Out::kSplit;
+  if constexpr (kSplit) {
+    std::memcpy(out, static_cast<char*>(ptr.param_out) + full * 2, tail * 2);
+    std::memcpy(lo, r.master_lo + full, tail * 2);
+  } else {
+    std::memcpy(master, r.master + full, tail * 4);
+  }
   std::memcpy(m, static_cast<char*>(r.exp_avg) + full * kMB, tail * kMB);
   std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * kMB, tail * kMB);
   std::memcpy(g, static_cast<const char*>(r.grad) + full * kGB, tail * kGB);
-  Pointers local{master, m, v, g, out};
+  Pointers local{master, m, v, g, out, lo};
   Step16<kHardwareBf16, kG, kM, kOut, kFromEnd>(local, c, index_lo + static_cast<uint32_t>(full), 0,
                                                 false);
-  std::memcpy(r.master + full, master, tail * 4);
+  if constexpr (kSplit)
+    std::memcpy(r.master_lo + full, lo, tail * 2);
+  else
+    std::memcpy(r.master + full, master, tail * 4);
   std::memcpy(static_cast<char*>(r.exp_avg) + full * kMB, m, tail * kMB);
   std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * kMB, v, tail * kMB);
   if constexpr (kOut != Out::kNone) {
@@ -200,6 +250,10 @@ void DispatchLerp(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, ui
 
 template <bool kHw, DType kG, DType kM>
 void DispatchOut(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
+  if (r.master_lo != nullptr) {
+    DispatchLerp<kHw, kG, kM, Out::kSplit>(r, s, key, index_lo);
+    return;
+  }
   if (r.param_out == nullptr || r.param_out == static_cast<void*>(r.master)) {
     DispatchLerp<kHw, kG, kM, Out::kNone>(r, s, key, index_lo);
     return;

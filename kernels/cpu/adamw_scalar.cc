@@ -22,14 +22,19 @@ float Load(const void* base, DType dtype, size_t i) {
 void AdamWUpdateScalar(const AdamWRange& r, const AdamWStepScalars& s, RngKey key,
                        uint32_t index_lo) {
   const bool bf16_moments = r.moment_dtype == DType::kBFloat16;
-  const bool out_is_master = r.param_out == static_cast<void*>(r.master);
+  const bool split = r.master_lo != nullptr;
+  const bool out_is_master = !split && r.param_out == static_cast<void*>(r.master);
+  auto* hi = static_cast<uint16_t*>(r.param_out);
   for (size_t i = 0; i < r.numel; ++i) {
     const float g = Load(r.grad, r.grad_dtype, i);
     float m = Load(r.exp_avg, r.moment_dtype, i);
     float v = Load(r.exp_avg_sq, r.moment_dtype, i);
-    float p = r.master[i];
+    float p = split ? SplitMasterDecode(hi[i], r.master_lo[i]) : r.master[i];
     AdamWElement(g, &p, &m, &v, s);
-    r.master[i] = p;
+    if (split)
+      SplitMasterEncode(p, &hi[i], &r.master_lo[i]);
+    else
+      r.master[i] = p;
     if (bf16_moments) {
       const uint32_t bits = CounterRandom(key, index_lo + static_cast<uint32_t>(i));
       static_cast<uint16_t*>(r.exp_avg)[i] = FloatToBf16Stochastic(m, bits);
@@ -38,7 +43,7 @@ void AdamWUpdateScalar(const AdamWRange& r, const AdamWStepScalars& s, RngKey ke
       static_cast<float*>(r.exp_avg)[i] = m;
       static_cast<float*>(r.exp_avg_sq)[i] = v;
     }
-    if (r.param_out == nullptr || out_is_master) continue;
+    if (r.param_out == nullptr || out_is_master || split) continue;
     switch (r.param_dtype) {
       case DType::kFloat32:
         static_cast<float*>(r.param_out)[i] = p;

@@ -184,3 +184,87 @@ TEST_CASE("stochastic rounding is reproducible and keyed", "[adamw]") {
   CHECK(a != c);
   for (uint16_t h : a) CHECK((h == 0x3F80 || h == 0x3F81));
 }
+
+TEST_CASE("a split master decodes to the fp32 it encodes, bar tie-ups one ulp out", "[adamw]") {
+  // A sweep over fp32 bit patterns (stride prime to 2^16, so every low half is hit),
+  // plus every tie below each of a range of upper halves.
+  auto check = [](uint32_t u) {
+    const float x = BitsToFloat(u);
+    uint16_t hi = 0, lo = 0;
+    SplitMasterEncode(x, &hi, &lo);
+    REQUIRE(hi == FloatToBf16Rne(x));  // the half the GPU trains with: tensor.to(bf16)
+    const float y = SplitMasterDecode(hi, lo);
+    if (std::isnan(x)) {
+      REQUIRE(std::isnan(y));
+      return;
+    }
+    const bool tie_up = (u & 0xFFFFu) == 0x8000u && (u >> 16) != hi;
+    REQUIRE(FloatBits(y) == (tie_up ? u + 1 : u));
+    REQUIRE(FloatToBf16Rne(y) == hi);  // the moved value still rounds to the same half
+  };
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 65521) check(static_cast<uint32_t>(u));
+  for (uint32_t upper = 0x3F00; upper < 0x3F40; ++upper) check((upper << 16) | 0x8000u);
+  for (uint32_t u : {0x7F7FFFFFu, 0xFF7FFFFFu, 0x7F800000u, 0x00000001u, 0x80008000u}) check(u);
+}
+
+TEST_CASE("split-master updates agree across paths and with an fp32 master", "[adamw]") {
+  const DType grads[] = {DType::kFloat32, DType::kBFloat16};
+  const DType moments[] = {DType::kFloat32, DType::kBFloat16};
+  for (DType gd : grads) {
+    for (DType md : moments) {
+      for (size_t n : {1, 7, 17, 64, 4097}) {
+        INFO("grad " << DTypeName(gd) << " moments " << DTypeName(md) << " n " << n);
+        // Reference: an fp32 master with a bf16 copy; the split master starts from the
+        // same values (masters rounded to bf16, so the split form holds them exactly).
+        Buffers ref = MakeBuffers(n, gd, md, DType::kBFloat16, static_cast<uint32_t>(n));
+        for (float& x : ref.master) x = Bf16ToFloat(FloatToBf16Rne(x));
+        auto* ref_out = reinterpret_cast<uint16_t*>(ref.out.data());
+        for (size_t i = 0; i < n; ++i) ref_out[i] = FloatToBf16Rne(ref.master[i]);
+        const Buffers start = ref;
+        RunSteps(ref, n, gd, md, DType::kBFloat16, AdamWHyperParams{}, Isa::kScalar, 0);
+        std::vector<std::vector<uint16_t>> los;
+        std::vector<Buffers> outs;
+        for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+          if (!IsaSupported(isa)) continue;
+          Buffers b = start;
+          std::vector<uint16_t> lo(n, 0);
+          for (uint64_t step = 1; step <= 3; ++step) {
+            AdamWRange r;
+            r.exp_avg = b.m.data();
+            r.exp_avg_sq = b.v.data();
+            r.grad = b.g.data();
+            r.param_out = b.out.data();
+            r.master_lo = lo.data();
+            r.numel = n;
+            r.grad_dtype = gd;
+            r.moment_dtype = md;
+            r.param_dtype = DType::kBFloat16;
+            AdamWUpdate(r, ComputeAdamWStepScalars(AdamWHyperParams{}, step, step == 2 ? 0.5f : 1.0f),
+                        RoundingKey{42, 7, step, 0}, isa);
+          }
+          los.push_back(lo);
+          outs.push_back(b);
+        }
+        for (size_t k = 1; k < outs.size(); ++k) {  // every path: the scalar path's bits
+          CHECK(outs[k].out == outs[0].out);
+          CHECK(los[k] == los[0]);
+          CHECK(outs[k].m == outs[0].m);
+          CHECK(outs[k].v == outs[0].v);
+        }
+        // Against the fp32 master: the same moments and bf16 weights, and masters equal
+        // to the bit (a tie-up, about 1 in 2^17, would differ by one ulp).
+        const auto* hi = reinterpret_cast<const uint16_t*>(outs[0].out.data());
+        size_t differ = 0;
+        for (size_t i = 0; i < n; ++i) {
+          const float x = SplitMasterDecode(hi[i], los[0][i]);
+          differ += FloatBits(x) != FloatBits(ref.master[i]);
+          REQUIRE(std::fabs(x - ref.master[i]) <= std::fabs(ref.master[i]) * 0x1.0p-23f);
+        }
+        CHECK(differ <= 1);
+        CHECK(outs[0].out == ref.out);
+        CHECK(outs[0].m == ref.m);
+        CHECK(outs[0].v == ref.v);
+      }
+    }
+  }
+}

@@ -57,7 +57,7 @@ AdamWStepScalars ComputeAdamWStepScalars(const AdamWHyperParams& hp, uint64_t st
 // that param_out may equal master when param_dtype is fp32 (the output is then
 // the master itself and is written once). param_out may be null (no output).
 struct AdamWRange {
-  float* master = nullptr;
+  float* master = nullptr;  // null with a split master
   void* exp_avg = nullptr;     // moment_dtype
   void* exp_avg_sq = nullptr;  // moment_dtype
   const void* grad = nullptr;  // grad_dtype
@@ -66,6 +66,9 @@ struct AdamWRange {
   DType grad_dtype = DType::kFloat32;
   DType moment_dtype = DType::kFloat32;  // kFloat32 or kBFloat16 (stochastic rounding)
   DType param_dtype = DType::kFloat32;
+  // A split master (Note [Split master] in bf16.h): master is null and the fp32 master is
+  // (param_out, master_lo), param_out in bf16, both read and written in place.
+  uint16_t* master_lo = nullptr;
 };
 
 // Keys the stochastic rounding of bf16 moments: the random bits of an element

@@ -51,6 +51,31 @@ TS_HOST_DEVICE inline uint16_t FloatToBf16Stochastic(float f, uint32_t random16)
   return static_cast<uint16_t>((u + (random16 & 0xFFFFu)) >> 16);
 }
 
+// Note [Split master]
+// An fp32 master weight x can be kept as two uint16 halves: hi = FloatToBf16Rne(x), the
+// bf16 weight the GPU trains with (the same bits as tensor.to(torch.bfloat16)), and
+// lo = the low 16 bits of x. Then the weight copy for the GPU is part of the master and
+// is not written separately: 2 bytes a parameter less traffic per step. x's upper 16 bits
+// are hi when rounding went down and hi - 1 when it went up, which lo tells apart: lo
+// above 0x8000 rounded up, below it rounded down. At exactly 0x8000 (a tie) both are
+// possible, and only the tie that rounded down keeps that code; a tie that rounded up is
+// stored as lo = 0x8001, i.e. the master moves one fp32 ulp away from zero (about one
+// element in 2^17 per step). Infinity and the largest finite values decode exactly;
+// a NaN stays a NaN.
+TS_HOST_DEVICE inline void SplitMasterEncode(float x, uint16_t* hi, uint16_t* lo) {
+  const uint32_t u = FloatBits(x);
+  const uint16_t h = FloatToBf16Rne(x);
+  uint16_t l = static_cast<uint16_t>(u & 0xFFFFu);
+  if (l == 0x8000u && (u >> 16) != h) l = 0x8001u;
+  *hi = h;
+  *lo = l;
+}
+
+TS_HOST_DEVICE inline float SplitMasterDecode(uint16_t hi, uint16_t lo) {
+  const uint32_t upper = static_cast<uint32_t>(hi) - (lo > 0x8000u ? 1u : 0u);
+  return BitsToFloat((upper << 16) | lo);
+}
+
 // IEEE half conversions (after Maratyszcza's FP16 library): round to nearest
 // even, overflow to infinity, subnormals kept; same bits as F16C vcvtps2ph with
 // _MM_FROUND_TO_NEAREST_INT and as torch's .to(torch.float16).
