@@ -82,7 +82,8 @@ VIEW_SPAN_RATIO = 4
 class _Page:
     """One saved tensor that lives on the host until backward needs it."""
     __slots__ = ("host", "size", "stride", "dtype", "nbytes", "span", "device_bytes", "copied",
-                 "device_copy", "fetched", "uses", "index", "done", "__weakref__")
+                 "device_copy", "fetched", "saves", "uses", "task", "index", "done",
+                 "__weakref__")
 
     def __init__(self, host, size, stride, dtype, nbytes, index, span=None):
         self.host = host          # same strides as the tensor, or compact when span is set
@@ -93,9 +94,14 @@ class _Page:
         self.copied = None        # event: D2H done (None on CPU or once observed)
         self.device_copy = None   # the tensor back on the device, once fetched
         self.fetched = None       # event: H2D done
-        self.uses = 0             # unpacks still expected
+        self.saves = 0            # times autograd saved it (the same tensor saved twice)
+        self.uses = 0             # unpacks still expected in the backward under way
+        self.task = None          # that backward (autograd's graph task id)
         self.index = index
-        self.done = [False]       # every unpack ran, or the graph was freed without one
+        # [the graph that saved it is freed (after its backward, or without one),
+        #  device bytes of a fetched copy counted in _prefetched_bytes]; shared with the
+        # finalizer, which cannot see the page itself.
+        self.done = [False, 0]
 
 
 def _non_overlapping(t: torch.Tensor) -> bool:
@@ -204,8 +210,8 @@ class ActivationOffloader:
             return t
         seen = self._seen.get(id(t))
         page = seen[2]() if seen is not None else None
-        if page is not None and seen[0]() is t and seen[1] == t._version and page.uses > 0:
-            page.uses += 1  # the same tensor saved again (e.g. by two ops): one copy
+        if page is not None and seen[0]() is t and seen[1] == t._version and not page.done[0]:
+            page.saves += 1  # the same tensor saved again (e.g. by two ops): one copy
             return page
         if self._live == 0:
             self._arena.reset()
@@ -220,7 +226,7 @@ class ActivationOffloader:
             page = _Page(host, t.size(), t.stride(), t.dtype, nbytes, len(self._pages),
                          span=_span(t))
         page.copied = self.engine.to_host(t, host)
-        page.uses = 1
+        page.saves = 1
         self._pages.append(weakref.ref(page))
         self._live += 1
         # A graph freed without backward (evaluation with grad on) must not pin the arena.
@@ -239,6 +245,10 @@ class ActivationOffloader:
         if not isinstance(packed, _Page):
             return packed
         page = packed
+        task = torch._C._current_graph_task_id()
+        if page.task != task:  # this backward's first unpack of the page (a retained
+            page.task = task   # graph's second backward reads it all again)
+            page.uses = page.saves
         if page.device_copy is None:
             self.stats["prefetch_misses"] += 1
             self._fetch(page)
@@ -247,17 +257,23 @@ class ActivationOffloader:
         self.engine.wait(page.fetched)
         out = page.device_copy
         page.uses -= 1
-        if page.uses == 0:
-            self._prefetched_bytes -= page.device_bytes
-            page.device_copy = None
-            self._page_done(page.done)
-        self._prefetch_before(page.index)
+        if page.uses == 0:  # this backward is done with it; the host copy stays until
+            self._drop_copy(page)  # the graph goes (retain_graph may read it again)
+        self._prefetch_before(page.index, task)
         return out
 
-    def _page_done(self, done: List[bool]) -> None:
+    def _drop_copy(self, page: _Page) -> None:
+        self._prefetched_bytes -= page.done[1]
+        page.done[1] = 0
+        page.device_copy = None
+
+    def _page_done(self, done: List[Any]) -> None:
+        """The graph that saved the page is gone: its host memory may be reused."""
         if done[0]:
             return
         done[0] = True
+        self._prefetched_bytes -= done[1]  # a backward that raised left it fetched
+        done[1] = 0
         self._live -= 1
         if self._live == 0:
             self._seen.clear()
@@ -301,15 +317,18 @@ class ActivationOffloader:
         page.fetched = self.engine.to_device(page.host, out)
         page.device_copy = out
         self._prefetched_bytes += page.device_bytes
+        page.done[1] = page.device_bytes
 
-    def _prefetch_before(self, index: int) -> None:
-        """Fetches the ``prefetch_depth`` pages saved just before ``index``."""
+    def _prefetch_before(self, index: int, task: int) -> None:
+        """Fetches the ``prefetch_depth`` pages saved just before ``index`` that the
+        backward under way (``task``) has not finished with."""
         fetched = 0
         j = index - 1
         while j >= 0 and fetched < self.prefetch_depth:
             page = self._pages[j]()
             j -= 1
-            if page is None or page.uses == 0 or page.device_copy is not None:
+            if (page is None or page.done[0] or page.device_copy is not None
+                    or (page.task == task and page.uses == 0)):
                 continue
             if self._prefetched_bytes + page.device_bytes > self.max_inflight_bytes:
                 break

@@ -204,7 +204,7 @@ class Adapter:
                 moved = f"blocks {paging[len(paging) - count:]} activations: offload -> keep"
                 why = f"; {self.act_per_block / 2**20:.1f} MiB of activations per block"
         elif (not paging and self.config.get("param_offload", "auto") == "auto"
-              and self.between_steps()):
+              and self._weights_may_move()):
             brought, spent = [], 0
             for i in sorted(self.pager.paged, reverse=True):
                 cost = self.pager.page_in_cost(i)
@@ -223,6 +223,13 @@ class Adapter:
                            why=f"step peak {_fmt(peak)} leaves {_fmt(usable - peak)} of usable "
                                f"{_fmt(usable)}" + why)
         return True
+
+    def _weights_may_move(self) -> bool:
+        """Weight blocks move only between steps (no gradient pending: a move would change
+        the path a pending gradient takes) and while no forward's graph still holds
+        references to paged weights (a second micro-batch's forward before the first's
+        backward): that graph's backward would look for the block where it was."""
+        return self.between_steps() and not self.pager.weights_referenced()
 
     # ------------------------------------------------------------- recompute trial
     def _start_trial(self, peak: int, usable: int) -> bool:
@@ -283,7 +290,7 @@ class Adapter:
         if kept:
             self.pager.set_policy(kept[0], OFFLOAD)
             return f"block {kept[0]} activations: keep -> offload"
-        if self.between_steps():
+        if self._weights_may_move():
             for i in range(self.n):
                 if i not in self.pager.paged and self.pager.page_out(i):
                     return f"block {i} weights: resident -> paged"

@@ -179,10 +179,14 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
         # A deepcopy of the wrapped model carries this hook; it is not this session's.
         if getattr(module, "_trainstream_session", None) is not session:
             return
-        if torch.is_grad_enabled() and not in_backward():
+        if in_backward():
+            return
+        if torch.is_grad_enabled():
             attention.refresh()
             adapter.on_forward(module, args)
-            pager.begin_forward()
+        # Every forward, evaluation too: a prefetch left by a forward that raised before
+        # its first block must not serve a later forward after the weights changed.
+        pager.begin_forward()
     session.pager, session.adapter, session.attention = pager, adapter, attention
     session.hooks.append(model.register_forward_pre_hook(before_forward))
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -96,11 +96,12 @@ class _Fetch:
 
 
 class _WeightRef:
-    """A saved weight (or a view or cast of one), resolved again in backward."""
-    __slots__ = ("block", "index", "size", "stride", "offset", "dtype")
+    """A saved weight (or a view or cast of one), resolved again in backward. ``gen``
+    is the forward that saved it: each forward's graph counts its own references."""
+    __slots__ = ("block", "index", "size", "stride", "offset", "dtype", "gen")
 
-    def __init__(self, block, index, t: Optional[torch.Tensor], dtype=None):
-        self.block, self.index = block, index
+    def __init__(self, block, index, t: Optional[torch.Tensor], dtype=None, gen=0):
+        self.block, self.index, self.gen = block, index, gen
         self.size = self.stride = self.offset = None
         if t is not None:
             self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
@@ -137,7 +138,11 @@ class BlockPager:
         self.min_paged_bytes = min_paged_bytes
         self._slots: Dict[int, List[_Slot]] = {}
         self._fetches: Dict[int, _Fetch] = {}
-        self._refs: Dict[int, int] = {}   # block -> weight references saved, not yet unpacked
+        # (forward, block) -> weight references that forward's graph saved and backward has
+        # not unpacked yet: per forward, so a second forward before the first one's
+        # backward (accumulation with retained graphs) does not reset the first's counts.
+        self._refs: Dict[Tuple[int, int], int] = {}
+        self._gen = 0                     # the current forward
         self._began = False               # begin_forward() ran for the coming forward
         self._forwards: Dict[int, Any] = {}
         self.stats = {"fetches_forward": 0, "fetches_backward": 0, "fetch_misses": 0,
@@ -150,7 +155,7 @@ class BlockPager:
         self.can_page_trained: Callable[[], bool] = lambda: True
         for i, block in enumerate(self.blocks):
             if i in self.paged:
-                self._slots[i] = self._page_out(block, host_home)
+                self._slots[i] = self._paged_out(block)
                 self.block_bytes[i] = sum(s.nbytes for s in self._slots[i])
             else:
                 block.to(self.device)
@@ -241,32 +246,51 @@ class BlockPager:
                           for p in self.blocks[i].parameters())
         if big_trained and not self.can_page_trained():
             return False
-        self._slots[i] = self._page_out(self.blocks[i], self._host_home)
+        self._slots[i] = self._paged_out(self.blocks[i])
         self.block_bytes[i] = sum(s.nbytes for s in self._slots[i])
         self.paged = sorted(self.paged + [i])
         return True
+
+    def _paged_out(self, block: nn.Module) -> List[_Slot]:
+        """_page_out, and the activation offloader stops treating the block's former
+        device tensors as weights: their memory is freed, and an activation the allocator
+        later puts there must be paged like any other."""
+        before = {t.data_ptr() for t in list(block.parameters()) + list(block.buffers())}
+        slots = self._page_out(block, self._host_home)
+        if self.offloader is not None:
+            self.offloader._weights -= before - {
+                t.data_ptr() for t in list(block.parameters()) + list(block.buffers())}
+        return slots
+
+    def weights_referenced(self) -> bool:
+        """Whether a forward's graph holds references to paged blocks' weights that its
+        backward has not used yet: weight blocks must not move then."""
+        return any(n > 0 for n in self._refs.values())
 
     def page_in(self, i: int) -> bool:
         """Brings paged block i back to residence: its tensors are copied to the device
         and no longer paged. A trained weight leaves its host home (the param slot),
         which the optimizer then copies each update from, as for any resident weight.
-        Call between steps. False when block i is not paged."""
-        slots = self._slots.pop(i, None)
-        if slots is None:
-            return False
-        with torch.no_grad():
-            for s in slots:
-                resident = s.host.to(self.device, copy=True)
-                if self.offloader is not None:  # a weight, not an activation to page
-                    self.offloader._weights.add(resident.data_ptr())
-                if s.param is not None:
-                    s.param.data = resident
-                else:
-                    s.module._buffers[s.name] = resident
+        Call between steps. False when block i is not paged, or when a graph still
+        holds references to its paged weights."""
+        slots = self._slots.get(i)
+        if slots is None or any(n > 0 for (_, j), n in self._refs.items() if j == i):
+            return False  # not paged, or a graph's backward will look for it paged
+        with torch.no_grad():  # every copy first: one that fails leaves the block paged
+            resident = [s.host.to(self.device, copy=True) for s in slots]
+        del self._slots[i]
+        for s, t in zip(slots, resident):
+            if self.offloader is not None:  # a weight, not an activation to page
+                self.offloader._weights.add(t.data_ptr())
+            if s.param is not None:
+                s.param.data = t
+            else:
+                s.module._buffers[s.name] = t
         self.block_bytes.pop(i, None)
         self.paged = [j for j in self.paged if j != i]
         self._fetches.pop(i, None)
-        self._refs.pop(i, None)
+        for key in [k for k in self._refs if k[1] == i]:
+            del self._refs[key]
         return True
 
     def page_in_cost(self, i: int) -> int:
@@ -327,13 +351,23 @@ class BlockPager:
         blocks): drops what the last step left and prefetches the first paged blocks,
         so their copies overlap the embedding instead of stalling block 0."""
         self._fetches.clear()
-        self._refs.clear()
+        self._new_forward()
         for j in self.paged[:self.prefetch_depth + 1]:
             self._fetches[j] = self._fetch(j)
         self._began = bool(self.paged)
 
     def _release(self, i: int) -> None:
         self._fetches.pop(i, None)
+
+    # Counts of graphs this many forwards old are dropped (a graph freed without
+    # backward never unpacks its references).
+    KEPT_FORWARDS = 8
+
+    def _new_forward(self) -> None:
+        self._gen += 1
+        old = self._gen - self.KEPT_FORWARDS
+        for key in [k for k in self._refs if k[0] < old or self._refs[k] <= 0]:
+            del self._refs[key]
 
     # ---------------------------------------------------------------- forward
     def _make_forward(self, i: int):
@@ -366,7 +400,7 @@ class BlockPager:
         if not backward and i == self.paged[0]:
             if not self._began:  # a new forward: whatever the last one left is stale
                 self._fetches.clear()
-                self._refs.clear()
+                self._new_forward()
             self._began = False
         f = self._acquire(i, backward)
         slots = self._slots[i]
@@ -403,7 +437,7 @@ class BlockPager:
             # in backward leaves by an exception (checkpoint stops the forward it reruns
             # once backward has what it needs), and each recomputed block's weights would
             # otherwise stay until the next forward.
-            if backward or not self._refs.get(i) or i != self.paged[-1]:
+            if backward or not self._refs.get((self._gen, i)) or i != self.paged[-1]:
                 self._release(i)
         return out
 
@@ -411,7 +445,9 @@ class BlockPager:
     def _pack(self, i: int, f: _Fetch, t: torch.Tensor):
         ref = self._weight_ref(i, f, t)
         if ref is not None:
-            self._refs[i] = self._refs.get(i, 0) + 1
+            ref.gen = self._gen
+            key = (self._gen, i)
+            self._refs[key] = self._refs.get(key, 0) + 1
             return ref
         if self.policy[i] == OFFLOAD and self.offloader is not None:
             return self.offloader.pack(t)
@@ -446,8 +482,9 @@ class BlockPager:
                 t = t.as_strided(packed.size, packed.stride, packed.offset)
             if packed.dtype is not None:
                 t = t.to(packed.dtype)
-            left = self._refs.get(packed.block, 0) - 1
-            self._refs[packed.block] = left
+            key = (packed.gen, packed.block)
+            left = self._refs.get(key, 0) - 1
+            self._refs[key] = left
             if left <= 0:
                 self._release(packed.block)
             return t

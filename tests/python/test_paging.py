@@ -136,6 +136,48 @@ def test_activation_offloader_frees_pages_of_a_graph_dropped_without_backward():
     assert off._live == 0, "a freed graph must release its pages (arena reuse)"
 
 
+def test_activation_offloader_keeps_a_retained_graphs_pages_through_a_new_forward():
+    """A retained graph's second backward reads its pages again: a forward in between
+    must not reuse their host memory (it reset the arena once every page had been
+    unpacked once, and 48 of 48 gradients came out wrong)."""
+    cfg, ref, ours = _pair()
+    (x, y), (x2, y2) = text_batches(corpus(), cfg, batch=2, steps=2)
+    off = ActivationOffloader(ours, device="cpu", min_offload_bytes=0)
+    with off:
+        a = ours(x, y)
+    a.backward(retain_graph=True)
+    with off:
+        b = ours(x2, y2)
+    ours.zero_grad()
+    a.backward()
+    ref(x, y).backward()
+    _assert_grads_equal(ref, ours, 0)
+    assert off.stats["prefetch_hits"] > 0, "the second backward prefetches too"
+    del a, b
+    assert off._live == 0 and off._prefetched_bytes == 0
+
+
+def test_activation_offloader_accounts_a_backward_that_raised():
+    """Pages fetched by a backward that raised, then dropped with their graph, give their
+    bytes back to the prefetch budget (they stayed counted, and prefetch stopped once the
+    leftovers passed max_inflight_bytes)."""
+    cfg, _, ours = _pair()
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    off = ActivationOffloader(ours, device="cpu", min_offload_bytes=0)
+
+    def boom(_):
+        raise RuntimeError("stands in for an out-of-memory error in backward")
+    hook = ours.blocks[1].register_forward_hook(lambda m, i, o: o.register_hook(boom) and None)
+    with off:
+        loss = ours(x, y)
+    with pytest.raises(RuntimeError, match="stands in"):
+        loss.backward()
+    assert off._prefetched_bytes > 0, "the backward had fetched pages when it raised"
+    del loss
+    assert off._live == 0 and off._prefetched_bytes == 0
+    hook.remove()
+
+
 def test_activation_offloader_rejects_bad_values():
     with pytest.raises(ValueError, match="prefetch_depth"):
         ActivationOffloader(device="cpu", prefetch_depth=0)
@@ -291,6 +333,67 @@ def test_pager_frees_each_blocks_weights_after_its_forward(frozen):
     loss.backward()
     gc.collect()
     assert not any(t() is not None for _, t in fetched), "weight copies left after backward"
+
+
+def test_pager_counts_weight_references_per_forward():
+    """Two forwards before one backward (accumulation): the second forward wiped the
+    first's reference counts, and its backward fetched each block again for every
+    saved weight (29 extra fetches on this model)."""
+    cfg, ref, ours = _pair(n_layer=4)
+    pager = BlockPager(list(ours.blocks), "cpu", paged=range(4), min_paged_bytes=0)
+    (x, y), (x2, y2) = text_batches(corpus(), cfg, batch=2, steps=2)
+    a, b = ours(x, y), ours(x2, y2)
+    assert pager.weights_referenced()
+    before = pager.stats["fetch_misses"]
+    a.backward()
+    b.backward()
+    assert pager.stats["fetch_misses"] - before <= 2
+    ref(x, y).backward()
+    ref(x2, y2).backward()
+    _assert_grads_equal(ref, ours, 0)
+    assert not pager.weights_referenced()
+
+
+def test_page_in_waits_for_graphs_and_survives_a_failed_copy(monkeypatch):
+    cfg, ref, ours = _pair(n_layer=4)
+    pager = BlockPager(list(ours.blocks), "cpu", paged=range(4), min_paged_bytes=0)
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    loss = ours(x, y)
+    assert not pager.page_in(3), "a live graph still looks for block 3's paged weights"
+    loss.backward()
+    # A copy that fails part-way (out of memory) leaves the block paged and usable.
+    real, calls = torch.Tensor.to, [0]
+
+    def failing_to(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise torch.OutOfMemoryError("simulated")
+        return real(self, *a, **k)
+    monkeypatch.setattr(torch.Tensor, "to", failing_to)
+    with pytest.raises(torch.OutOfMemoryError):
+        pager.page_in(3)
+    monkeypatch.setattr(torch.Tensor, "to", real)
+    assert 3 in pager.paged and 3 in pager._slots
+    ours.zero_grad()
+    ref(x, y).backward()
+    ours(x, y).backward()
+    _assert_grads_equal(ref, ours, 1)
+    assert pager.page_in(3) and 3 not in pager.paged
+
+
+def test_page_out_forgets_the_blocks_device_weights():
+    """The activation offloader keeps weights on the device and pages everything else;
+    a block paged out frees its weights' memory, so those addresses stop being weights
+    (an activation the allocator puts there later was kept instead of paged)."""
+    cfg, _, ours = _pair(n_layer=4)
+    off = ActivationOffloader(ours, device="cpu", min_offload_bytes=0)
+    first = {p.data_ptr() for p in ours.blocks[0].parameters()}
+    pager = BlockPager(list(ours.blocks), "cpu", paged=[0], offloader=off, min_paged_bytes=0)
+    assert not (first & off._weights), "paged at construction (wrap() builds the offloader first)"
+    old = {p.data_ptr() for p in ours.blocks[1].parameters()}
+    assert old <= off._weights
+    assert pager.page_out(1)
+    assert not (old & off._weights)
 
 
 def test_pager_rejects_bad_block_indices():
@@ -693,6 +796,29 @@ def test_adapter_brings_paged_weight_blocks_back_when_no_block_pages_activations
     adapter.config["param_offload"] = True   # an explicit choice is left alone
     adapter.step = 3
     adapter._decide(peak, 1.0, 0)
+    assert pager.paged == [0, 1, 2, 3, 4, 5]
+
+
+def test_adapter_moves_no_weight_block_while_a_graph_holds_paged_weights():
+    """A second micro-batch's forward before the first one's backward: no gradient is
+    pending yet, but the first graph will look for its blocks where they were (a block
+    brought in then made that backward fail with KeyError)."""
+    MiB = 1 << 20
+    adapter, pager, session = _adapter()
+    _, _, model = _pair(n_layer=8)
+    pager = BlockPager(list(model.blocks), "cpu", paged=range(8), min_paged_bytes=0)
+    adapter.pager = pager
+    adapter.config["param_offload"] = "auto"
+    for i in range(8):
+        pager.set_policy(i, KEEP)
+    (x, y), = text_batches(corpus(), GPTConfig(n_layer=8), batch=2, steps=1)
+    loss = model(x, y)
+    adapter.step = 1
+    adapter._decide(2000 * MiB - int(5 * pager.page_in_cost(7)), 1.0, 0)
+    assert pager.paged == list(range(8)), "nothing moves while the graph is live"
+    loss.backward()
+    adapter.step = 2
+    adapter._decide(2000 * MiB - int(5 * pager.page_in_cost(7)), 1.0, 0)
     assert pager.paged == [0, 1, 2, 3, 4, 5]
 
 
