@@ -449,6 +449,23 @@ def test_wrap_everything_paged_matches_unpaged_bit_for_bit(daemon, accumulation)
     assert torch.isfinite(ours(x, y)), "an unwrapped model still runs on its own copies"
 
 
+def test_a_forward_that_raised_leaves_no_stale_prefetch(daemon):
+    """A training forward prefetches the first paged blocks before block 0; if it raises
+    before block 0 and the weights change, an evaluation forward used the old copies."""
+    cfg, ref, ours = _pair(seed=2)
+    ours, _ = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3),
+                               socket=daemon.socket, param_offload=True, min_offload_bytes=0)
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    with pytest.raises(IndexError):
+        ours(x + cfg.vocab_size, y)  # out-of-range ids: raises in the embedding
+    with torch.no_grad():
+        for a, b in zip(ref.parameters(), ours.parameters()):
+            a.mul_(1.5)
+            b.mul_(1.5)  # a paged weight's host home
+        assert ref(x, y).item() == ours(x, y).item()
+    trainstream.unwrap(ours)
+
+
 def test_paged_gradients_are_not_held_after_they_are_posted(daemon):
     # A paged weight's gradient goes to the daemon in backward; holding it until step()
     # kept every paged block's gradient on the device at once.
