@@ -839,6 +839,16 @@ def test_adapter_moves_no_weight_block_while_a_graph_holds_paged_weights():
     assert pager.paged == [0, 1, 2, 3, 4, 5]
 
 
+def _settle_steps(adapter, peak_mib):
+    """Calibration (1800 MiB peak, 100 MiB of activations a block), then two steps at
+    ``peak_mib``, each recorded in the history first, as on_forward does."""
+    MiB = 1 << 20
+    for step, (peak, offloaded) in enumerate([(1800, 800), (peak_mib, 0), (peak_mib, 0)]):
+        adapter.step = step
+        adapter.history.append({"seconds": 1.0})
+        adapter._decide(peak * MiB, 1.0, offloaded * MiB)
+
+
 def _trial_adapter():
     adapter, pager, session = _adapter()
     adapter.config["recompute"] = "auto"
@@ -878,10 +888,7 @@ def test_adapter_tries_recompute_for_paging_blocks_and_keeps_the_faster(recomput
 def test_recompute_trial_that_goes_over_restores_paging():
     MiB = 1 << 20
     adapter, pager, session = _trial_adapter()
-    for step, (peak, offloaded) in enumerate([(1800, 800), (1890, 0), (1890, 0)]):
-        adapter.step = step
-        adapter.history.append({"seconds": 1.0})
-        adapter._decide(peak * MiB, 1.0, offloaded * MiB)
+    _settle_steps(adapter, 1890)
     assert pager.policy == [RECOMPUTE] * 7 + [KEEP]
     adapter.step = 3
     adapter._decide(2100 * MiB, 0.5, 0)         # over the usable 2000 MiB, and faster
@@ -897,12 +904,8 @@ def test_recompute_trial_that_goes_over_restores_paging():
 def test_no_recompute_trial_without_room_for_one_blocks_activations():
     # Recompute brings a block's activations (100 MiB here) back at once in backward;
     # with 50 MiB of room a trial step could run out of memory, ending the training.
-    MiB = 1 << 20
     adapter, pager, session = _trial_adapter()
-    for step, (peak, offloaded) in enumerate([(1800, 800), (1950, 0), (1950, 0)]):
-        adapter.step = step
-        adapter.history.append({"seconds": 1.0})
-        adapter._decide(peak * MiB, 1.0, offloaded * MiB)
+    _settle_steps(adapter, 1950)
     assert pager.policy == [OFFLOAD] * 7 + [KEEP] and adapter.settled
     skipped = [e for e in session.events if e.get("what") == "no trial"]
     assert skipped and "one block's activations" in skipped[0]["why"], session.events
@@ -910,12 +913,8 @@ def test_no_recompute_trial_without_room_for_one_blocks_activations():
 
 
 def test_no_recompute_trial_unless_recompute_is_auto():
-    MiB = 1 << 20
     adapter, pager, session = _adapter()         # recompute=False
-    for step, (peak, offloaded) in enumerate([(1800, 800), (1950, 0), (1950, 0)]):
-        adapter.step = step
-        adapter.history.append({"seconds": 1.0})
-        adapter._decide(peak * MiB, 1.0, offloaded * MiB)
+    _settle_steps(adapter, 1950)
     assert RECOMPUTE not in pager.policy and adapter.settled
 
 
