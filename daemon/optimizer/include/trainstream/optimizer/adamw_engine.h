@@ -58,7 +58,9 @@ struct ParamBinding {
   // the weight copy is not written separately (18 B/param per step instead of 20 with
   // bf16 gradients and moments). The master equals an fp32 master's bits except that a
   // value exactly halfway between two bf16 values that rounded up sits one ulp further
-  // from zero.
+  // from zero. The slot is then half of the master: after Init only the engine writes
+  // it (ImportArray to set weights); a bf16 value written there by anyone else is read
+  // back with the old low half (a zero with a low half above 0x8000 decodes to NaN).
   uint16_t* master_lo = nullptr;
 };
 
