@@ -233,8 +233,7 @@ class _RunningCopy:
 def test_finished_activation_copies_are_released_by_the_next_blocks():
     """The offloader holds each paged tensor on the device until its D2H copy is seen to
     finish. Only block 0 pages here: nothing packs after it, so unless the later blocks
-    poll, its tensors stay on the device through the whole forward (on the H200 this
-    made paging three blocks save 170 MiB of peak instead of 695 MiB)."""
+    poll, its tensors stay on the device through the whole forward."""
     cfg, ref, ours = _pair(n_layer=4)
     off = ActivationOffloader(ours, device="cpu", min_offload_bytes=0)
     copies = []
