@@ -142,6 +142,10 @@ class BlockPager:
         # not unpacked yet: per forward, so a second forward before the first one's
         # backward (accumulation with retained graphs) does not reset the first's counts.
         self._refs: Dict[Tuple[int, int], int] = {}
+        # The references each forward saved, and the backward now unpacking them: a
+        # retained graph's next backward counts them all again.
+        self._saved: Dict[Tuple[int, int], int] = {}
+        self._ref_task: Dict[Tuple[int, int], int] = {}
         self._gen = 0                     # the current forward
         self._began = False               # begin_forward() ran for the coming forward
         self._forwards: Dict[int, Any] = {}
@@ -289,8 +293,9 @@ class BlockPager:
         self.block_bytes.pop(i, None)
         self.paged = [j for j in self.paged if j != i]
         self._fetches.pop(i, None)
-        for key in [k for k in self._refs if k[1] == i]:
-            del self._refs[key]
+        for table in (self._refs, self._saved, self._ref_task):
+            for key in [k for k in table if k[1] == i]:
+                del table[key]
         return True
 
     def page_in_cost(self, i: int) -> int:
@@ -366,8 +371,9 @@ class BlockPager:
     def _new_forward(self) -> None:
         self._gen += 1
         old = self._gen - self.KEPT_FORWARDS
-        for key in [k for k in self._refs if k[0] < old or self._refs[k] <= 0]:
-            del self._refs[key]
+        for table in (self._refs, self._saved, self._ref_task):
+            for key in [k for k in table if k[0] < old]:
+                del table[key]
 
     # ---------------------------------------------------------------- forward
     def _make_forward(self, i: int):
@@ -448,6 +454,7 @@ class BlockPager:
             ref.gen = self._gen
             key = (self._gen, i)
             self._refs[key] = self._refs.get(key, 0) + 1
+            self._saved[key] = self._saved.get(key, 0) + 1
             return ref
         if self.policy[i] == OFFLOAD and self.offloader is not None:
             return self.offloader.pack(t)
@@ -483,6 +490,10 @@ class BlockPager:
             if packed.dtype is not None:
                 t = t.to(packed.dtype)
             key = (packed.gen, packed.block)
+            task = torch._C._current_graph_task_id()
+            if self._ref_task.get(key, task) != task:  # a retained graph's next backward
+                self._refs[key] = self._saved.get(key, 0)
+            self._ref_task[key] = task
             left = self._refs.get(key, 0) - 1
             self._refs[key] = left
             if left <= 0:
