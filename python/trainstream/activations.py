@@ -207,7 +207,7 @@ class ActivationOffloader:
         if not self.wants(t):
             self.stats["tensors_kept"] += 1
             self.stats["bytes_kept"] += t.numel() * t.element_size()
-            return t
+            return t.detach()  # not itself: see BlockPager._pack (a cycle that leaks graphs)
         seen = self._seen.get(id(t))
         page = seen[2]() if seen is not None else None
         if page is not None and seen[0]() is t and seen[1] == t._version and not page.done[0]:

@@ -98,7 +98,7 @@ class _Fetch:
 class _WeightRef:
     """A saved weight (or a view or cast of one), resolved again in backward. ``gen``
     is the forward that saved it: each forward's graph counts its own references."""
-    __slots__ = ("block", "index", "size", "stride", "offset", "dtype", "gen")
+    __slots__ = ("block", "index", "size", "stride", "offset", "dtype", "gen", "__weakref__")
 
     def __init__(self, block, index, t: Optional[torch.Tensor], dtype=None, gen=0):
         self.block, self.index, self.gen = block, index, gen
@@ -146,6 +146,9 @@ class BlockPager:
         # retained graph's next backward counts them all again.
         self._saved: Dict[Tuple[int, int], int] = {}
         self._ref_task: Dict[Tuple[int, int], int] = {}
+        # Each block's saved references still held by a graph (autograd holds them until
+        # their node has run in backward, or until the graph is freed without one).
+        self._held: Dict[int, "weakref.WeakSet[_WeightRef]"] = {}
         self._gen = 0                     # the current forward
         self._began = False               # begin_forward() ran for the coming forward
         self._forwards: Dict[int, Any] = {}
@@ -266,10 +269,12 @@ class BlockPager:
                 t.data_ptr() for t in list(block.parameters()) + list(block.buffers())}
         return slots
 
-    def weights_referenced(self) -> bool:
-        """Whether a forward's graph holds references to paged blocks' weights that its
-        backward has not used yet: weight blocks must not move then."""
-        return any(n > 0 for n in self._refs.values())
+    def weights_referenced(self, block: Optional[int] = None) -> bool:
+        """Whether a live graph (awaiting its backward, or retained for another one) holds
+        references to paged weights, of ``block`` or of any block: weight blocks must not
+        move then, since that backward would look for them where they were."""
+        sets = self._held.values() if block is None else [self._held.get(block, ())]
+        return any(len(held) > 0 for held in sets)
 
     def page_in(self, i: int) -> bool:
         """Brings paged block i back to residence: its tensors are copied to the device
@@ -278,7 +283,7 @@ class BlockPager:
         Call between steps. False when block i is not paged, or when a graph still
         holds references to its paged weights."""
         slots = self._slots.get(i)
-        if slots is None or any(n > 0 for (_, j), n in self._refs.items() if j == i):
+        if slots is None or self.weights_referenced(i):
             return False  # not paged, or a graph's backward will look for it paged
         with torch.no_grad():  # every copy first: one that fails leaves the block paged
             resident = [s.host.to(self.device, copy=True) for s in slots]
@@ -296,6 +301,7 @@ class BlockPager:
         for table in (self._refs, self._saved, self._ref_task):
             for key in [k for k in table if k[1] == i]:
                 del table[key]
+        self._held.pop(i, None)
         return True
 
     def page_in_cost(self, i: int) -> int:
@@ -455,10 +461,14 @@ class BlockPager:
             key = (self._gen, i)
             self._refs[key] = self._refs.get(key, 0) + 1
             self._saved[key] = self._saved.get(key, 0) + 1
+            self._held.setdefault(i, weakref.WeakSet()).add(ref)
             return ref
         if self.policy[i] == OFFLOAD and self.offloader is not None:
             return self.offloader.pack(t)
-        return t
+        # Detached (autograd restores what it needs on unpack): a saved output kept as
+        # itself would refer back to the node that saved it, a cycle through C++ that no
+        # collection breaks, so a graph dropped without backward would never be freed.
+        return t.detach()
 
     def _weight_ref(self, i: int, f: _Fetch, t: torch.Tensor) -> Optional[_WeightRef]:
         k = f.given.get(id(t))

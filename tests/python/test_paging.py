@@ -2,6 +2,7 @@
 (docs/paging.md). On CPU the paged code path runs with the CPU as the "device", so
 paged training is compared bit for bit with unpaged training here; test_paging_cuda.py
 does the same on a GPU."""
+import contextlib
 import copy
 
 import pytest
@@ -351,6 +352,35 @@ def test_pager_counts_weight_references_per_forward():
     ref(x2, y2).backward()
     _assert_grads_equal(ref, ours, 0)
     assert not pager.weights_referenced()
+    # A graph dropped without backward (evaluation with grad on) holds nothing either.
+    c = ours(x, y)
+    assert pager.weights_referenced(3)
+    del c
+    assert not pager.weights_referenced()
+
+
+@pytest.mark.parametrize("hooks", ["pager", "offloader"])
+def test_a_graph_dropped_without_backward_is_freed(hooks):
+    """Evaluation with grad on: the graph goes when its loss does. A pack hook that kept a
+    saved output as itself made a cycle through autograd's C++ nodes, which no
+    collection breaks: every block's activations stayed alive for good."""
+    import gc
+    import weakref
+    cfg, _, ours = _pair(n_layer=4)
+    if hooks == "pager":
+        BlockPager(list(ours.blocks), "cpu", paged=range(4), min_paged_bytes=0)
+        context = contextlib.nullcontext()
+    else:  # tensors under min_offload_bytes are kept on the device
+        context = ActivationOffloader(ours, device="cpu", min_offload_bytes=1 << 30)
+    outs = []
+    for b in ours.blocks:
+        b.register_forward_hook(lambda m, i, o: outs.append(weakref.ref(o)))
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    with context:
+        loss = ours(x, y)
+    del loss
+    gc.collect()
+    assert [o() is None for o in outs] == [True] * 4
 
 
 def test_a_retained_graphs_second_backward_fetches_each_block_once():
