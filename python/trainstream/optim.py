@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -33,6 +34,7 @@ from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
 # Wire constants (proto/include/trainstream/wire/session_control.h).
 _OP_PARAM_READY = 16
 _OP_STEP_DONE = 17
+_STEP_REPLIES = (_OP_PARAM_READY, _OP_STEP_DONE)  # what a step() waits for
 _OP_STATE_DONE = 18
 _OP_SYNC_DONE = 19
 _OP_ERROR = 20
@@ -70,6 +72,19 @@ class _Param:
     external_grad: Optional[torch.Tensor] = None
 
 
+def _weak_hook(opt: "OffloadAdamW") -> Callable[[torch.Tensor], None]:
+    """The gradient hook, holding its optimizer weakly: the parameters must not keep a
+    discarded optimizer (and its daemon session) alive, nor let it take the gradients
+    of the optimizer that replaced it."""
+    ref = weakref.ref(opt)
+
+    def hook(p: torch.Tensor) -> None:
+        o = ref()
+        if o is not None:
+            o._on_grad_final(p)
+    return hook
+
+
 class OffloadAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` with its state and update in the TrainStream daemon.
 
@@ -99,6 +114,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         # users of the session's memory outside the optimizer (activation pages) move out.
         self.before_detach: List[Callable[[], None]] = []
         self._step_id = 0
+        self._backlog: List[Dict[str, Any]] = []  # completions kept for a later wait
         self._gpu: Optional[_gpu_adamw.ZeroCopyAdamW] = None  # optimizer_mode="gpu"
         self.optimizer_mode: Optional[str] = None  # resolved at attach()
         # offload="auto": after two steps, torch's fused AdamW on the GPU when it fits.
@@ -130,7 +146,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._entries[id(p)] = e
             self._by_id[e.param_id] = e
             if p.requires_grad:
-                e.hook = p.register_post_accumulate_grad_hook(self._on_grad_final)
+                e.hook = p.register_post_accumulate_grad_hook(_weak_hook(self))
             new.append(e)
         if self._session is not None:
             self._register(new)
@@ -175,7 +191,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         job = opts["job"] or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
         for e in self._entries.values():  # hooks removed by release_hooks()
             if e.hook is None and e.param.requires_grad:
-                e.hook = e.param.register_post_accumulate_grad_hook(self._on_grad_final)
+                e.hook = e.param.register_post_accumulate_grad_hook(_weak_hook(self))
         group = self._dp.membership() if self._in_group() else None
         self._session = self._call(self._client.attach, job, rank, local_rank, group)
         control = self._session.control
@@ -369,8 +385,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise DaemonError(f"no answer from the TrainStream daemon for {waited_s:.0f} s "
                               f"(timeout_s={self._options['timeout_s']})")
 
-    def _wait(self, want) -> None:
-        """Polls completions, handing each to ``want(c)`` until it returns True."""
+    def _wait(self, want, keep=()) -> None:
+        """Polls completions, handing each to ``want(c)`` until it returns True. One that
+        ``want`` passes over with an opcode in ``keep`` is kept for a later wait (a step's
+        PARAM_READY arriving while synchronize() or state_dict() waits for its own);
+        kept ones are offered first."""
+        kept, self._backlog = self._backlog, []
+        for i, c in enumerate(kept):
+            if want(c):
+                self._backlog += kept[i + 1:]
+                return
+            if c["opcode"] in keep:
+                self._backlog.append(c)
         start = time.monotonic()
         while True:
             try:
@@ -388,6 +414,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                                   "the group (restart every rank of the job)")
             if want(c):
                 return
+            if c["opcode"] in keep:
+                self._backlog.append(c)
 
     def _sync(self) -> None:
         self._require_attached()
@@ -401,7 +429,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if c["opcode"] == _OP_STATE_DONE and c["status"] != _STATUS_OK:
                 errors.append(c["message"])
             return c["opcode"] == _OP_SYNC_DONE and c["seq"] == seq
-        self._wait(want)
+        self._wait(want, keep=_STEP_REPLIES)
         if errors:
             raise TrainStreamError("the daemon could not apply optimizer state: " + "; ".join(errors))
 
@@ -476,6 +504,23 @@ class OffloadAdamW(torch.optim.Optimizer):
             t0 = time.monotonic()
         except _C().DaemonGone as e:
             raise DaemonError(str(e)) from None
+        result = self._finish_step(step, posted, t0)
+        norm = result.get("grad_norm", float("nan"))
+        self._last_grad_norm = norm if norm >= 0 else None
+        if result["status"] == _STATUS_SKIPPED_NONFINITE:
+            self._stats["skipped_steps"] += 1
+            raise NonFiniteGradientError(
+                f"step {step} was not applied: {result['message'] or 'a gradient held NaN or Inf'}")
+        if result["status"] != _STATUS_OK:
+            raise TrainStreamError(f"step {step} failed in the daemon: {result['message']}")
+        self._stats["steps"] += 1
+        self._maybe_go_local()
+        return loss
+
+    def _finish_step(self, step: int, posted: List[_Param], t0: float) -> Dict[str, Any]:
+        """Ends ``step`` in the daemon with the gradients in ``posted``, copies each new
+        weight in as it is ready, and clears every parameter's pending state. Returns the
+        step's completion (status, grad_norm, message)."""
         pending = {e.param_id for e in posted}
         result: Dict[str, Any] = {}
 
@@ -503,24 +548,31 @@ class OffloadAdamW(torch.optim.Optimizer):
             return "opcode" in result and not pending
         self._wait(want)
         self._stats["step_wait_s"] += time.monotonic() - t0
+        self._clear_pending()
+        self._step_id = step
+        return result
+
+    def _clear_pending(self) -> None:
         for e in self._entries.values():
             e.backward_count = 0
             e.posted_step = 0
             e.posted_grad = None
             e.external = False
             e.external_grad = None
-        self._step_id = step
-        norm = result.get("grad_norm", float("nan"))
-        self._last_grad_norm = norm if norm >= 0 else None
-        if result["status"] == _STATUS_SKIPPED_NONFINITE:
-            self._stats["skipped_steps"] += 1
-            raise NonFiniteGradientError(
-                f"step {step} was not applied: {result['message'] or 'a gradient held NaN or Inf'}")
-        if result["status"] != _STATUS_OK:
-            raise TrainStreamError(f"step {step} failed in the daemon: {result['message']}")
-        self._stats["steps"] += 1
-        self._maybe_go_local()
-        return loss
+
+    def _abandon_step(self) -> None:
+        """A step that never completed: a backward or step() raised part way. The
+        daemon holds the gradients already handed to it (and, without clipping, has
+        applied them: an eager update cannot be undone), so the step is ended with
+        those, their new weights copied back, and every pending count cleared, so that
+        the next iteration starts clean."""
+        step = self._step_id + 1
+        posted = [e for e in self._entries.values() if e.posted_step == step]
+        if not posted:
+            self._clear_pending()
+            return
+        self._finish_step(step, posted, time.monotonic())
+        self._event("abandoned step", step=step, params_applied=len(posted))
 
     def _event(self, kind: str, **details) -> None:
         if self._event_sink is not None:
@@ -611,7 +663,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._stats["steps"] += 1
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``. Called with a step pending that will not
+        come (a backward or step() raised part way), it ends that step first: see
+        ``_abandon_step``."""
+        if (self._local is None and self._gpu is None and self._plane is not None
+                and self._dp is None and not self.between_steps()):
+            self._abandon_step()
         super().zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:
@@ -679,7 +737,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 seq_box["step"] = c["step"]
                 return True
             return False
-        self._wait(want)
+        self._wait(want, keep=_STEP_REPLIES)
         return int(seq_box["step"])
 
     def state_dict(self) -> Dict[str, Any]:

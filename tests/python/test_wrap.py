@@ -1,6 +1,7 @@
 """trainstream.wrap() against plain torch.optim.AdamW on a small GPT (CPU; the same code
 path runs on CUDA models on the GPU host, see test_wrap_cuda.py)."""
 import copy
+import math
 import os
 import signal
 import subprocess
@@ -183,6 +184,69 @@ def test_modified_gradient_after_backward_raises(daemon):
     torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e-3)
     with pytest.raises(RuntimeError, match="max_grad_norm"):
         opt.step()
+
+
+def test_training_goes_on_after_a_step_that_raised(daemon):
+    """A step that raised (the gradient changed after backward handed it over) left every
+    parameter pending: each later backward raised "reached ... 2 times". zero_grad()
+    ends that step with what the daemon holds (already applied: eager updates cannot be
+    undone), copies those weights in, and the next iteration trains."""
+    cfg, _, ours = _models()
+    batches = text_batches(corpus(), cfg, batch=2, steps=3)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket)
+    x, y = batches[0]
+    ours(x, y).backward()
+    torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        opt.step()
+    assert not opt.between_steps()
+    opt.zero_grad()
+    assert opt.between_steps()
+    losses = _train(ours, opt, batches[1:])
+    assert all(math.isfinite(v) for v in losses)
+    # The model's weights are the daemon's masters (rounded to the parameters' dtype).
+    sd = opt.state_dict()["state"]
+    for i, p in enumerate(ours.parameters()):
+        assert torch.equal(sd[i]["master_weight"].to(p.dtype).view_as(p), p.detach())
+    assert sd[0]["step"].item() == 3.0
+
+
+def test_synchronize_between_backward_and_step(daemon):
+    """synchronize() and state_dict() read the daemon's replies; they used to drop the
+    step's own (each parameter's PARAM_READY), and step() then waited for them until
+    timeout_s."""
+    cfg, ref, ours = _models()
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket, timeout_s=5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.param_groups[0]["lr"], foreach=False)
+    ours(x, y).backward()
+    opt.synchronize()
+    opt.state_dict()
+    opt.step()
+    ref(x, y).backward()
+    ref_opt.step()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert (p.detach() - q.detach()).abs().max().item() <= 1e-6, name
+
+
+def test_a_discarded_optimizer_lets_go_of_the_parameters(daemon):
+    """Its gradient hooks held the optimizer, so it outlived `del` with its daemon session
+    and kept counting the gradients of the optimizer built after it."""
+    import gc
+    import weakref
+    cfg, _, ours = _models()
+    (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
+    first = trainstream.OffloadAdamW(ours.parameters(), socket=daemon.socket)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None
+    opt = trainstream.OffloadAdamW(ours.parameters(), socket=daemon.socket)
+    for _ in range(2):
+        ours(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.stats()["steps"] == 2
 
 
 def test_non_finite_gradient_skips_step(daemon):
