@@ -55,13 +55,14 @@ std::vector<std::string> Split(const std::string& s) {
 }
 
 [[noreturn]] void Usage(const char* msg) {
-  std::fprintf(stderr,
-               "%s\nusage: trainstream-bench-adamw [--params N] [--tensor-elems N] [--threads "
-               "1,2,...|0=physical cores] [--grad-dtype fp32,bf16,fp16] [--moment-dtype fp32,bf16] "
-               "[--param-dtype fp32,bf16,fp16,master,bf16-split] [--isa auto|scalar|avx2|avx512] [--mode "
-               "eager|deferred] [--check chunk|param] [--pin 0|1] [--iters N] [--warmup N] "
-               "[--json]\n",
-               msg);
+  std::fprintf(
+      stderr,
+      "%s\nusage: trainstream-bench-adamw [--params N] [--tensor-elems N] [--threads "
+      "1,2,...|0=physical cores] [--grad-dtype fp32,bf16,fp16] [--moment-dtype fp32,bf16] "
+      "[--param-dtype fp32,bf16,fp16,master,bf16-split] [--isa auto|scalar|avx2|avx512] [--mode "
+      "eager|deferred] [--check chunk|param] [--pin 0|1] [--iters N] [--warmup N] "
+      "[--json]\n",
+      msg);
   std::exit(2);
 }
 
@@ -260,8 +261,9 @@ int main(int argc, char** argv) {
       for (const auto& m : a.moment_dtypes) {
         for (const auto& p : a.param_dtypes) {
           const bool master = p == "master", split = p == "bf16-split";
-          const tk::DType pd =
-              master ? tk::DType::kFloat32 : split ? tk::DType::kBFloat16 : DTypeOrDie(p);
+          const tk::DType pd = master  ? tk::DType::kFloat32
+                               : split ? tk::DType::kBFloat16
+                                       : DTypeOrDie(p);
           RunOne(a, t, DTypeOrDie(g), DTypeOrDie(m), pd, master, split, isa);
         }
       }

@@ -352,8 +352,8 @@ void RunPattern(const Args& args, to::WorkerPool& pool, const std::string& patte
   for (int i = 0; i < args.iters; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     pass();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                              .count());
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   for (double s : sums) a.sink += s;
   const double bytes = BytesPerElem(pattern) * static_cast<double>(n);

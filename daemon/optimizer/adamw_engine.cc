@@ -500,7 +500,8 @@ std::string AdamWEngine::ExportArray(uint64_t param_id, StateArray which, float*
     case StateArray::kMaster:
       if (b.master_lo != nullptr) {
         const auto* hi = static_cast<const uint16_t*>(b.param_slot);
-        for (size_t i = 0; i < b.numel; ++i) out[i] = kernels::SplitMasterDecode(hi[i], b.master_lo[i]);
+        for (size_t i = 0; i < b.numel; ++i)
+          out[i] = kernels::SplitMasterDecode(hi[i], b.master_lo[i]);
       } else {
         std::memcpy(out, b.master, b.numel * sizeof(float));
       }

@@ -99,9 +99,9 @@ void AdamWUpdate(const AdamWRange& range, const AdamWStepScalars& scalars, const
       piece.param_out =
           range.master != nullptr && range.param_out == static_cast<void*>(range.master)
               ? static_cast<void*>(piece.master)
-              : static_cast<char*>(range.param_out) +
-                    done * DTypeSize(range.master_lo != nullptr ? DType::kBFloat16
-                                                                : range.param_dtype);
+              : static_cast<char*>(range.param_out) + done * DTypeSize(range.master_lo != nullptr
+                                                                           ? DType::kBFloat16
+                                                                           : range.param_dtype);
     }
     const RngKey rng =
         MakeRngKey(key.seed, key.param_key, key.step, static_cast<uint32_t>(index >> 32));

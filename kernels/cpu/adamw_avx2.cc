@@ -67,8 +67,8 @@ struct Pointers {
   void* exp_avg;
   void* exp_avg_sq;
   const void* grad;
-  void* param_out;       // kNone: unused
-  uint16_t* master_lo;   // kSplit only
+  void* param_out;      // kNone: unused
+  uint16_t* master_lo;  // kSplit only
 };
 
 // Eight split masters (Note [Split master]) -> fp32: upper half hi, less one where lo
@@ -88,9 +88,8 @@ void StoreSplit(__m256 x, uint16_t* hi, uint16_t* lo) {
   h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), NanMask(x));
   __m256i l = _mm256_and_si256(u, _mm256_set1_epi32(0xFFFF));
   // A tie that rounded up has no code of its own: one ulp further out (lo 0x8001).
-  const __m256i tie_up =
-      _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(u, 16), h),
-                          _mm256_cmpeq_epi32(l, _mm256_set1_epi32(0x8000)));
+  const __m256i tie_up = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(u, 16), h),
+                                             _mm256_cmpeq_epi32(l, _mm256_set1_epi32(0x8000)));
   l = _mm256_or_si256(l, _mm256_and_si256(tie_up, _mm256_set1_epi32(1)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), Narrow(h));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), Narrow(l));
@@ -179,8 +178,9 @@ constexpr size_t kPrefetchElems = 256;
 
 template <DType kG, DType kM, Out kOut, bool kFromEnd>
 void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
-  Pointers ptr{r.master, r.exp_avg, r.exp_avg_sq, r.grad,
-               kOut == Out::kNone ? nullptr : r.param_out, r.master_lo};
+  Pointers ptr{
+      r.master,   r.exp_avg, r.exp_avg_sq, r.grad, kOut == Out::kNone ? nullptr : r.param_out,
+      r.master_lo};
   const Consts c(s, key);
   constexpr size_t kOutBytes = kLanes * (kOut == Out::kF32 ? 4 : 2);
   // A split master's halves are read first: their lines are owned, nothing to stream.

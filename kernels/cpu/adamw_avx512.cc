@@ -175,8 +175,9 @@ constexpr size_t kPrefetchElems = 256;
 
 template <bool kHardwareBf16, DType kG, DType kM, Out kOut, bool kFromEnd>
 void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
-  Pointers ptr{r.master, r.exp_avg, r.exp_avg_sq, r.grad,
-               kOut == Out::kNone ? nullptr : r.param_out, r.master_lo};
+  Pointers ptr{
+      r.master,   r.exp_avg, r.exp_avg_sq, r.grad, kOut == Out::kNone ? nullptr : r.param_out,
+      r.master_lo};
   const Consts c(s, key);
   constexpr size_t kOutBytes = kLanes * (kOut == Out::kF32 ? 4 : 2);
   // A split master's halves are read first: their lines are owned, nothing to stream.

@@ -17,9 +17,9 @@
 #include "trainstream/optimizer/worker_pool.h"
 
 using namespace trainstream::optimizer;
-using trainstream::kernels::Isa;
 using trainstream::kernels::FloatBits;
 using trainstream::kernels::FloatToBf16Rne;
+using trainstream::kernels::Isa;
 
 TEST_CASE("worker pool runs each task on its worker, in order", "[pool]") {
   std::vector<std::vector<int>> seen(3);
@@ -367,8 +367,7 @@ TEST_CASE("destroying a deferred engine with a step never ended returns", "[engi
   SUCCEED("destroyed");
 }
 
-TEST_CASE("a split-master engine trains like an fp32-master engine with a bf16 copy",
-          "[engine]") {
+TEST_CASE("a split-master engine trains like an fp32-master engine with a bf16 copy", "[engine]") {
   const std::vector<size_t> sizes{1, 7, 4097, 200003};
   WorkerPool pool(WorkerPoolOptions{3, false});
   EngineOptions opt;
@@ -394,16 +393,23 @@ TEST_CASE("a split-master engine trains like an fp32-master engine with a bf16 c
     b.slot.resize(n);
     for (uint16_t& h : b.slot) h = FloatToBf16Rne(normal(rng));
     b.slot2 = b.slot;
-    ParamBinding a{k, n, DType::kBFloat16, DType::kBFloat16, b.master.data(), b.m.data(),
-                   b.v.data(), b.grad.data(), b.slot.data()};
-    ParamBinding s{k, n, DType::kBFloat16, DType::kBFloat16, nullptr, b.m2.data(),
-                   b.v2.data(), b.grad.data(), b.slot2.data()};
+    ParamBinding a{k,          n,          DType::kBFloat16, DType::kBFloat16, b.master.data(),
+                   b.m.data(), b.v.data(), b.grad.data(),    b.slot.data()};
+    ParamBinding s{k,           n,           DType::kBFloat16, DType::kBFloat16, nullptr,
+                   b.m2.data(), b.v2.data(), b.grad.data(),    b.slot2.data()};
     s.master_lo = b.lo.data();
     REQUIRE(full.AddParam(a).empty());
     REQUIRE(split.AddParam(s).empty());
   }
-  ParamBinding bad{99, 4, DType::kFloat32, DType::kFloat32, nullptr, bufs[0].m.data(),
-                   bufs[0].v.data(), bufs[0].grad.data(), bufs[0].slot.data()};
+  ParamBinding bad{99,
+                   4,
+                   DType::kFloat32,
+                   DType::kFloat32,
+                   nullptr,
+                   bufs[0].m.data(),
+                   bufs[0].v.data(),
+                   bufs[0].grad.data(),
+                   bufs[0].slot.data()};
   bad.master_lo = bufs[0].lo.data();
   CHECK(split.AddParam(bad).find("bf16 param_slot") != std::string::npos);
   REQUIRE(full.Init().empty());

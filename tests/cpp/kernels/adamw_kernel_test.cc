@@ -216,9 +216,9 @@ TEST_CASE("split-master updates agree across paths on any master", "[adamw]") {
   std::vector<uint16_t> hi0(n), lo0(n), g(n);
   std::normal_distribution<float> normal;
   for (size_t i = 0; i < n; ++i) {
-    uint32_t u = 0x3C000000u + bits(rng) % 0x06000000u;  // about 2^-7 .. 2^5
-    if (i % 7 == 0) u = (u & 0xFFFF0000u) | 0x8000u;     // ties
-    if (i % 11 == 0) u = bits(rng) % 0x00800000u;        // subnormals
+    uint32_t u = 0x3C000000u + bits(rng) % 0x06000000u;        // about 2^-7 .. 2^5
+    if (i % 7 == 0) u = (u & 0xFFFF0000u) | 0x8000u;           // ties
+    if (i % 11 == 0) u = bits(rng) % 0x00800000u;              // subnormals
     if (i % 13 == 0) u = 0x7F7F0000u | (bits(rng) & 0xFFFFu);  // near the largest float
     if (i % 2) u |= 0x80000000u;
     SplitMasterEncode(BitsToFloat(u), &hi0[i], &lo0[i]);
@@ -290,7 +290,8 @@ TEST_CASE("split-master updates agree across paths and with an fp32 master", "[a
             r.grad_dtype = gd;
             r.moment_dtype = md;
             r.param_dtype = DType::kBFloat16;
-            AdamWUpdate(r, ComputeAdamWStepScalars(AdamWHyperParams{}, step, step == 2 ? 0.5f : 1.0f),
+            AdamWUpdate(r,
+                        ComputeAdamWStepScalars(AdamWHyperParams{}, step, step == 2 ? 0.5f : 1.0f),
                         RoundingKey{42, 7, step, 0}, isa);
           }
           los.push_back(lo);

@@ -57,7 +57,7 @@ AdamWStepScalars ComputeAdamWStepScalars(const AdamWHyperParams& hp, uint64_t st
 // that param_out may equal master when param_dtype is fp32 (the output is then
 // the master itself and is written once). param_out may be null (no output).
 struct AdamWRange {
-  float* master = nullptr;  // null with a split master
+  float* master = nullptr;     // null with a split master
   void* exp_avg = nullptr;     // moment_dtype
   void* exp_avg_sq = nullptr;  // moment_dtype
   const void* grad = nullptr;  // grad_dtype
