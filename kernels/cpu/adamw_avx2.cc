@@ -34,14 +34,16 @@ __m128i Narrow(__m256i x) {
 
 __m256i NanMask(__m256 x) { return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 
-__m128i ToBf16Rne(__m256 x) {
+// bf16 round to nearest even (NaN -> 0x7FC0), one per 32-bit lane.
+__m256i Bf16RneLanes(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r =
+  const __m256i r =
       _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), NanMask(x));
-  return Narrow(r);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), NanMask(x));
 }
+
+__m128i ToBf16Rne(__m256 x) { return Narrow(Bf16RneLanes(x)); }
 
 __m128i ToBf16Stochastic(__m256 x, __m256i random16) {
   const __m256i u = _mm256_castps_si256(x);
@@ -82,10 +84,7 @@ __m256 LoadSplit(const uint16_t* hi, const uint16_t* lo) {
 
 void StoreSplit(__m256 x, uint16_t* hi, uint16_t* lo) {
   const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i h =
-      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), NanMask(x));
+  const __m256i h = Bf16RneLanes(x);
   __m256i l = _mm256_and_si256(u, _mm256_set1_epi32(0xFFFF));
   // A tie that rounded up has no code of its own: one ulp further out (lo 0x8001).
   const __m256i tie_up = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(u, 16), h),

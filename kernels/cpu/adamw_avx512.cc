@@ -30,14 +30,17 @@ __m512 Load(const void* base, DType dtype, size_t i) {
   return LoadHalfWidth(static_cast<const uint16_t*>(base) + i, dtype);
 }
 
-__m256i ToBf16Rne(__m512 x) {
+// bf16 round to nearest even (NaN -> 0x7FC0), one per 32-bit lane.
+__m512i Bf16RneLanes(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r =
+  const __m512i r =
       _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r,
+                                 _mm512_set1_epi32(0x7FC0));
 }
+
+__m256i ToBf16Rne(__m512 x) { return _mm512_cvtepi32_epi16(Bf16RneLanes(x)); }
 
 __attribute__((target("avx512bf16"))) __m256i ToBf16RneHardware(__m512 x) {
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
@@ -83,10 +86,7 @@ __m512 LoadSplit(const uint16_t* hi, const uint16_t* lo) {
 
 void StoreSplit(__m512 x, uint16_t* hi, uint16_t* lo) {
   const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i h =
-      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  h = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), h, _mm512_set1_epi32(0x7FC0));
+  const __m512i h = Bf16RneLanes(x);
   __m512i l = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFF));
   const __mmask16 tie_up = _mm512_cmpeq_epi32_mask(l, _mm512_set1_epi32(0x8000)) &
                            _mm512_cmpneq_epi32_mask(_mm512_srli_epi32(u, 16), h);
