@@ -18,10 +18,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench_args.h"
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/kernels/bf16.h"
 #include "trainstream/kernels/cpu_features.h"
@@ -32,6 +32,7 @@ namespace {
 
 namespace tk = trainstream::kernels;
 namespace to = trainstream::optimizer;
+namespace bench = trainstream::bench;
 
 struct Args {
   size_t params = size_t{1} << 26;
@@ -46,13 +47,6 @@ struct Args {
   int warmup = 2;
   bool json = false;
 };
-
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
-  return out;
-}
 
 [[noreturn]] void Usage(const char* msg) {
   std::fprintf(
@@ -80,14 +74,14 @@ Args Parse(int argc, char** argv) {
       a.tensor_elems = std::stoull(value());
     else if (flag == "--threads") {
       a.threads.clear();
-      for (const auto& t : Split(value()))
+      for (const auto& t : bench::SplitCommas(value()))
         a.threads.push_back(static_cast<unsigned>(std::stoul(t)));
     } else if (flag == "--grad-dtype")
-      a.grad_dtypes = Split(value());
+      a.grad_dtypes = bench::SplitCommas(value());
     else if (flag == "--moment-dtype")
-      a.moment_dtypes = Split(value());
+      a.moment_dtypes = bench::SplitCommas(value());
     else if (flag == "--param-dtype")
-      a.param_dtypes = Split(value());
+      a.param_dtypes = bench::SplitCommas(value());
     else if (flag == "--isa")
       a.isa = value();
     else if (flag == "--mode")

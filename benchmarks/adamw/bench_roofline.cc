@@ -25,15 +25,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench_args.h"
 #include "trainstream/optimizer/worker_pool.h"
 
 namespace {
 
 namespace to = trainstream::optimizer;
+namespace bench = trainstream::bench;
 
 constexpr size_t kAlign = 64;  // elements per range boundary: whole cache lines
 
@@ -55,13 +56,6 @@ struct Args {
   std::exit(2);
 }
 
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
-  return out;
-}
-
 Args Parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
@@ -75,9 +69,9 @@ Args Parse(int argc, char** argv) {
         a.elems = std::stoull(value());
       } else if (flag == "--threads") {
         a.threads.clear();
-        for (const auto& t : Split(value())) a.threads.push_back(std::stoul(t));
+        for (const auto& t : bench::SplitCommas(value())) a.threads.push_back(std::stoul(t));
       } else if (flag == "--patterns") {
-        a.patterns = Split(value());
+        a.patterns = bench::SplitCommas(value());
       } else if (flag == "--iters") {
         a.iters = std::stoi(value());
       } else if (flag == "--warmup") {
