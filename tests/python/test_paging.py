@@ -831,15 +831,22 @@ def test_adapter_moves_blocks_back_in_when_measured_room_allows():
     assert adapter.settled and not session.adapting
 
 
-def test_adapter_brings_paged_weight_blocks_back_when_no_block_pages_activations():
-    MiB = 1 << 20
-    adapter, pager, session = _adapter()
+def _weight_adapter():
+    """An adapter over 8 blocks whose weights all page and whose activations are kept
+    (param_offload="auto"): what loosening does once no block pages activations."""
+    adapter, _, session = _adapter()
     _, _, model = _pair(n_layer=8)
     pager = BlockPager(list(model.blocks), "cpu", paged=range(8), min_paged_bytes=0)
     adapter.pager = pager
     adapter.config["param_offload"] = "auto"
     for i in range(8):
         pager.set_policy(i, KEEP)
+    return adapter, pager, session, model
+
+
+def test_adapter_brings_paged_weight_blocks_back_when_no_block_pages_activations():
+    MiB = 1 << 20
+    adapter, pager, session, _ = _weight_adapter()
     cost = pager.page_in_cost(7)
     assert cost > 0
     adapter.step = 1
@@ -865,13 +872,7 @@ def test_adapter_moves_no_weight_block_while_a_graph_holds_paged_weights():
     pending yet, but the first graph will look for its blocks where they were (a block
     brought in then made that backward fail with KeyError)."""
     MiB = 1 << 20
-    adapter, pager, session = _adapter()
-    _, _, model = _pair(n_layer=8)
-    pager = BlockPager(list(model.blocks), "cpu", paged=range(8), min_paged_bytes=0)
-    adapter.pager = pager
-    adapter.config["param_offload"] = "auto"
-    for i in range(8):
-        pager.set_policy(i, KEEP)
+    adapter, pager, session, model = _weight_adapter()
     (x, y), = text_batches(corpus(), GPTConfig(n_layer=8), batch=2, steps=1)
     loss = model(x, y)
     adapter.step = 1
