@@ -23,17 +23,23 @@ export TRAINSTREAM_HF=${TRAINSTREAM_HF:-0}  # transformers/peft are not needed b
   grep -o -m1 -E 'avx512_bf16' /proc/cpuinfo; } > "$OUT/machine.txt" 2>&1
 
 rc=0
+# Configures build-gpu (tests and benchmarks ON or OFF) and builds only the targets named.
+build_targets() {  # tests, benchmarks, target...
+  local tests=$1 benches=$2; shift 2
+  make venv PYTHON=python3 >> "$OUT/build.log" 2>&1
+  eval cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DPython_EXECUTABLE="$PWD/.venv/bin/python" -DTRAINSTREAM_BUILD_TESTS="$tests" \
+    -DTRAINSTREAM_BUILD_BENCHMARKS="$benches" "$CMAKE_ARGS" >> "$OUT/build.log" 2>&1 &&
+  cmake --build build-gpu -j "$(nproc)" --target "$@" >> "$OUT/build.log" 2>&1 ||
+    { rc=1; tail -40 "$OUT/build.log"; }
+}
 if [[ $STAGES == *build* ]]; then
   make build PYTHON=python3 BUILD=build-gpu CMAKE_ARGS="$CMAKE_ARGS" > "$OUT/build.log" 2>&1 || { rc=1; tail -40 "$OUT/build.log"; }
 fi
 # "lean": only what the Python tests and benchmarks load (no C++ tests or benches).
 if [[ $STAGES == *lean* ]]; then
-  make venv PYTHON=python3 > "$OUT/build.log" 2>&1
-  eval cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DPython_EXECUTABLE="$PWD/.venv/bin/python" -DTRAINSTREAM_BUILD_TESTS=OFF \
-    -DTRAINSTREAM_BUILD_BENCHMARKS=OFF "$CMAKE_ARGS" >> "$OUT/build.log" 2>&1 &&
-  cmake --build build-gpu -j "$(nproc)" --target trainstreamd trainstreamctl trainstream_C \
-    trainstream_control trainstream_python_files >> "$OUT/build.log" 2>&1 || { rc=1; tail -40 "$OUT/build.log"; }
+  build_targets OFF OFF trainstreamd trainstreamctl trainstream_C trainstream_control \
+    trainstream_python_files
 fi
 # "pytest": just the Python tests in $PYTEST_FILES (default: all of tests/python).
 if [[ $STAGES == *pytest* ]]; then
@@ -62,20 +68,17 @@ fi
 # The host's DRAM ceiling for the AdamW engine's access patterns, then the engine and
 # torch's fused AdamW in the same call (docs/adamw.md, "The ceiling").
 if [[ $STAGES == *roofline* ]]; then
-  make venv PYTHON=python3 >> "$OUT/build.log" 2>&1
-  eval cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DPython_EXECUTABLE="$PWD/.venv/bin/python" -DTRAINSTREAM_BUILD_TESTS=ON \
-    -DTRAINSTREAM_BUILD_BENCHMARKS=ON "$CMAKE_ARGS" >> "$OUT/build.log" 2>&1 &&
-  cmake --build build-gpu -j "$(nproc)" --target trainstream-bench-roofline trainstream-bench-adamw \
-    adamw_kernel_test adamw_engine_test >> "$OUT/build.log" 2>&1 || { rc=1; tail -40 "$OUT/build.log"; }
+  build_targets ON ON trainstream-bench-roofline trainstream-bench-adamw adamw_kernel_test \
+    adamw_engine_test
   # The AVX-512 kernels (split master included) only run on a host that has AVX-512.
   for t in adamw_kernel_test adamw_engine_test; do
     build-gpu/bin/$t > "$OUT/$t.log" 2>&1 || { rc=1; echo "$t failed"; }
     tail -3 "$OUT/$t.log"
   done
+  # Read-only and write-only here; bench_torch_adamw.py --roofline runs the AdamW patterns.
   echo "== roofline" | tee -a "$OUT/bench.log"
   timeout 200 build-gpu/bin/trainstream-bench-roofline --elems 67108864 --threads ${ROOFLINE_THREADS:-1,4,8,16} \
-    --iters 10 > "$OUT/bench-roofline.log" 2>&1 || { rc=1; echo "bench roofline failed"; }
+    --patterns read,write --iters 10 > "$OUT/bench-roofline.log" 2>&1 || { rc=1; echo "bench roofline failed"; }
   cat "$OUT/bench-roofline.log" | tee -a "$OUT/bench.log"
   timeout 300 .venv/bin/python benchmarks/adamw/bench_torch_adamw.py --bench build-gpu/bin/trainstream-bench-adamw \
     --roofline build-gpu/bin/trainstream-bench-roofline \
