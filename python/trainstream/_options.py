@@ -5,9 +5,12 @@ naming the option and the accepted values. README.md's options table mirrors thi
 """
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from typing import Any, Dict
+
+import torch
 
 # name: (default, description of accepted values, validator)
 _AUTO = "auto"
@@ -188,3 +191,17 @@ def validate(options: Dict[str, Any]) -> Dict[str, Any]:
     if out["vram_limit"] is not None:
         out["vram_limit"] = parse_bytes(out["vram_limit"])
     return out
+
+
+def check_adamw_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
+    """AdamW's hyperparameters, as the daemon's engine accepts them (and finite)."""
+    if torch.is_tensor(lr):
+        raise ValueError(f"{where}lr as a tensor is not supported by OffloadAdamW; pass a float")
+    if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"{where}lr={lr!r}: accepted: a finite number >= 0")
+    if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"{where}betas={betas!r}: accepted: two numbers in [0, 1)")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"{where}eps={eps!r}: accepted: a finite number > 0")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"{where}weight_decay={weight_decay!r}: accepted: a finite number >= 0")

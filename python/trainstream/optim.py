@@ -16,7 +16,6 @@ Hyper-parameters travel with every GRAD_READY, so LR schedulers and edits of
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 import weakref
@@ -27,7 +26,7 @@ import torch
 
 from . import _daemon, _gpu_adamw
 from . import distributed as _distributed
-from ._options import validate
+from ._options import check_adamw_hyper, validate
 from ._pinning import register_fresh
 from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
 
@@ -98,7 +97,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                  names: Optional[Dict[int, str]] = None, attach: bool = True, **options):
         if amsgrad or maximize:
             raise ValueError("OffloadAdamW supports amsgrad=False and maximize=False only")
-        _check_hyper(lr, betas, eps, weight_decay)
+        check_adamw_hyper(lr, betas, eps, weight_decay)
         self._options = validate(options)
         self._names = names or {}
         self._entries: Dict[int, _Param] = {}   # id(param) -> entry
@@ -134,7 +133,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
         g = self.param_groups[group_index]
-        _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        check_adamw_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         new = []
         for p in g["params"]:
             if p.dtype not in _DTYPE_NAMES:
@@ -353,6 +352,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _post_grad(self, e: _Param, grad: Optional[torch.Tensor] = None) -> None:
         g = self.param_groups[e.group]
+        # A scheduler or a user may have changed the group since it was checked; the
+        # daemon would reject the gradient, so say which group and value here instead.
+        check_adamw_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+                          where=f"param_groups[{e.group}]: ")
         grad = p_grad = e.param.grad if grad is None else grad
         if grad.is_sparse:
             raise RuntimeError("OffloadAdamW does not support sparse gradients")
@@ -385,18 +388,43 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise DaemonError(f"no answer from the TrainStream daemon for {waited_s:.0f} s "
                               f"(timeout_s={self._options['timeout_s']})")
 
-    def _wait(self, want, keep=()) -> None:
+    def _wait(self, want, keep=(), on_error=None) -> None:
         """Polls completions, handing each to ``want(c)`` until it returns True. One that
         ``want`` passes over with an opcode in ``keep`` is kept for a later wait (a step's
         PARAM_READY arriving while synchronize() or state_dict() waits for its own);
-        kept ones are offered first."""
+        kept ones are offered first. A rejected command (ERROR) goes to ``on_error(c)``;
+        unless that returns True (the caller takes it), it raises, except that a rejected
+        gradient of the pending step is kept for step() when ``keep`` holds step replies."""
+        def offer(c) -> bool:
+            op = c["opcode"]
+            if op == _OP_ERROR:
+                if on_error is not None and on_error(c):
+                    return False
+                if _OP_PARAM_READY in keep and c["param_id"] in self._by_id \
+                        and c["step"] == self._step_id + 1:
+                    self._backlog.append(c)
+                    return False
+                raise TrainStreamError(f"the daemon rejected a command: {c['message']}")
+            if op == _OP_GROUP_BROKEN:
+                who = self._dp.describe() if self._dp is not None else "data-parallel group"
+                raise DaemonError(f"{who} cannot continue: {c['message']}; the daemon has ended "
+                                  "the group (restart every rank of the job)")
+            if want(c):
+                return True
+            if op in keep:
+                self._backlog.append(c)
+            return False
+
         kept, self._backlog = self._backlog, []
         for i, c in enumerate(kept):
-            if want(c):
+            try:
+                done = offer(c)
+            except BaseException:
+                self._backlog += kept[i + 1:]
+                raise
+            if done:
                 self._backlog += kept[i + 1:]
                 return
-            if c["opcode"] in keep:
-                self._backlog.append(c)
         start = time.monotonic()
         while True:
             try:
@@ -406,16 +434,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             if c is None:
                 self._check_alive(time.monotonic() - start)
                 continue
-            if c["opcode"] == _OP_ERROR:
-                raise TrainStreamError(f"the daemon rejected a command: {c['message']}")
-            if c["opcode"] == _OP_GROUP_BROKEN:
-                who = self._dp.describe() if self._dp is not None else "data-parallel group"
-                raise DaemonError(f"{who} cannot continue: {c['message']}; the daemon has ended "
-                                  "the group (restart every rank of the job)")
-            if want(c):
+            if offer(c):
                 return
-            if c["opcode"] in keep:
-                self._backlog.append(c)
 
     def _sync(self) -> None:
         self._require_attached()
@@ -507,6 +527,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         result = self._finish_step(step, posted, t0)
         norm = result.get("grad_norm", float("nan"))
         self._last_grad_norm = norm if norm >= 0 else None
+        if result.get("rejected"):
+            self._stats["steps"] += 1
+            names = [name for name, _ in result["rejected"]]
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise TrainStreamError(
+                f"step {step}: the daemon rejected the gradient of {len(names)} parameter(s) "
+                f"({shown}): {result['rejected'][0][1]}. Those were not updated; the other "
+                f"{len(posted) - len(names)} were. The step is over: training can go on once "
+                "the cause is fixed")
         if result["status"] == _STATUS_SKIPPED_NONFINITE:
             self._stats["skipped_steps"] += 1
             raise NonFiniteGradientError(
@@ -517,6 +546,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._maybe_go_local()
         return loss
 
+    # Note [A rejected gradient ends its step]
+    # The daemon's engine leaves a gradient it rejects (a bad hyperparameter, an update
+    # still in flight) out of the step and answers ERROR; the step then completes with
+    # the others when StepEnd arrives. So the client takes the rejected parameter off
+    # the step's pending set, waits for the rest as usual, clears every pending count
+    # and only then raises: the step is over in both places, and the next iteration
+    # starts clean. (Raising at the ERROR left the others' replies queued and the step
+    # half-ended: its StepEnd was sent, so zero_grad() could not end it again.) The
+    # client checks each group's hyperparameters before posting (check_adamw_hyper), so
+    # a scheduler's bad value raises ValueError in backward, before the daemon sees it.
     def _finish_step(self, step: int, posted: List[_Param], t0: float) -> Dict[str, Any]:
         """Ends ``step`` in the daemon with the gradients in ``posted``, copies each new
         weight in as it is ready, and clears every parameter's pending state. Returns the
@@ -546,10 +585,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         def want(c):
             on_completion(c)
             return "opcode" in result and not pending
-        self._wait(want)
+
+        def on_error(c):
+            # A gradient the daemon rejected is not part of the step: the step ends with
+            # the others, which step() reports (Note [A rejected gradient ends its step]).
+            if c["step"] != step or c["param_id"] not in pending:
+                return False
+            pending.discard(c["param_id"])
+            rejected.append((self._by_id[c["param_id"]].name, c["message"]))
+            return True
+        rejected: List[Any] = []
+        self._wait(want, on_error=on_error)
         self._stats["step_wait_s"] += time.monotonic() - t0
         self._clear_pending()
         self._step_id = step
+        if rejected:
+            result["rejected"] = rejected
         return result
 
     def _clear_pending(self) -> None:
@@ -812,16 +863,3 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._plane.post_state(True, e.param_id, _FIELD_STEP, 0, 0, 0, step)
         if self._gpu is None:  # gpu mode registers nothing with the daemon's engine
             self._sync()
-
-
-def _check_hyper(lr, betas, eps, weight_decay) -> None:
-    if torch.is_tensor(lr):
-        raise ValueError("lr as a tensor is not supported by OffloadAdamW; pass a float")
-    if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
-        raise ValueError(f"lr={lr!r}: accepted: a finite number >= 0")
-    if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"betas={betas!r}: accepted: two numbers in [0, 1)")
-    if not (eps > 0 and math.isfinite(eps)):
-        raise ValueError(f"eps={eps!r}: accepted: a finite number > 0")
-    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
-        raise ValueError(f"weight_decay={weight_decay!r}: accepted: a finite number >= 0")

@@ -211,6 +211,71 @@ def test_training_goes_on_after_a_step_that_raised(daemon):
     assert sd[0]["step"].item() == 3.0
 
 
+@pytest.mark.parametrize("grad_post", ["backward", "step"])
+def test_a_bad_learning_rate_from_a_scheduler_is_named_and_training_goes_on(daemon, grad_post):
+    """A scheduler (or a user) that sets a group's lr to a value the daemon rejects gets
+    a ValueError naming the group and the value before anything reaches the daemon; with
+    the lr fixed, the next iteration trains."""
+    cfg, _, ours = _models()
+    batches = text_batches(corpus(), cfg, batch=2, steps=3)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket, grad_post=grad_post)
+    good = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = -1.0
+    x, y = batches[0]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr=-1.0: accepted: a finite number >= 0"):
+        ours(x, y).backward()
+        opt.step()
+    opt.param_groups[0]["lr"] = good
+    opt.zero_grad()
+    assert opt.between_steps()
+    losses = _train(ours, opt, batches[1:])
+    assert all(math.isfinite(v) for v in losses)
+    assert opt.stats()["steps"] == 2
+
+
+def test_a_gradient_the_daemon_rejects_ends_its_step(daemon, monkeypatch):
+    """The daemon leaves a gradient it rejects out of the step. step() used to raise at
+    the first ERROR with the other replies queued and the step half-ended (its StepEnd
+    sent), so the next step could not finish. It now names the parameters once the step
+    is over, the other group's parameters are updated, and the next iteration trains.
+    (The client's own check is switched off so that lr=-1 reaches the daemon, standing
+    in for any rejection.)"""
+    from trainstream import optim as optim_module
+    cfg, _, ours = _models()
+    batches = text_batches(corpus(), cfg, batch=2, steps=3)
+    groups = _param_groups(ours, 1e-3)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(groups, lr=1e-3),
+                                 socket=daemon.socket, timeout_s=20)
+    rejected = [p for p in opt.param_groups[0]["params"]]
+    updated = [p for p in opt.param_groups[1]["params"]]
+    before = {id(p): p.detach().clone() for p in rejected + updated}
+    monkeypatch.setattr(optim_module, "check_adamw_hyper", lambda *a, **k: None, raising=False)
+    opt.param_groups[0]["lr"] = -1.0
+    x, y = batches[0]
+    ours(x, y).backward()
+    with pytest.raises(trainstream.TrainStreamError,
+                       match=rf"step 1: the daemon rejected the gradient of {len(rejected)} "
+                             r"parameter\(s\).*invalid learning rate.*the other "
+                             rf"{len(updated)} were"):
+        opt.step()
+    assert opt.between_steps()
+    assert all(torch.equal(before[id(p)], p.detach()) for p in rejected)
+    assert not any(torch.equal(before[id(p)], p.detach()) for p in updated)
+    monkeypatch.undo()
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.zero_grad()
+    losses = _train(ours, opt, batches[1:])
+    assert all(math.isfinite(v) for v in losses)
+    sd = opt.state_dict()
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+        assert torch.equal(sd["state"][i]["master_weight"].to(p.dtype).view_as(p), p.detach())
+    # The rejected parameters took two steps, the others three.
+    first_rejected = sd["param_groups"][0]["params"][0]
+    first_updated = sd["param_groups"][1]["params"][0]
+    assert sd["state"][first_rejected]["step"].item() == 2.0
+    assert sd["state"][first_updated]["step"].item() == 3.0
+
+
 def test_synchronize_between_backward_and_step(daemon):
     """synchronize() and state_dict() read the daemon's replies; they used to drop the
     step's own (each parameter's PARAM_READY), and step() then waited for them until
