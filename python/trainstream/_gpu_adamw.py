@@ -21,7 +21,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ._options import check_adamw_hyper
 from ._pinning import register_fresh
 from .errors import NonFiniteGradientError, TrainStreamError
 
@@ -149,8 +148,6 @@ class ZeroCopyAdamW:
             raise TrainStreamError(f"optimizer_mode='gpu' needs contiguous parameters; {e.name} "
                                    "is not")
         grad = grad.contiguous()
-        check_adamw_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"],
-                          where=f"param_groups[{e.group}]: ")
         c = _C()
         flag = self._flags[s.index:s.index + 1]
         if eager:

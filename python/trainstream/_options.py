@@ -197,7 +197,9 @@ def check_adamw_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:
     """AdamW's hyperparameters, as the daemon's engine accepts them (and finite)."""
     if torch.is_tensor(lr):
         raise ValueError(f"{where}lr as a tensor is not supported by OffloadAdamW; pass a float")
-    if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+    # numbers.Real: numpy scalars too (a LambdaLR whose lambda returns np.float32).
+    if not (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr >= 0
+            and math.isfinite(lr)):
         raise ValueError(f"{where}lr={lr!r}: accepted: a finite number >= 0")
     if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
         raise ValueError(f"{where}betas={betas!r}: accepted: two numbers in [0, 1)")

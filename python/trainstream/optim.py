@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -62,6 +62,7 @@ class _Param:
     sum_slot: Optional[torch.Tensor] = None  # data-parallel group: the fp32 machine sum
     backward_count: int = 0      # backward passes that reached this param since the last step
     posted_step: int = 0         # the step whose gradient was posted, 0 if none pending
+    posted_seq: int = 0          # its GRAD_READY command's seq (the daemon's ERROR names it)
     posted_grad: Optional[torch.Tensor] = None
     posted_version: int = -1
     hook: Any = None
@@ -69,6 +70,16 @@ class _Param:
     # p.grad; with accumulation it is summed here until it is final.
     external: bool = False
     external_grad: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _Finishing:
+    """A step being ended (_finish_step): what is still awaited, and what came."""
+    step: int
+    pending: Set[int]  # param_ids whose PARAM_READY has not come
+    result: Dict[str, Any] = field(default_factory=dict)  # the STEP_DONE completion
+    rejected: List[Tuple[str, str]] = field(default_factory=list)  # (name, why)
+    end_sent: bool = False
 
 
 def _weak_hook(opt: "OffloadAdamW") -> Callable[[torch.Tensor], None]:
@@ -114,6 +125,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.before_detach: List[Callable[[], None]] = []
         self._step_id = 0
         self._backlog: List[Dict[str, Any]] = []  # completions kept for a later wait
+        self._finishing: Optional[_Finishing] = None  # the step being ended, if interrupted
+        self._groups_checked = 0  # the step whose hyperparameters were last checked
         self._gpu: Optional[_gpu_adamw.ZeroCopyAdamW] = None  # optimizer_mode="gpu"
         self.optimizer_mode: Optional[str] = None  # resolved at attach()
         # offload="auto": after two steps, torch's fused AdamW on the GPU when it fits.
@@ -224,6 +237,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         for e in self._entries.values():
             e.grad_slot = e.param_slot = None
             e.posted_step = 0
+        self._backlog = []  # the old session's replies
+        self._finishing = None
         self._plane = None
         self._scratch = None
         self._regions.clear()
@@ -307,15 +322,16 @@ class OffloadAdamW(torch.optim.Optimizer):
             # (None: a paged weight, whose gradient went to accept_grad; autograd still
             # runs the hook with nothing accumulated.)
             return
-        e.backward_count += 1
         n = self._options["accumulation_steps"]
+        if e.backward_count + 1 == n and self._posts_in_backward():
+            self._check_groups()  # before anything of this step leaves (counted or posted)
+        e.backward_count += 1
         if e.backward_count > n:
             raise RuntimeError(
                 f"trainstream: backward() reached {e.name} {e.backward_count} times since the last "
                 f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
                 f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
-        if e.backward_count == n and self._options["grad_post"] == "backward" and \
-                not self._replicated():
+        if e.backward_count == n and self._posts_in_backward():
             if self._gpu is not None:
                 self._gpu.on_grad_final(e)
             else:
@@ -329,19 +345,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         e = self._entries.get(id(p))
         if e is None or self._plane is None:
             return False
+        n = self._options["accumulation_steps"]
+        if e.backward_count + 1 == n and self._posts_in_backward():
+            self._check_groups()
         e.external = True
         # The same sum AccumulateGrad computes for p.grad.
         e.external_grad = grad if e.external_grad is None else e.external_grad + grad
         e.backward_count += 1
-        n = self._options["accumulation_steps"]
         if e.backward_count > n:
             raise RuntimeError(
                 f"trainstream: backward() reached {e.name} {e.backward_count} times since the last "
                 f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
                 f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
         # Replicated data parallel averages every gradient across ranks in step() first.
-        if e.backward_count == n and self._options["grad_post"] == "backward" and \
-                not self._replicated():
+        if e.backward_count == n and self._posts_in_backward():
             self._post_grad(e, e.external_grad)
             e.external_grad = None
             # Nothing reads it again (p.grad never held it, so step() has no change to
@@ -352,24 +369,47 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _post_grad(self, e: _Param, grad: Optional[torch.Tensor] = None) -> None:
         g = self.param_groups[e.group]
-        # A scheduler or a user may have changed the group since it was checked; the
-        # daemon would reject the gradient, so say which group and value here instead.
-        check_adamw_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"],
-                          where=f"param_groups[{e.group}]: ")
         grad = p_grad = e.param.grad if grad is None else grad
         if grad.is_sparse:
             raise RuntimeError("OffloadAdamW does not support sparse gradients")
         if grad.dtype != e.grad_slot.dtype:
             grad = grad.to(e.grad_slot.dtype)
         step = self._step_id + 1
-        self._plane.post_grad(e.param_id, grad, e.grad_slot, step, float(g["lr"]),
-                              float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-                              float(g["weight_decay"]))
+        e.posted_seq = self._plane.post_grad(
+            e.param_id, grad, e.grad_slot, step, float(g["lr"]), float(g["betas"][0]),
+            float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
         e.posted_step = step
         e.posted_grad = p_grad
         e.posted_version = p_grad._version
         self._stats["grads_posted"] += 1
         self._stats["bytes_d2h"] += grad.numel() * grad.element_size()
+
+    def _posts_in_backward(self) -> bool:
+        """Whether a final gradient leaves in backward (posted or, in gpu mode, launched)
+        rather than in step()."""
+        return self._options["grad_post"] == "backward" and not self._replicated()
+
+    def _check_groups(self, force: bool = False) -> None:
+        """Every group's hyperparameters, before the first gradient of a step leaves (and
+        again in step()): a scheduler may have set a value AdamW does not take, and
+        finding it part way through would leave the step half-posted."""
+        step = self._step_id + 1
+        if self._groups_checked == step and not force:
+            return
+        for i, g in enumerate(self.param_groups):
+            check_adamw_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+                              where=f"param_groups[{i}]: ")
+        self._groups_checked = step
+
+    def _rejected_grad(self, c) -> Optional[_Param]:
+        """The parameter whose gradient, posted for the pending step, the ERROR ``c``
+        rejects; None when ``c`` rejects something else (matched by the command's seq:
+        the daemon reports other errors with param_id 0, which is a parameter too)."""
+        e = self._by_id.get(c["param_id"])
+        if e is None or e.posted_step != self._step_id + 1 or c["step"] != e.posted_step \
+                or c["seq"] != e.posted_seq:
+            return None
+        return e
 
     def _call(self, fn, *args):
         """Runs a control-plane call, turning an unreachable daemon into DaemonError."""
@@ -400,8 +440,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if op == _OP_ERROR:
                 if on_error is not None and on_error(c):
                     return False
-                if _OP_PARAM_READY in keep and c["param_id"] in self._by_id \
-                        and c["step"] == self._step_id + 1:
+                if _OP_PARAM_READY in keep and self._rejected_grad(c) is not None:
                     self._backlog.append(c)
                     return False
                 raise TrainStreamError(f"the daemon rejected a command: {c['message']}")
@@ -492,6 +531,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         step = self._step_id + 1
+        self._check_groups(force=True)
         if self._gpu is not None:
             loss = self._gpu_step(step, loss)
             self._maybe_go_local()
@@ -553,15 +593,24 @@ class OffloadAdamW(torch.optim.Optimizer):
     # the step's pending set, waits for the rest as usual, clears every pending count
     # and only then raises: the step is over in both places, and the next iteration
     # starts clean. (Raising at the ERROR left the others' replies queued and the step
-    # half-ended: its StepEnd was sent, so zero_grad() could not end it again.) The
-    # client checks each group's hyperparameters before posting (check_adamw_hyper), so
-    # a scheduler's bad value raises ValueError in backward, before the daemon sees it.
+    # half-ended: its StepEnd was sent, so zero_grad() could not end it again.) A
+    # rejection is matched by its command's seq, since the daemon reports other errors
+    # (a second StepEnd) with param_id 0, which is also a parameter's id. The client
+    # checks every group's hyperparameters before the first gradient of a step leaves
+    # and again in step() (_check_groups), so a scheduler's bad value raises ValueError
+    # before the daemon sees any of the step; the daemon's own check remains for the
+    # rest. A wait interrupted part way (Ctrl-C) leaves self._finishing, so the next
+    # step() or zero_grad() sends no second StepEnd and waits only for what is missing.
     def _finish_step(self, step: int, posted: List[_Param], t0: float) -> Dict[str, Any]:
         """Ends ``step`` in the daemon with the gradients in ``posted``, copies each new
         weight in as it is ready, and clears every parameter's pending state. Returns the
-        step's completion (status, grad_norm, message)."""
-        pending = {e.param_id for e in posted}
-        result: Dict[str, Any] = {}
+        step's completion (status, grad_norm, message, and "rejected": (name, why) for
+        each gradient the daemon left out). Interrupted (Ctrl-C, a timeout), a later call
+        for the same step goes on where this one stopped: the step end is sent once, and
+        the replies already taken are not waited for again."""
+        f = self._finishing
+        if f is None or f.step != step:
+            f = self._finishing = _Finishing(step, {e.param_id for e in posted})
 
         def on_completion(c):
             op = c["opcode"]
@@ -571,36 +620,40 @@ class OffloadAdamW(torch.optim.Optimizer):
                     # (A paged weight's home is its param slot: nothing to copy.)
                     self._plane.copy_param(e.param, e.param_slot)
                     self._stats["bytes_h2d"] += e.param_slot.numel() * e.param_slot.element_size()
-                pending.discard(e.param_id)
+                f.pending.discard(e.param_id)
             elif op == _OP_STEP_DONE and c["step"] == step:
-                result.update(c)
-        try:
-            if self._in_group() and self._dp.nnodes > 1 and self._dp.leader:
-                self._dp.reduce_machine_sums(self._wait, self._plane.post_grad_reduced, step,
-                                             posted, on_completion)
-            self._plane.post_step_end(step, len(posted))
-        except _C().DaemonGone as e:
-            raise DaemonError(str(e)) from None
+                f.result.update(c)
+        if not f.end_sent:
+            try:
+                if self._in_group() and self._dp.nnodes > 1 and self._dp.leader:
+                    self._dp.reduce_machine_sums(self._wait, self._plane.post_grad_reduced, step,
+                                                 posted, on_completion)
+                self._plane.post_step_end(step, len(posted))
+            except _C().DaemonGone as e:
+                raise DaemonError(str(e)) from None
+            f.end_sent = True
 
         def want(c):
             on_completion(c)
-            return "opcode" in result and not pending
+            return "opcode" in f.result and not f.pending
 
         def on_error(c):
             # A gradient the daemon rejected is not part of the step: the step ends with
             # the others, which step() reports (Note [A rejected gradient ends its step]).
-            if c["step"] != step or c["param_id"] not in pending:
+            e = self._rejected_grad(c)
+            if e is None or e.param_id not in f.pending:
                 return False
-            pending.discard(c["param_id"])
-            rejected.append((self._by_id[c["param_id"]].name, c["message"]))
+            f.pending.discard(e.param_id)
+            f.rejected.append((e.name, c["message"]))
             return True
-        rejected: List[Any] = []
         self._wait(want, on_error=on_error)
+        self._finishing = None
         self._stats["step_wait_s"] += time.monotonic() - t0
         self._clear_pending()
         self._step_id = step
-        if rejected:
-            result["rejected"] = rejected
+        result = f.result
+        if f.rejected:
+            result["rejected"] = f.rejected
         return result
 
     def _clear_pending(self) -> None:
@@ -622,8 +675,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not posted:
             self._clear_pending()
             return
-        self._finish_step(step, posted, time.monotonic())
-        self._event("abandoned step", step=step, params_applied=len(posted))
+        result = self._finish_step(step, posted, time.monotonic())
+        rejected = [name for name, _ in result.get("rejected", [])]
+        self._event("abandoned step", step=step, params_applied=len(posted) - len(rejected),
+                    rejected=rejected)
 
     def _event(self, kind: str, **details) -> None:
         if self._event_sink is not None:

@@ -214,23 +214,50 @@ def test_training_goes_on_after_a_step_that_raised(daemon):
 @pytest.mark.parametrize("grad_post", ["backward", "step"])
 def test_a_bad_learning_rate_from_a_scheduler_is_named_and_training_goes_on(daemon, grad_post):
     """A scheduler (or a user) that sets a group's lr to a value the daemon rejects gets
-    a ValueError naming the group and the value before anything reaches the daemon; with
+    a ValueError naming the group and the value before any gradient of the step reaches
+    the daemon (the bad group is the second: the first must not be posted either); with
     the lr fixed, the next iteration trains."""
     cfg, _, ours = _models()
     batches = text_batches(corpus(), cfg, batch=2, steps=3)
-    ours, opt = trainstream.wrap(ours, socket=daemon.socket, grad_post=grad_post)
-    good = opt.param_groups[0]["lr"]
-    opt.param_groups[0]["lr"] = -1.0
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(_param_groups(ours, 1e-3), lr=1e-3),
+                                 socket=daemon.socket, grad_post=grad_post)
+    opt.param_groups[1]["lr"] = -1.0
     x, y = batches[0]
-    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr=-1.0: accepted: a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: lr=-1.0: accepted: a finite number >= 0"):
         ours(x, y).backward()
         opt.step()
-    opt.param_groups[0]["lr"] = good
+    assert opt.stats()["grads_posted"] == 0
+    opt.param_groups[1]["lr"] = 1e-3
     opt.zero_grad()
     assert opt.between_steps()
     losses = _train(ours, opt, batches[1:])
     assert all(math.isfinite(v) for v in losses)
     assert opt.stats()["steps"] == 2
+
+
+def test_a_numpy_learning_rate_from_a_scheduler_matches_torch(daemon):
+    """A LambdaLR whose lambda returns a numpy scalar leaves a numpy lr in the group
+    (float * np.float32 stays np.float32); it is a number, and is taken as one."""
+    import numpy as np
+    cfg, ref, ours = _models(seed=4)
+    batches = text_batches(corpus(), cfg, batch=2, steps=3, seed=4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 socket=daemon.socket)
+    losses = []
+    for model, o in ((ref, ref_opt), (ours, opt)):
+        sched = torch.optim.lr_scheduler.LambdaLR(o, lambda s: np.float32(0.5) ** s)
+        assert isinstance(o.param_groups[0]["lr"], np.floating)
+        run = []
+        for x, y in batches:
+            loss = model(x, y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            sched.step()
+            run.append(loss.item())
+        losses.append(run)
+    _assert_same(ref, ours, *losses)
 
 
 def test_a_gradient_the_daemon_rejects_ends_its_step(daemon, monkeypatch):
@@ -274,6 +301,91 @@ def test_a_gradient_the_daemon_rejects_ends_its_step(daemon, monkeypatch):
     first_updated = sd["param_groups"][1]["params"][0]
     assert sd["state"][first_rejected]["step"].item() == 2.0
     assert sd["state"][first_updated]["step"].item() == 3.0
+
+
+def test_a_rejection_seen_while_synchronizing_is_kept_for_step(daemon, monkeypatch):
+    """synchronize() or state_dict() between backward and step() may read the daemon's
+    ERROR for a gradient; it is kept for step(), which reports it and ends the step."""
+    from trainstream import optim as optim_module
+    cfg, _, ours = _models()
+    batches = text_batches(corpus(), cfg, batch=2, steps=2)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket, timeout_s=20)
+    monkeypatch.setattr(optim_module, "check_adamw_hyper", lambda *a, **k: None)
+    opt.param_groups[0]["lr"] = -1.0
+    x, y = batches[0]
+    ours(x, y).backward()
+    opt.synchronize()
+    opt.state_dict()
+    with pytest.raises(trainstream.TrainStreamError, match="rejected the gradient"):
+        opt.step()
+    monkeypatch.undo()
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.zero_grad()
+    assert all(math.isfinite(v) for v in _train(ours, opt, batches[1:]))
+
+
+def test_kept_rejections_do_not_outlive_their_session(daemon, monkeypatch):
+    """ERRORs kept for step() belonged to the session that detach() ends; the new
+    session's step must not report them."""
+    from trainstream import optim as optim_module
+    cfg, _, ours = _models()
+    batches = text_batches(corpus(), cfg, batch=2, steps=2)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket, timeout_s=20)
+    monkeypatch.setattr(optim_module, "check_adamw_hyper", lambda *a, **k: None)
+    opt.param_groups[0]["lr"] = -1.0
+    x, y = batches[0]
+    ours(x, y).backward()
+    opt.synchronize()  # reads the ERRORs and keeps them
+    monkeypatch.undo()
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.detach()
+    opt.attach()
+    opt.zero_grad()
+    assert all(math.isfinite(v) for v in _train(ours, opt, batches[1:]))
+
+
+@pytest.mark.parametrize("recover", ["step", "zero_grad"])
+def test_an_interrupted_step_is_finished_by_the_next_call(daemon, recover):
+    """Ctrl-C while step() waits for the daemon, after the step end was sent. The next
+    step() (or zero_grad()) used to send a second step end, whose ERROR ("already
+    ended", param_id 0) was taken for parameter 0's gradient, and to wait again for
+    replies already taken. It now finishes the step where the first call stopped."""
+    w0 = torch.nn.Parameter(torch.randn(4 * 1024 * 1024))
+    w1 = torch.nn.Parameter(torch.randn(16))
+    opt = trainstream.OffloadAdamW([w0, w1], lr=1e-2, socket=daemon.socket, timeout_s=20,
+                                   grad_post="step", names={id(w0): "w0", id(w1): "w1"})
+    ref = [w0.detach().clone(), w1.detach().clone()]
+    ref_opt = None
+    real_wait = opt._wait
+    interrupted = []
+
+    def wait(want, keep=(), on_error=None):
+        if on_error is not None and not interrupted:  # the step's own wait, once
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real_wait(want, keep, on_error)
+    opt._wait = wait
+    for it in range(3):
+        (w0.sum() * 1e-3 + (w1 ** 2).sum()).backward()
+        if it == 0:
+            with pytest.raises(KeyboardInterrupt):
+                opt.step()
+            if recover == "step":
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+    assert opt._backlog == [] and opt.stats()["steps"] == 3 - (recover == "zero_grad")
+    # Against torch, three steps on the same gradients.
+    q0, q1 = (torch.nn.Parameter(t) for t in ref)
+    ref_opt = torch.optim.AdamW([q0, q1], lr=1e-2, foreach=False)
+    for _ in range(3):
+        (q0.sum() * 1e-3 + (q1 ** 2).sum()).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert (q0 - w0).abs().max().item() <= 1e-6
+    assert (q1 - w1).abs().max().item() <= 1e-6
+    assert opt.state_dict()["state"][0]["step"].item() == 3.0
 
 
 def test_synchronize_between_backward_and_step(daemon):
