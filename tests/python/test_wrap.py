@@ -99,13 +99,25 @@ def test_clipping_matches_torch(daemon):
     assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.05, "clipping must engage"
 
 
-def test_lr_scheduler_takes_effect(daemon):
+def _numpy_lambda_lr(o):
+    # float * np.float32 stays np.float32: the group's lr becomes a numpy scalar, a
+    # number that must be taken as one.
+    import numpy as np
+    sched = torch.optim.lr_scheduler.LambdaLR(o, lambda s: np.float32(0.5) ** s)
+    assert isinstance(o.param_groups[0]["lr"], np.floating)
+    return sched
+
+
+@pytest.mark.parametrize("make_sched", [
+    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.3), _numpy_lambda_lr],
+    ids=["step_lr", "numpy_lambda_lr"])
+def test_lr_scheduler_takes_effect(daemon, make_sched):
     cfg, ref, ours = _models(seed=3)
     batches = text_batches(corpus(), cfg, batch=4, steps=8, seed=3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
                                  socket=daemon.socket)
-    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.3) for o in (ref_opt, opt)]
+    scheds = [make_sched(o) for o in (ref_opt, opt)]
     losses = []
     for model, o, sched in ((ref, ref_opt, scheds[0]), (ours, opt, scheds[1])):
         run = []
@@ -235,31 +247,6 @@ def test_a_bad_learning_rate_from_a_scheduler_is_named_and_training_goes_on(daem
     assert opt.stats()["steps"] == 2
 
 
-def test_a_numpy_learning_rate_from_a_scheduler_matches_torch(daemon):
-    """A LambdaLR whose lambda returns a numpy scalar leaves a numpy lr in the group
-    (float * np.float32 stays np.float32); it is a number, and is taken as one."""
-    import numpy as np
-    cfg, ref, ours = _models(seed=4)
-    batches = text_batches(corpus(), cfg, batch=2, steps=3, seed=4)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
-                                 socket=daemon.socket)
-    losses = []
-    for model, o in ((ref, ref_opt), (ours, opt)):
-        sched = torch.optim.lr_scheduler.LambdaLR(o, lambda s: np.float32(0.5) ** s)
-        assert isinstance(o.param_groups[0]["lr"], np.floating)
-        run = []
-        for x, y in batches:
-            loss = model(x, y)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            sched.step()
-            run.append(loss.item())
-        losses.append(run)
-    _assert_same(ref, ours, *losses)
-
-
 def test_a_gradient_the_daemon_rejects_ends_its_step(daemon, monkeypatch):
     """The daemon leaves a gradient it rejects out of the step. step() used to raise at
     the first ERROR with the other replies queued and the step half-ended (its StepEnd
@@ -303,9 +290,10 @@ def test_a_gradient_the_daemon_rejects_ends_its_step(daemon, monkeypatch):
     assert sd["state"][first_updated]["step"].item() == 3.0
 
 
-def test_a_rejection_seen_while_synchronizing_is_kept_for_step(daemon, monkeypatch):
-    """synchronize() or state_dict() between backward and step() may read the daemon's
-    ERROR for a gradient; it is kept for step(), which reports it and ends the step."""
+def _rejected_then_synchronized(daemon, monkeypatch):
+    """A wrapped model after a backward whose gradients the daemon rejected (lr=-1 with
+    the client's own check off) and a synchronize() that read the rejections; the lr is
+    good again and the check back on."""
     from trainstream import optim as optim_module
     cfg, _, ours = _models()
     batches = text_batches(corpus(), cfg, batch=2, steps=2)
@@ -315,33 +303,30 @@ def test_a_rejection_seen_while_synchronizing_is_kept_for_step(daemon, monkeypat
     x, y = batches[0]
     ours(x, y).backward()
     opt.synchronize()
+    monkeypatch.undo()
+    opt.param_groups[0]["lr"] = 1e-3
+    return ours, opt, batches[1:]
+
+
+def test_a_rejection_seen_while_synchronizing_is_kept_for_step(daemon, monkeypatch):
+    """synchronize() or state_dict() between backward and step() may read the daemon's
+    ERROR for a gradient; it is kept for step(), which reports it and ends the step."""
+    ours, opt, batches = _rejected_then_synchronized(daemon, monkeypatch)
     opt.state_dict()
     with pytest.raises(trainstream.TrainStreamError, match="rejected the gradient"):
         opt.step()
-    monkeypatch.undo()
-    opt.param_groups[0]["lr"] = 1e-3
     opt.zero_grad()
-    assert all(math.isfinite(v) for v in _train(ours, opt, batches[1:]))
+    assert all(math.isfinite(v) for v in _train(ours, opt, batches))
 
 
 def test_kept_rejections_do_not_outlive_their_session(daemon, monkeypatch):
     """ERRORs kept for step() belonged to the session that detach() ends; the new
     session's step must not report them."""
-    from trainstream import optim as optim_module
-    cfg, _, ours = _models()
-    batches = text_batches(corpus(), cfg, batch=2, steps=2)
-    ours, opt = trainstream.wrap(ours, socket=daemon.socket, timeout_s=20)
-    monkeypatch.setattr(optim_module, "check_adamw_hyper", lambda *a, **k: None)
-    opt.param_groups[0]["lr"] = -1.0
-    x, y = batches[0]
-    ours(x, y).backward()
-    opt.synchronize()  # reads the ERRORs and keeps them
-    monkeypatch.undo()
-    opt.param_groups[0]["lr"] = 1e-3
+    ours, opt, batches = _rejected_then_synchronized(daemon, monkeypatch)
     opt.detach()
     opt.attach()
     opt.zero_grad()
-    assert all(math.isfinite(v) for v in _train(ours, opt, batches[1:]))
+    assert all(math.isfinite(v) for v in _train(ours, opt, batches))
 
 
 @pytest.mark.parametrize("recover", ["step", "zero_grad"])
@@ -355,7 +340,6 @@ def test_an_interrupted_step_is_finished_by_the_next_call(daemon, recover):
     opt = trainstream.OffloadAdamW([w0, w1], lr=1e-2, socket=daemon.socket, timeout_s=20,
                                    grad_post="step", names={id(w0): "w0", id(w1): "w1"})
     ref = [w0.detach().clone(), w1.detach().clone()]
-    ref_opt = None
     real_wait = opt._wait
     interrupted = []
 
