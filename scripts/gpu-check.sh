@@ -85,6 +85,15 @@ if [[ $STAGES == *roofline* ]]; then
     --params 67108864 --threads ${ROOFLINE_THREADS:-1,4,8,16} --iters 10 > "$OUT/bench-adamw.log" 2>&1 \
     || { rc=1; echo "bench adamw failed"; }
   tail -30 "$OUT/bench-adamw.log" | tee -a "$OUT/bench.log"
+  # ADAMW_CHUNKS="16384 65536 ...": the fp32 configurations again at each engine chunk
+  # size (elements per work item), after torch's figures above.
+  for c in ${ADAMW_CHUNKS:-}; do
+    for check in chunk param; do
+      timeout 60 build-gpu/bin/trainstream-bench-adamw --params 67108864 --threads ${ROOFLINE_THREADS:-1,4,8,16} \
+        --grad-dtype fp32 --moment-dtype fp32 --param-dtype master --check $check --chunk-elems "$c" \
+        --iters 10 2>&1 | sed "s/^/chunk $c  /" | tee -a "$OUT/bench-adamw-chunks.log" || rc=1
+    done
+  done
 fi
 # Heavier end-to-end benchmarks, each its own stage (STAGES="... offload").
 if [[ $STAGES == *offload* ]]; then

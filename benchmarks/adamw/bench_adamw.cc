@@ -37,6 +37,7 @@ namespace bench = trainstream::bench;
 struct Args {
   size_t params = size_t{1} << 26;
   size_t tensor_elems = size_t{1} << 22;
+  size_t chunk_elems = 0;  // 0: the engine's default
   std::vector<unsigned> threads{0};
   std::vector<std::string> grad_dtypes{"fp32"}, moment_dtypes{"fp32"}, param_dtypes{"bf16"};
   std::string isa = "auto";
@@ -54,8 +55,8 @@ struct Args {
       "%s\nusage: trainstream-bench-adamw [--params N] [--tensor-elems N] [--threads "
       "1,2,...|0=physical cores] [--grad-dtype fp32,bf16,fp16] [--moment-dtype fp32,bf16] "
       "[--param-dtype fp32,bf16,fp16,master,bf16-split] [--isa auto|scalar|avx2|avx512] [--mode "
-      "eager|deferred] [--check chunk|param] [--pin 0|1] [--iters N] [--warmup N] "
-      "[--json]\n",
+      "eager|deferred] [--check chunk|param] [--chunk-elems N (0: engine default)] [--pin 0|1] "
+      "[--iters N] [--warmup N] [--json]\n",
       msg);
   std::exit(2);
 }
@@ -88,6 +89,8 @@ Args Parse(int argc, char** argv) {
       a.mode = value();
     else if (flag == "--check")
       a.check = value();
+    else if (flag == "--chunk-elems")
+      a.chunk_elems = std::stoull(value());
     else if (flag == "--pin")
       a.pin = value() != "0";
     else if (flag == "--iters")
@@ -138,6 +141,7 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
   opt.isa = isa;
   opt.max_grad_norm = a.mode == "deferred" ? 1e9 : 0;  // deferred path, coefficient stays 1
   opt.eager_check_per_chunk = a.check == "chunk";
+  if (a.chunk_elems != 0) opt.chunk_elems = a.chunk_elems;
   to::AdamWEngine engine(&pool, opt);
 
   std::vector<void*> allocations;
