@@ -22,7 +22,16 @@ from ..base import SharedBase, load_base
 from ..planner import ram_available
 from ..quantization import QuantLinear, _check_block_size, _find_block_stack
 
-__all__ = ["load_model", "resolve_quantize"]
+__all__ = ["load_model", "resolve_quantize"]  # and TrainStreamTrainer, below
+
+
+def __getattr__(name: str):
+    # TrainStreamTrainer subclasses transformers.Trainer: imported on first use, so that
+    # load_model() does not pull in the Trainer stack.
+    if name == "TrainStreamTrainer":
+        from .hf_trainer import TrainStreamTrainer
+        return TrainStreamTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "nf4", "fp8", "nvfp4")
 

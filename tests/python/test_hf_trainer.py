@@ -1,0 +1,133 @@
+"""TrainStreamTrainer against transformers.Trainer with its own torch AdamW (CPU): a tiny
+random-weight Qwen2 trained with weight decay groups, a warm-up schedule, clipping and
+gradient accumulation gives the same losses, gradient norms and weights; a run resumed
+from a checkpoint ends where the uninterrupted one does."""
+import copy
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from trainstream.integrations.huggingface import TrainStreamTrainer  # noqa: E402
+from trainstream.optim import OffloadAdamW  # noqa: E402
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Fixed random token sequences; labels are the inputs (causal LM)."""
+
+    def __init__(self, n=64, seq=32, vocab=128, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, vocab_size=128,
+                                   max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def _args(out, **overrides):
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=6,
+                learning_rate=3e-3, weight_decay=0.1, warmup_steps=2, lr_scheduler_type="linear",
+                max_grad_norm=0.5, gradient_accumulation_steps=2, logging_steps=1,
+                save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                dataloader_num_workers=0, disable_tqdm=True)
+    base.update(overrides)
+    return transformers.TrainingArguments(**base)
+
+
+def _logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def _run(trainer_cls, model, out, daemon=None, **overrides):
+    kwargs = {}
+    if daemon is not None:
+        kwargs["trainstream_options"] = {"socket": daemon.socket}
+    trainer = trainer_cls(model=model, args=_args(out, **overrides), train_dataset=_Tokens(),
+                          **kwargs)
+    trainer.train()
+    return trainer
+
+
+# 16 micro-batches an epoch: accumulating 3, the epoch's last step has only one, which
+# reaches step() with its gradients not yet handed over.
+@pytest.mark.parametrize("device, accumulation", [
+    ("cpu", 2), ("cpu", 3),
+    pytest.param("cuda", 2, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the GPU host)"))])
+def test_trainer_matches_transformers_trainer_with_torch_adamw(daemon, tmp_path, monkeypatch,
+                                                              device, accumulation):
+    ref_model = _model()
+    our_model = copy.deepcopy(ref_model)
+    device_args = dict(gradient_accumulation_steps=accumulation, use_cpu=device == "cpu")
+    ref = _run(transformers.Trainer, ref_model, tmp_path / "ref", **device_args)
+    # accelerate's prepare would copy the daemon's whole state out and back in.
+    loads = []
+    real_load = OffloadAdamW.load_state_dict
+    monkeypatch.setattr(OffloadAdamW, "load_state_dict",
+                        lambda self, sd: (loads.append(1), real_load(self, sd))[1])
+    ours = _run(TrainStreamTrainer, our_model, tmp_path / "ours", daemon, **device_args)
+    assert loads == []
+    assert next(our_model.parameters()).device.type == device
+    assert isinstance(ours.optimizer.optimizer, OffloadAdamW)
+    assert ours.optimizer.optimizer.stats()["steps"] == 6
+    ref_loss, our_loss = _logged(ref, "loss"), _logged(ours, "loss")
+    assert len(ref_loss) == len(our_loss) == 6
+    for i, (a, b) in enumerate(zip(ref_loss, our_loss)):
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {i}: loss {b} vs Trainer {a}"
+    # The daemon's pre-clip norm is what Trainer logs from clip_grad_norm_.
+    ref_norm, our_norm = _logged(ref, "grad_norm"), _logged(ours, "grad_norm")
+    assert len(our_norm) == 6 and all(math.isfinite(v) for v in our_norm)
+    for i, (a, b) in enumerate(zip(ref_norm, our_norm)):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {i}: grad_norm {b} vs Trainer {a}"
+    assert any(a > 0.5 for a in ref_norm), "clipping never engaged: the test would not see it"
+    for (name, p), q in zip(ref_model.named_parameters(), our_model.parameters()):
+        diff = (p.detach() - q.detach()).abs().max().item()
+        assert diff <= 1e-5, f"{name}: max |diff| {diff:.3g}"
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(daemon, tmp_path):
+    whole = _model()
+    resumed = copy.deepcopy(whole)
+    _run(TrainStreamTrainer, whole, tmp_path / "whole", daemon, max_steps=4)
+    # Stop at step 2 (a checkpoint with the daemon's optimizer state), then resume in a
+    # new trainer over a new model.
+    first = copy.deepcopy(resumed)
+    _run(TrainStreamTrainer, first, tmp_path / "run", daemon, max_steps=4, save_strategy="steps",
+         save_steps=2)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").exists()
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+    assert "master_weight" in saved["state"][0] and saved["state"][0]["step"].item() == 2.0
+    trainer = TrainStreamTrainer(model=resumed, args=_args(tmp_path / "run", max_steps=4),
+                                 train_dataset=_Tokens(),
+                                 trainstream_options={"socket": daemon.socket})
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == 4
+    for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
+        diff = (p.detach() - q.detach()).abs().max().item()
+        assert diff <= 1e-6, f"{name}: max |diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"args_overrides": {"optim": "adafactor"}}, "optim='adafactor'.*accepted: adamw_torch"),
+    ({"options": {"max_grad_norm": 1.0}}, "set TrainingArguments.max_grad_norm"),
+    ({"options": {"param_offload": True}}, "does not page weights or activations yet"),
+    ({"args_overrides": {"fp16": True}}, "fp16=True: its gradient scaler"),
+])
+def test_what_it_cannot_do_is_refused_by_name(daemon, tmp_path, kwargs, fragment):
+    options = {"socket": daemon.socket, **kwargs.get("options", {})}
+    with pytest.raises(ValueError, match=fragment):
+        TrainStreamTrainer(model=_model(), args=_args(tmp_path, **kwargs.get("args_overrides", {})),
+                           train_dataset=_Tokens(), trainstream_options=options)
