@@ -134,7 +134,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.offload_decision: Optional[Dict[str, Any]] = None
         self._event_sink = None  # wrap() points this at the session's event log
         self._dp: Optional[_distributed.DataParallelPlan] = None
-        self._last_grad_norm: Optional[float] = None
+        self._last_grad_norm: Any = None  # a float, or in local mode a 0-dim tensor
         self._stats = {"steps": 0, "skipped_steps": 0, "grads_posted": 0, "bytes_d2h": 0,
                        "bytes_h2d": 0, "step_wait_s": 0.0}
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -516,11 +516,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            params = [p for g in self.param_groups for p in g["params"]]
             if self._options["max_grad_norm"] is not None:
-                norm = torch.nn.utils.clip_grad_norm_(
-                    [p for g in self.param_groups for p in g["params"]],
-                    self._options["max_grad_norm"])
-                self._last_grad_norm = float(norm)
+                norm = torch.nn.utils.clip_grad_norm_(params, self._options["max_grad_norm"])
+            else:  # reported as the daemon does, without changing a gradient
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            self._last_grad_norm = norm  # a tensor: read (synchronizing) only when asked
             self._local.step()
             self._step_id += 1
             self._stats["steps"] += 1
@@ -791,6 +792,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     @property
     def last_grad_norm(self) -> Optional[float]:
         """Global L2 norm of the gradients of the last step, before clipping."""
+        if torch.is_tensor(self._last_grad_norm):
+            self._last_grad_norm = float(self._last_grad_norm)
         return self._last_grad_norm
 
     def stats(self) -> Dict[str, Any]:

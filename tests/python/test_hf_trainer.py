@@ -50,14 +50,32 @@ def _logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def _run(trainer_cls, model, out, daemon=None, **overrides):
+def _trainer(trainer_cls, model, out, daemon=None, options=None, **overrides):
     kwargs = {}
     if daemon is not None:
-        kwargs["trainstream_options"] = {"socket": daemon.socket}
-    trainer = trainer_cls(model=model, args=_args(out, **overrides), train_dataset=_Tokens(),
-                          **kwargs)
+        kwargs["trainstream_options"] = {"socket": daemon.socket, **(options or {})}
+    return trainer_cls(model=model, args=_args(out, **overrides), train_dataset=_Tokens(),
+                       **kwargs)
+
+
+def _run(trainer_cls, model, out, daemon=None, options=None, **overrides):
+    trainer = _trainer(trainer_cls, model, out, daemon, options, **overrides)
     trainer.train()
     return trainer
+
+
+def _assert_same_weights(ref, ours, tol):
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        diff = (p.detach() - q.detach()).abs().max().item()
+        assert diff <= tol, f"{name}: max |diff| {diff:.3g}"
+
+
+def _count_state_loads(monkeypatch):
+    loads = []
+    real_load = OffloadAdamW.load_state_dict
+    monkeypatch.setattr(OffloadAdamW, "load_state_dict",
+                        lambda self, sd: (loads.append(1), real_load(self, sd))[1])
+    return loads
 
 
 # 16 micro-batches an epoch: accumulating 3, the epoch's last step has only one, which
@@ -73,15 +91,15 @@ def test_trainer_matches_transformers_trainer_with_torch_adamw(daemon, tmp_path,
     device_args = dict(gradient_accumulation_steps=accumulation, use_cpu=device == "cpu")
     ref = _run(transformers.Trainer, ref_model, tmp_path / "ref", **device_args)
     # accelerate's prepare would copy the daemon's whole state out and back in.
-    loads = []
-    real_load = OffloadAdamW.load_state_dict
-    monkeypatch.setattr(OffloadAdamW, "load_state_dict",
-                        lambda self, sd: (loads.append(1), real_load(self, sd))[1])
-    ours = _run(TrainStreamTrainer, our_model, tmp_path / "ours", daemon, **device_args)
+    loads = _count_state_loads(monkeypatch)
+    # offload=True: on a GPU, "auto" would hand a model this small to torch's fused AdamW.
+    ours = _run(TrainStreamTrainer, our_model, tmp_path / "ours", daemon, {"offload": True},
+                **device_args)
     assert loads == []
     assert next(our_model.parameters()).device.type == device
-    assert isinstance(ours.optimizer.optimizer, OffloadAdamW)
-    assert ours.optimizer.optimizer.stats()["steps"] == 6
+    opt = ours.optimizer.optimizer
+    assert isinstance(opt, OffloadAdamW) and opt._local is None
+    assert opt.stats()["steps"] == 6
     ref_loss, our_loss = _logged(ref, "loss"), _logged(ours, "loss")
     assert len(ref_loss) == len(our_loss) == 6
     for i, (a, b) in enumerate(zip(ref_loss, our_loss)):
@@ -92,9 +110,44 @@ def test_trainer_matches_transformers_trainer_with_torch_adamw(daemon, tmp_path,
     for i, (a, b) in enumerate(zip(ref_norm, our_norm)):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {i}: grad_norm {b} vs Trainer {a}"
     assert any(a > 0.5 for a in ref_norm), "clipping never engaged: the test would not see it"
-    for (name, p), q in zip(ref_model.named_parameters(), our_model.parameters()):
-        diff = (p.detach() - q.detach()).abs().max().item()
-        assert diff <= 1e-5, f"{name}: max |diff| {diff:.3g}"
+    _assert_same_weights(ref_model, our_model, 1e-5)
+
+
+def test_a_second_train_goes_on_with_the_same_optimizer_as_trainers_does(daemon, tmp_path,
+                                                                         monkeypatch):
+    """Trainer keeps its optimizer (and its moments) for a second train(); so does this
+    one, with the daemon's masters, and no state round trip through a new accelerator
+    (Trainer makes one per hyperparameter trial)."""
+    ref_model = _model()
+    our_model = copy.deepcopy(ref_model)
+    ref = _trainer(transformers.Trainer, ref_model, tmp_path / "ref", max_steps=3)
+    ours = _trainer(TrainStreamTrainer, our_model, tmp_path / "ours", daemon, max_steps=3)
+    ref.train()
+    ours.train()
+    first = ours.optimizer.optimizer
+    ours.create_accelerator_and_postprocess()
+    loads = _count_state_loads(monkeypatch)
+    ref.train()
+    ours.train()
+    assert loads == []
+    assert ours.optimizer.optimizer is first and first.stats()["steps"] == 6
+    _assert_same_weights(ref_model, our_model, 1e-5)
+
+
+def test_weights_loaded_between_runs_become_the_masters(daemon, tmp_path):
+    """A weight changed outside the optimizer between two train() calls (Trainer loading
+    its best checkpoint) is where the next run starts, not the daemon's older master."""
+    model = _model()
+    trainer = _trainer(TrainStreamTrainer, model, tmp_path, daemon, max_steps=2)
+    trainer.train()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5)
+    halved = model.lm_head.weight.detach().clone()
+    trainer.create_optimizer()
+    state = trainer.optimizer.state_dict()["state"]
+    params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    index = next(i for i, p in enumerate(params) if p is model.lm_head.weight)
+    assert torch.equal(state[index]["master_weight"].view_as(halved), halved)
 
 
 def test_a_resumed_run_ends_where_the_uninterrupted_one_does(daemon, tmp_path):
@@ -115,19 +168,29 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(daemon, tmp_path):
                                  trainstream_options={"socket": daemon.socket})
     trainer.train(resume_from_checkpoint=str(checkpoint))
     assert trainer.state.global_step == 4
-    for (name, p), q in zip(whole.named_parameters(), resumed.parameters()):
-        diff = (p.detach() - q.detach()).abs().max().item()
-        assert diff <= 1e-6, f"{name}: max |diff| {diff:.3g}"
+    _assert_same_weights(whole, resumed, 1e-6)
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"args_overrides": {"optim": "adafactor"}}, "optim='adafactor'.*accepted: adamw_torch"),
+    ({"optimizer": "sgd"}, r"optimizers=\(SGD, ...\).*accepted: torch.optim.AdamW"),
+    ({"optimizer": "adamw", "scheduler": True}, r"optimizers=\(..., scheduler\)"),
+    ({"trainer": {"optimizer_cls_and_kwargs": (torch.optim.SGD, {})}},
+     r"optimizer_cls_and_kwargs=\(<class 'torch.optim.sgd.SGD'>"),
     ({"options": {"max_grad_norm": 1.0}}, "set TrainingArguments.max_grad_norm"),
     ({"options": {"param_offload": True}}, "does not page weights or activations yet"),
     ({"args_overrides": {"fp16": True}}, "fp16=True: its gradient scaler"),
 ])
 def test_what_it_cannot_do_is_refused_by_name(daemon, tmp_path, kwargs, fragment):
     options = {"socket": daemon.socket, **kwargs.get("options", {})}
+    model = _model()
+    trainer_kwargs = dict(kwargs.get("trainer", {}))
+    if "optimizer" in kwargs:
+        cls = torch.optim.SGD if kwargs["optimizer"] == "sgd" else torch.optim.AdamW
+        opt = cls(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0) if "scheduler" in kwargs \
+            else None
+        trainer_kwargs["optimizers"] = (opt, sched)
     with pytest.raises(ValueError, match=fragment):
-        TrainStreamTrainer(model=_model(), args=_args(tmp_path, **kwargs.get("args_overrides", {})),
-                           train_dataset=_Tokens(), trainstream_options=options)
+        TrainStreamTrainer(model=model, args=_args(tmp_path, **kwargs.get("args_overrides", {})),
+                           train_dataset=_Tokens(), trainstream_options=options, **trainer_kwargs)

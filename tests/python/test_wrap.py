@@ -372,6 +372,23 @@ def test_an_interrupted_step_is_finished_by_the_next_call(daemon, recover):
     assert opt.state_dict()["state"][0]["step"].item() == 3.0
 
 
+def test_last_grad_norm_is_reported_each_step_after_going_local(daemon):
+    """offload="auto" may hand the optimizer to torch (its local mode); without clipping
+    last_grad_norm used to stay at the last daemon step's value."""
+    cfg, _, ours = _models()
+    batches = text_batches(corpus(), cfg, batch=2, steps=3)
+    ours, opt = trainstream.wrap(ours, socket=daemon.socket)
+    _train(ours, opt, batches[:1])
+    opt._go_local()
+    for x, y in batches[1:]:
+        ours(x, y).backward()
+        grads = [p.grad.detach().clone() for p in ours.parameters() if p.grad is not None]
+        opt.step()
+        opt.zero_grad()
+        want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        assert opt.last_grad_norm == pytest.approx(want.item(), rel=1e-6)
+
+
 def test_synchronize_between_backward_and_step(daemon):
     """synchronize() and state_dict() read the daemon's replies; they used to drop the
     step's own (each parameter's PARAM_READY), and step() then waited for them until

@@ -63,10 +63,30 @@ class TrainStreamTrainer(Trainer):
             raise ValueError(f"trainstream_options {paging}: TrainStreamTrainer does not page "
                              "weights or activations yet (Trainer places the whole model on the "
                              "device first); use trainstream.wrap() directly for that")
+        optimizer, scheduler = kwargs.get("optimizers") or (None, None)
+        if isinstance(optimizer, OffloadAdamW):
+            raise ValueError("optimizers=(OffloadAdamW, ...): pass the torch AdamW; "
+                             "TrainStreamTrainer moves it to the daemon itself, with the "
+                             "TrainingArguments' max_grad_norm and accumulation")
+        if optimizer is not None and not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+            raise ValueError(f"optimizers=({type(optimizer).__name__}, ...): TrainStreamTrainer "
+                             "runs AdamW in the daemon; accepted: torch.optim.AdamW (or Adam "
+                             "without weight decay)")
+        if scheduler is not None:
+            raise ValueError("optimizers=(..., scheduler): a scheduler built on the torch "
+                             "optimizer would go on editing it after wrap() replaces it; pass "
+                             "optimizers=(optimizer, None) and choose the schedule with "
+                             "TrainingArguments.lr_scheduler_type")
+        cls_kwargs = kwargs.get("optimizer_cls_and_kwargs")
+        if cls_kwargs is not None and not (isinstance(cls_kwargs[0], type)
+                                           and issubclass(cls_kwargs[0], torch.optim.AdamW)):
+            raise ValueError(f"optimizer_cls_and_kwargs=({cls_kwargs[0]!r}, ...): "
+                             "TrainStreamTrainer runs AdamW in the daemon; accepted: "
+                             "torch.optim.AdamW")
         self.trainstream_options = options
         super().__init__(*args, **kwargs)
         optim = str(getattr(self.args.optim, "value", self.args.optim))
-        if self.optimizer is None and optim not in _ADAMW_OPTIMS:
+        if self.optimizer is None and cls_kwargs is None and optim not in _ADAMW_OPTIMS:
             raise ValueError(f"TrainingArguments.optim={optim!r}: TrainStreamTrainer runs AdamW "
                              f"in the daemon; accepted: {', '.join(_ADAMW_OPTIMS)}")
         if self.args.fp16:
@@ -75,6 +95,10 @@ class TrainStreamTrainer(Trainer):
                              "bf16=True (no scaler)")
         self._grad_norm = torch.full((), math.nan)
         self.add_callback(_ReportGradNorm(self))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        # (Trainer makes a new accelerator in __init__ and for each hyperparameter trial.)
+        super().create_accelerator_and_postprocess()
         # accelerate's prepare would copy the optimizer's whole state (fp32 masters and
         # moments) out of the daemon, onto the device and back; it stays where it is.
         prepare = self.accelerator.prepare_optimizer
@@ -85,9 +109,14 @@ class TrainStreamTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         """Trainer's AdamW (its grouping and hyperparameters, or the one passed in
-        ``optimizers=``), moved to the daemon by ``wrap()``."""
-        if isinstance(self.optimizer, OffloadAdamW):
-            return self.optimizer
+        ``optimizers=``), moved to the daemon by ``wrap()``. Called again (a second
+        ``train()``, or its retry with a smaller batch), the same optimizer goes on, as
+        Trainer's own would."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        if isinstance(inner, OffloadAdamW):
+            _take_changed_weights(inner)
+            self.optimizer = inner
+            return inner
         optimizer = super().create_optimizer(model)
         args = self.args
         _, self.optimizer = wrap(
@@ -112,3 +141,24 @@ class TrainStreamTrainer(Trainer):
         opt = getattr(opt, "optimizer", opt)  # accelerate's wrapper
         norm = opt.last_grad_norm if isinstance(opt, OffloadAdamW) else None
         self._grad_norm.fill_(math.nan if norm is None else norm)
+
+
+def _take_changed_weights(opt: OffloadAdamW) -> None:
+    """Makes each weight changed since the daemon last wrote it (Trainer loading the best
+    checkpoint at the end of a run, for one) the new fp32 master, so the next step
+    starts from it instead of the daemon's older master. Unchanged weights keep their
+    masters' low bits."""
+    state = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    changed = False
+    for i, p in enumerate(params):
+        st = state["state"].get(i)
+        if st is None or "master_weight" not in st:
+            continue
+        master = st["master_weight"]
+        weight = p.detach().to(master.device)
+        if not torch.equal(master.to(p.dtype).view_as(weight), weight):
+            st["master_weight"] = weight.float().reshape(master.shape)
+            changed = True
+    if changed:
+        opt.load_state_dict(state)
