@@ -7,9 +7,8 @@
 
 #include <immintrin.h>
 
-#include <cstring>
-
 #include "adamw_impl.h"
+#include "adamw_vector_inl.h"
 
 namespace trainstream::kernels::internal {
 namespace {
@@ -59,19 +58,6 @@ __m256i LowBias32(__m256i x) {
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
-
-// What the kernel writes besides master and moments. kSplit: the master is the bf16
-// param_out plus master_lo (Note [Split master] in bf16.h), read and written in place.
-enum class Out { kNone, kF32, kBf16, kF16, kSplit };
-
-struct Pointers {
-  float* master;  // kSplit: unused
-  void* exp_avg;
-  void* exp_avg_sq;
-  const void* grad;
-  void* param_out;      // kNone: unused
-  uint16_t* master_lo;  // kSplit only
-};
 
 // Eight split masters (Note [Split master]) -> fp32: upper half hi, less one where lo
 // says rounding went up.
@@ -169,12 +155,6 @@ inline void Step8(const Pointers& ptr, const Consts& c, uint32_t index, size_t i
   }
 }
 
-// Software prefetch distance in bytes of fp32 master (the other streams follow
-// proportionally). The hardware prefetchers stop at 4 KiB page boundaries; with
-// five or six concurrent streams per core a software prefetch ~1 KiB ahead keeps
-// the line fill buffers busy across them.
-constexpr size_t kPrefetchElems = 256;
-
 template <DType kG, DType kM, Out kOut, bool kFromEnd>
 void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
   Pointers ptr{
@@ -186,64 +166,20 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   const bool stream = kOut != Out::kNone && kOut != Out::kSplit &&
                       reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
   const size_t full = r.numel - r.numel % kLanes;
-  constexpr size_t kGB = kG == DType::kFloat32 ? 4 : 2;
-  constexpr size_t kMB = kM == DType::kFloat32 ? 4 : 2;
   size_t i = 0;
   // Two vectors (one 64-byte line of fp32 master) per iteration, prefetching
   // the lines kPrefetchElems ahead of each read stream.
   for (; i + 2 * kLanes <= full; i += 2 * kLanes) {
-    if (i + kPrefetchElems < r.numel) {
-      const size_t j = i + kPrefetchElems;
-      if constexpr (kOut == Out::kSplit) {
-        if (j % 32 == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(ptr.master_lo + j), _MM_HINT_T0);
-          _mm_prefetch(static_cast<const char*>(ptr.param_out) + j * 2, _MM_HINT_T0);
-        }
-      } else {
-        _mm_prefetch(reinterpret_cast<const char*>(ptr.master + j), _MM_HINT_T0);
-      }
-      if (kMB == 4 || j % 32 == 0) {
-        _mm_prefetch(static_cast<const char*>(ptr.exp_avg) + j * kMB, _MM_HINT_T0);
-        _mm_prefetch(static_cast<const char*>(ptr.exp_avg_sq) + j * kMB, _MM_HINT_T0);
-      }
-      if (kGB == 4 || j % 32 == 0) {
-        _mm_prefetch(static_cast<const char*>(ptr.grad) + j * kGB, _MM_HINT_T0);
-      }
-    }
+    if (i + kPrefetchElems < r.numel) PrefetchAhead<kG, kM, kOut>(ptr, i + kPrefetchElems);
     Step8<kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i, stream);
     Step8<kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i + kLanes, stream);
   }
   for (; i < full; i += kLanes) Step8<kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i, stream);
   if (stream) _mm_sfence();  // order the streamed stores before completion is signalled
 
-  const size_t tail = r.numel - full;
-  if (tail == 0) return;
-  // The last < 8 elements go through the same vector code on zero-padded copies.
-  alignas(32) float master[kLanes] = {};
-  alignas(32) float m[kLanes] = {}, v[kLanes] = {}, g[kLanes] = {}, out[kLanes] = {};
-  alignas(32) uint16_t lo[kLanes] = {};
-  const size_t ps = kOut == Out::kF32 ? 4 : 2;
-  constexpr bool kSplit = kOut == Out::kSplit;
-  if constexpr (kSplit) {
-    std::memcpy(out, static_cast<char*>(ptr.param_out) + full * 2, tail * 2);
-    std::memcpy(lo, r.master_lo + full, tail * 2);
-  } else {
-    std::memcpy(master, r.master + full, tail * 4);
-  }
-  std::memcpy(m, static_cast<char*>(r.exp_avg) + full * kMB, tail * kMB);
-  std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * kMB, tail * kMB);
-  std::memcpy(g, static_cast<const char*>(r.grad) + full * kGB, tail * kGB);
-  Pointers local{master, m, v, g, out, lo};
-  Step8<kG, kM, kOut, kFromEnd>(local, c, index_lo + static_cast<uint32_t>(full), 0, false);
-  if constexpr (kSplit)
-    std::memcpy(r.master_lo + full, lo, tail * 2);
-  else
-    std::memcpy(r.master + full, master, tail * 4);
-  std::memcpy(static_cast<char*>(r.exp_avg) + full * kMB, m, tail * kMB);
-  std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * kMB, v, tail * kMB);
-  if constexpr (kOut != Out::kNone) {
-    std::memcpy(static_cast<char*>(ptr.param_out) + full * ps, out, tail * ps);
-  }
+  UpdateTail<kLanes, kG, kM, kOut>(r, ptr, full, [&](const Pointers& local, uint32_t index) {
+    Step8<kG, kM, kOut, kFromEnd>(local, c, index_lo + index, 0, false);
+  });
 }
 
 template <DType kG, DType kM, Out kOut>

@@ -9,9 +9,8 @@
 
 #include <immintrin.h>
 
-#include <cstring>
-
 #include "adamw_impl.h"
+#include "adamw_vector_inl.h"
 #include "trainstream/kernels/cpu_features.h"
 
 namespace trainstream::kernels::internal {
@@ -60,18 +59,6 @@ __m512i LowBias32(__m512i x) {
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
-
-// What the kernel writes besides master and moments (see adamw_avx2.cc).
-enum class Out { kNone, kF32, kBf16, kF16, kSplit };
-
-struct Pointers {
-  float* master;  // kSplit: unused
-  void* exp_avg;
-  void* exp_avg_sq;
-  const void* grad;
-  void* param_out;      // kNone: unused
-  uint16_t* master_lo;  // kSplit only
-};
 
 // Split masters (Note [Split master] in bf16.h), as in adamw_avx2.cc. The bf16 half is
 // always rounded with integer arithmetic: vcvtneps2bf16 flushes subnormals, and a
@@ -170,9 +157,6 @@ inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t 
   }
 }
 
-// Software prefetch distance in elements (see adamw_avx2.cc).
-constexpr size_t kPrefetchElems = 256;
-
 template <bool kHardwareBf16, DType kG, DType kM, Out kOut, bool kFromEnd>
 void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
   Pointers ptr{
@@ -184,61 +168,17 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   const bool stream = kOut != Out::kNone && kOut != Out::kSplit &&
                       reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
   const size_t full = r.numel - r.numel % kLanes;
-  constexpr size_t kGB = kG == DType::kFloat32 ? 4 : 2;
-  constexpr size_t kMB = kM == DType::kFloat32 ? 4 : 2;
   // One vector = one 64-byte line of fp32 master per iteration; 2-byte streams
   // get a prefetch every other iteration.
   for (size_t i = 0; i < full; i += kLanes) {
-    if (i + kPrefetchElems < r.numel) {
-      const size_t j = i + kPrefetchElems;
-      if constexpr (kOut == Out::kSplit) {
-        if (j % 32 == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(ptr.master_lo + j), _MM_HINT_T0);
-          _mm_prefetch(static_cast<const char*>(ptr.param_out) + j * 2, _MM_HINT_T0);
-        }
-      } else {
-        _mm_prefetch(reinterpret_cast<const char*>(ptr.master + j), _MM_HINT_T0);
-      }
-      if (kMB == 4 || j % 32 == 0) {
-        _mm_prefetch(static_cast<const char*>(ptr.exp_avg) + j * kMB, _MM_HINT_T0);
-        _mm_prefetch(static_cast<const char*>(ptr.exp_avg_sq) + j * kMB, _MM_HINT_T0);
-      }
-      if (kGB == 4 || j % 32 == 0) {
-        _mm_prefetch(static_cast<const char*>(ptr.grad) + j * kGB, _MM_HINT_T0);
-      }
-    }
+    if (i + kPrefetchElems < r.numel) PrefetchAhead<kG, kM, kOut>(ptr, i + kPrefetchElems);
     Step16<kHardwareBf16, kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i, stream);
   }
   if (stream) _mm_sfence();  // order the streamed stores before completion is signalled
 
-  const size_t tail = r.numel - full;
-  if (tail == 0) return;
-  alignas(64) float master[kLanes] = {};
-  alignas(64) float m[kLanes] = {}, v[kLanes] = {}, g[kLanes] = {}, out[kLanes] = {};
-  alignas(64) uint16_t lo[kLanes] = {};
-  const size_t ps = kOut == Out::kF32 ? 4 : 2;
-  constexpr bool kSplit = kOut == Out::kSplit;
-  if constexpr (kSplit) {
-    std::memcpy(out, static_cast<char*>(ptr.param_out) + full * 2, tail * 2);
-    std::memcpy(lo, r.master_lo + full, tail * 2);
-  } else {
-    std::memcpy(master, r.master + full, tail * 4);
-  }
-  std::memcpy(m, static_cast<char*>(r.exp_avg) + full * kMB, tail * kMB);
-  std::memcpy(v, static_cast<char*>(r.exp_avg_sq) + full * kMB, tail * kMB);
-  std::memcpy(g, static_cast<const char*>(r.grad) + full * kGB, tail * kGB);
-  Pointers local{master, m, v, g, out, lo};
-  Step16<kHardwareBf16, kG, kM, kOut, kFromEnd>(local, c, index_lo + static_cast<uint32_t>(full), 0,
-                                                false);
-  if constexpr (kSplit)
-    std::memcpy(r.master_lo + full, lo, tail * 2);
-  else
-    std::memcpy(r.master + full, master, tail * 4);
-  std::memcpy(static_cast<char*>(r.exp_avg) + full * kMB, m, tail * kMB);
-  std::memcpy(static_cast<char*>(r.exp_avg_sq) + full * kMB, v, tail * kMB);
-  if constexpr (kOut != Out::kNone) {
-    std::memcpy(static_cast<char*>(ptr.param_out) + full * ps, out, tail * ps);
-  }
+  UpdateTail<kLanes, kG, kM, kOut>(r, ptr, full, [&](const Pointers& local, uint32_t index) {
+    Step16<kHardwareBf16, kG, kM, kOut, kFromEnd>(local, c, index_lo + index, 0, false);
+  });
 }
 
 template <bool kHw, DType kG, DType kM, Out kOut>
