@@ -322,16 +322,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             # (None: a paged weight, whose gradient went to accept_grad; autograd still
             # runs the hook with nothing accumulated.)
             return
-        n = self._options["accumulation_steps"]
-        if e.backward_count + 1 == n and self._posts_in_backward():
-            self._check_groups()  # before anything of this step leaves (counted or posted)
-        e.backward_count += 1
-        if e.backward_count > n:
-            raise RuntimeError(
-                f"trainstream: backward() reached {e.name} {e.backward_count} times since the last "
-                f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
-                f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
-        if e.backward_count == n and self._posts_in_backward():
+        if self._count_backward(e):
             if self._gpu is not None:
                 self._gpu.on_grad_final(e)
             else:
@@ -345,20 +336,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         e = self._entries.get(id(p))
         if e is None or self._plane is None:
             return False
-        n = self._options["accumulation_steps"]
-        if e.backward_count + 1 == n and self._posts_in_backward():
-            self._check_groups()
+        final = self._count_backward(e)
         e.external = True
         # The same sum AccumulateGrad computes for p.grad.
         e.external_grad = grad if e.external_grad is None else e.external_grad + grad
-        e.backward_count += 1
-        if e.backward_count > n:
-            raise RuntimeError(
-                f"trainstream: backward() reached {e.name} {e.backward_count} times since the last "
-                f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
-                f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
-        # Replicated data parallel averages every gradient across ranks in step() first.
-        if e.backward_count == n and self._posts_in_backward():
+        if final:
             self._post_grad(e, e.external_grad)
             e.external_grad = None
             # Nothing reads it again (p.grad never held it, so step() has no change to
@@ -383,6 +365,24 @@ class OffloadAdamW(torch.optim.Optimizer):
         e.posted_version = p_grad._version
         self._stats["grads_posted"] += 1
         self._stats["bytes_d2h"] += grad.numel() * grad.element_size()
+
+    def _count_backward(self, e: _Param) -> bool:
+        """Counts one backward pass reaching ``e``. True when that makes its gradient
+        final and it leaves now, in backward (posted or, in gpu mode, launched); then
+        every group's hyperparameters are checked first, before anything of the step
+        is counted or sent. Replicated data parallel averages every gradient across
+        ranks in step() first."""
+        n = self._options["accumulation_steps"]
+        leaves = e.backward_count + 1 == n and self._posts_in_backward()
+        if leaves:
+            self._check_groups()
+        e.backward_count += 1
+        if e.backward_count > n:
+            raise RuntimeError(
+                f"trainstream: backward() reached {e.name} {e.backward_count} times since the last "
+                f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
+                f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
+        return leaves
 
     def _posts_in_backward(self) -> bool:
         """Whether a final gradient leaves in backward (posted or, in gpu mode, launched)
