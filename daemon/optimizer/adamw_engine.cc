@@ -374,23 +374,19 @@ void AdamWEngine::StartUpdatePhase(Param* p, float grad_scale) {
 void AdamWEngine::UpdateChunk(Param* p, size_t chunk) {
   const Param::Chunk& c = p->chunks[chunk];
   const ParamBinding& b = p->binding;
-  const size_t mb = kernels::DTypeSize(options_.moment_dtype);
-  kernels::AdamWRange r;
-  r.master = b.master != nullptr ? b.master + c.offset : nullptr;
-  r.master_lo = b.master_lo != nullptr ? b.master_lo + c.offset : nullptr;
-  r.exp_avg = static_cast<char*>(b.exp_avg) + c.offset * mb;
-  r.exp_avg_sq = static_cast<char*>(b.exp_avg_sq) + c.offset * mb;
-  r.grad = static_cast<const char*>(b.grad_slot) + c.offset * kernels::DTypeSize(b.grad_dtype);
-  r.param_out =
-      b.master != nullptr && b.param_slot == static_cast<void*>(b.master)
-          ? static_cast<void*>(r.master)
-          : static_cast<char*>(b.param_slot) + c.offset * kernels::DTypeSize(b.param_dtype);
-  r.numel = c.count;
-  r.grad_dtype = b.grad_dtype;
-  r.moment_dtype = options_.moment_dtype;
-  r.param_dtype = b.param_dtype;
+  kernels::AdamWRange whole;  // the parameter's arrays; this chunk's slice is updated
+  whole.master = b.master;
+  whole.master_lo = b.master_lo;
+  whole.exp_avg = b.exp_avg;
+  whole.exp_avg_sq = b.exp_avg_sq;
+  whole.grad = b.grad_slot;
+  whole.param_out = b.param_slot;
+  whole.numel = b.numel;
+  whole.grad_dtype = b.grad_dtype;
+  whole.moment_dtype = options_.moment_dtype;
+  whole.param_dtype = b.param_dtype;
   kernels::RoundingKey key{options_.seed, b.param_id, p->new_state_step, c.offset};
-  kernels::AdamWUpdate(r, p->scalars, key, options_.isa);
+  kernels::AdamWUpdate(whole.Slice(c.offset, c.count), p->scalars, key, options_.isa);
   if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
     p->state_step = p->new_state_step;
     OnParamDone(p, true);

@@ -77,6 +77,24 @@ internal::UpdateFn UpdateFor(Isa isa) {
 
 }  // namespace
 
+AdamWRange AdamWRange::Slice(size_t offset, size_t n) const {
+  AdamWRange piece = *this;
+  piece.numel = n;
+  piece.master = master != nullptr ? master + offset : nullptr;
+  piece.master_lo = master_lo != nullptr ? master_lo + offset : nullptr;
+  piece.exp_avg = static_cast<char*>(exp_avg) + offset * DTypeSize(moment_dtype);
+  piece.exp_avg_sq = static_cast<char*>(exp_avg_sq) + offset * DTypeSize(moment_dtype);
+  piece.grad = static_cast<const char*>(grad) + offset * DTypeSize(grad_dtype);
+  if (param_out != nullptr) {
+    piece.param_out =
+        master != nullptr && param_out == static_cast<void*>(master)
+            ? static_cast<void*>(piece.master)
+            : static_cast<char*>(param_out) +
+                  offset * DTypeSize(master_lo != nullptr ? DType::kBFloat16 : param_dtype);
+  }
+  return piece;
+}
+
 void AdamWUpdate(const AdamWRange& range, const AdamWStepScalars& scalars, const RoundingKey& key,
                  Isa isa) {
   const internal::UpdateFn fn = UpdateFor(isa);
@@ -88,21 +106,7 @@ void AdamWUpdate(const AdamWRange& range, const AdamWStepScalars& scalars, const
     const uint64_t to_boundary = (uint64_t{1} << 32) - (index & 0xFFFFFFFFull);
     const size_t n = static_cast<size_t>(
         std::min<uint64_t>(to_boundary, static_cast<uint64_t>(range.numel - done)));
-    AdamWRange piece = range;
-    piece.numel = n;
-    piece.master = range.master != nullptr ? range.master + done : nullptr;
-    piece.master_lo = range.master_lo != nullptr ? range.master_lo + done : nullptr;
-    piece.exp_avg = static_cast<char*>(range.exp_avg) + done * DTypeSize(range.moment_dtype);
-    piece.exp_avg_sq = static_cast<char*>(range.exp_avg_sq) + done * DTypeSize(range.moment_dtype);
-    piece.grad = static_cast<const char*>(range.grad) + done * DTypeSize(range.grad_dtype);
-    if (range.param_out != nullptr) {
-      piece.param_out =
-          range.master != nullptr && range.param_out == static_cast<void*>(range.master)
-              ? static_cast<void*>(piece.master)
-              : static_cast<char*>(range.param_out) + done * DTypeSize(range.master_lo != nullptr
-                                                                           ? DType::kBFloat16
-                                                                           : range.param_dtype);
-    }
+    const AdamWRange piece = range.Slice(done, n);
     const RngKey rng =
         MakeRngKey(key.seed, key.param_key, key.step, static_cast<uint32_t>(index >> 32));
     fn(piece, scalars, rng, static_cast<uint32_t>(index));

@@ -69,6 +69,10 @@ struct AdamWRange {
   // A split master (Note [Split master] in bf16.h): master is null and the fp32 master is
   // (param_out, master_lo), param_out in bf16, both read and written in place.
   uint16_t* master_lo = nullptr;
+
+  // Elements [offset, offset + n) of this range, every array advanced alike (a
+  // param_out that is the master stays the master).
+  AdamWRange Slice(size_t offset, size_t n) const;
 };
 
 // Keys the stochastic rounding of bf16 moments: the random bits of an element
