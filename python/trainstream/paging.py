@@ -298,9 +298,7 @@ class BlockPager:
         self.block_bytes.pop(i, None)
         self.paged = [j for j in self.paged if j != i]
         self._fetches.pop(i, None)
-        for table in (self._refs, self._saved, self._ref_task):
-            for key in [k for k in table if k[1] == i]:
-                del table[key]
+        self._drop_counts(lambda gen, block: block == i)
         self._held.pop(i, None)
         return True
 
@@ -377,8 +375,12 @@ class BlockPager:
     def _new_forward(self) -> None:
         self._gen += 1
         old = self._gen - self.KEPT_FORWARDS
+        self._drop_counts(lambda gen, block: gen < old)
+
+    def _drop_counts(self, drop: Callable[[int, int], bool]) -> None:
+        """Forgets the reference counts of each (forward, block) that ``drop`` names."""
         for table in (self._refs, self._saved, self._ref_task):
-            for key in [k for k in table if k[0] < old]:
+            for key in [k for k in table if drop(*k)]:
                 del table[key]
 
     # ---------------------------------------------------------------- forward
