@@ -34,7 +34,6 @@ using wire::CommandRecord;
 using wire::CompletionRecord;
 using wire::CompletionStatus;
 using wire::Opcode;
-using wire::RingView;
 using wire::StateField;
 
 constexpr int kIdleYields = 200;
@@ -92,12 +91,11 @@ struct GroupPlane::Impl {
        optimizer::WorkerPool* p)
       : options(std::move(o)), members(std::move(m)), pool(p) {
     for (auto& mem : members) {
-      auto* header = static_cast<wire::SessionControlHeader*>(mem.control);
-      auto* base = static_cast<char*>(mem.control);
-      commands.emplace_back(base + header->command_ring_offset);
-      completions.emplace_back(base + header->completion_ring_offset);
+      commands.emplace_back(mem.rings.command_ring(), mem.rings.capacity);
+      completions.emplace_back(mem.rings.completion_ring(), mem.rings.capacity);
     }
     overflow.resize(members.size());
+    faulted.resize(members.size(), false);
     optimizer::EngineOptions eo;
     eo.moment_dtype = ToKernelDType(options.optimizer.moment_dtype);
     eo.max_grad_norm = options.optimizer.max_grad_norm;
@@ -139,7 +137,13 @@ struct GroupPlane::Impl {
       bool any = false;
       for (size_t r = 0; r < members.size(); ++r) {
         FlushOverflow(r);
-        for (size_t n = 0; n < kCommandsPerTurn && commands[r].TryPop(&cmd); ++n) {
+        for (size_t n = 0; n < kCommandsPerTurn; ++n) {
+          const RingResult got = commands[r].TryPop(&cmd);
+          if (got == RingResult::kCorrupt) {
+            std::lock_guard<std::mutex> lock(completion_mu);
+            MemberFault(r, commands[r].error());
+          }
+          if (got != RingResult::kOk) break;
           Handle(static_cast<int>(r), cmd);
           any = true;
         }
@@ -394,15 +398,39 @@ struct GroupPlane::Impl {
   // result any rank may take (see StopThread).
   void Complete(size_t r, const CompletionRecord& rec, bool even_when_stopping = false) {
     std::lock_guard<std::mutex> lock(completion_mu);
-    if (muted && !even_when_stopping) return;
-    if (overflow[r].empty() && completions[r].TryPush(&rec)) return;
+    if ((muted && !even_when_stopping) || faulted[r]) return;
+    if (overflow[r].empty()) {
+      const RingResult res = completions[r].TryPush(rec);
+      if (res == RingResult::kOk) return;
+      if (res == RingResult::kCorrupt) return MemberFault(r, completions[r].error());
+    }
+    if (overflow[r].size() >= kMaxQueuedCompletions) {
+      return MemberFault(r, "the client left " + std::to_string(overflow[r].size()) +
+                                " completions undrained (at most " +
+                                std::to_string(kMaxQueuedCompletions) + " wait in the daemon)");
+    }
     overflow[r].push_back(rec);
   }
 
   void FlushOverflow(size_t r) {
     std::lock_guard<std::mutex> lock(completion_mu);
-    while (!overflow[r].empty() && completions[r].TryPush(&overflow[r].front()))
+    while (!overflow[r].empty() && !faulted[r]) {
+      const RingResult res = completions[r].TryPush(overflow[r].front());
+      if (res == RingResult::kCorrupt) return MemberFault(r, completions[r].error());
+      if (res != RingResult::kOk) return;
       overflow[r].pop_front();
+    }
+  }
+
+  // Member r broke the wire rules (client_rings.h): its rings are not touched
+  // again, its session is ended (which breaks the group, as any leaving rank
+  // does). completion_mu held.
+  void MemberFault(size_t r, const std::string& why) {
+    if (faulted[r]) return;
+    faulted[r] = true;
+    overflow[r].clear();
+    spdlog::warn("group '{}': local rank {}: {}; ending its session", options.name, r, why);
+    if (options.on_fault) options.on_fault(members[r].session_id, why);
   }
 
   // The ranks disagreed: tell every member, answer later waits with the reason.
@@ -444,8 +472,8 @@ struct GroupPlane::Impl {
   const GroupPlaneOptions options;
   const std::vector<GroupMemberRings> members;
   optimizer::WorkerPool* const pool;
-  std::vector<RingView> commands;     // consumed by `thread` only
-  std::vector<RingView> completions;  // produced under completion_mu
+  std::vector<CommandConsumer> commands;        // consumed by `thread` only
+  std::vector<CompletionProducer> completions;  // produced under completion_mu
 
   // Group thread only.
   std::vector<std::unique_ptr<Slot>> slots;
@@ -462,7 +490,8 @@ struct GroupPlane::Impl {
 
   std::mutex completion_mu;  // guards overflow and the completion rings' producer side
   std::vector<std::deque<CompletionRecord>> overflow;
-  bool muted = false;  // Guarded by completion_mu: set once stopping
+  std::vector<bool> faulted;  // Guarded by completion_mu: member r broke the wire rules
+  bool muted = false;         // Guarded by completion_mu: set once stopping
 
   mutable std::mutex failure_mu;  // guards failure_message
   std::string failure_message;

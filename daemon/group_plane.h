@@ -42,12 +42,12 @@ class WorkerPool;
 
 namespace trainstream::daemon {
 
-// One member's rings. `control` is the daemon's mapping of the member's session
-// control region; it and `resolver` stay valid until Stop() returns.
+// One member's rings, as the daemon laid them out (Note [Rings a client can
+// write]); the mapping and `resolver` stay valid until Stop() returns.
 struct GroupMemberRings {
   int32_t local_rank = 0;
   uint64_t session_id = 0;
-  void* control = nullptr;
+  ControlRings rings;
   RegionResolver resolver;
 };
 
@@ -64,6 +64,7 @@ struct GroupPlaneOptions {
   uint32_t world_size = 1;  // the job's ranks (divisor of the summed gradient)
   bool cross_node = false;  // nnodes > 1: local rank 0 all-reduces each sum
   SessionOptimizerOptions optimizer;
+  SessionFaultFn on_fault;  // a member broke the wire rules; may be empty
 };
 
 class GroupPlane {

@@ -114,8 +114,11 @@ class Group {
 };
 
 GroupRegistry::GroupRegistry(SegmentFactory create, SegmentDropper drop,
-                             optimizer::WorkerPool* pool)
-    : create_(std::move(create)), drop_(std::move(drop)), pool_(pool) {}
+                             optimizer::WorkerPool* pool, SessionFaultFn on_fault)
+    : create_(std::move(create)),
+      drop_(std::move(drop)),
+      pool_(pool),
+      on_fault_(std::move(on_fault)) {}
 
 std::set<std::shared_ptr<Group>> GroupRegistry::AllGroups() {
   std::set<std::shared_ptr<Group>> all;
@@ -363,11 +366,12 @@ grpc::Status GroupRegistry::Form(Group& g) {
   }
   std::vector<GroupMemberRings> rings;
   for (const auto& [r, m] : g.members)
-    rings.push_back(GroupMemberRings{r, m.joiner.session_id, m.joiner.control, m.joiner.resolver});
+    rings.push_back(GroupMemberRings{r, m.joiner.session_id, m.joiner.rings, m.joiner.resolver});
   GroupPlaneOptions options;
   options.name = g.key;
   options.world_size = static_cast<uint32_t>(g.membership.world_size());
   options.cross_node = g.membership.nnodes() > 1;
+  options.on_fault = on_fault_;
   options.optimizer.moment_dtype = static_cast<WireDType>(
       req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype());
   options.optimizer.max_grad_norm = req.max_grad_norm();

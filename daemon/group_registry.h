@@ -62,14 +62,16 @@ struct GroupJoiner {
   pid_t pid = 0;
   uid_t uid = 0;
   std::string job;
-  void* control = nullptr;  // the daemon's mapping of the session control region
+  ControlRings rings;       // the session's rings, as the daemon laid them out
   RegionResolver resolver;  // the session's regions (state transfers)
 };
 
 class GroupRegistry {
  public:
-  // `pool` (the optimizer's workers) must outlive the registry.
-  GroupRegistry(SegmentFactory create, SegmentDropper drop, optimizer::WorkerPool* pool);
+  // `pool` (the optimizer's workers) must outlive the registry. `on_fault`
+  // ends a member whose rings break the wire rules (client_rings.h).
+  GroupRegistry(SegmentFactory create, SegmentDropper drop, optimizer::WorkerPool* pool,
+                SessionFaultFn on_fault);
   ~GroupRegistry();
   GroupRegistry(const GroupRegistry&) = delete;
   GroupRegistry& operator=(const GroupRegistry&) = delete;
@@ -81,7 +83,7 @@ class GroupRegistry {
   // Adds the session to its group (creating the group for the first rank).
   // Fails when the membership disagrees with the group's (local world size,
   // node rank, ...), the local rank is taken, or the group has already formed.
-  // `joiner.control` must stay mapped until Leave(joiner.session_id) returns.
+  // `joiner.rings.control` must stay mapped until Leave(joiner.session_id) returns.
   grpc::Status Join(const GroupJoiner& joiner, const v1::GroupMembership& m);
 
   // The barrier described above. On success fills `resp` with the shared
@@ -109,6 +111,7 @@ class GroupRegistry {
   const SegmentFactory create_;
   const SegmentDropper drop_;
   optimizer::WorkerPool* const pool_;
+  const SessionFaultFn on_fault_;
 
   std::mutex mu_;
   // (uid, key) -> the group new ranks join. A broken group leaves this map

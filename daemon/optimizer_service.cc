@@ -6,7 +6,9 @@
 // that stops polling would stall every other session's updates. So completions
 // that don't fit go to a per-session overflow queue (in daemon memory), which the
 // session's own thread moves into the ring as the client drains it. Once the
-// overflow is non-empty every completion goes through it, so order is kept.
+// overflow is non-empty every completion goes through it, so order is kept. The
+// queue is bounded (kMaxQueuedCompletions): a client that stops draining past it
+// is ended (client_rings.h), so it cannot grow the daemon's memory.
 #include "optimizer_service.h"
 
 #include <spdlog/spdlog.h>
@@ -20,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "log_limiter.h"
 #include "plane_common.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/optimizer/worker_pool.h"
@@ -31,7 +34,6 @@ using wire::CommandRecord;
 using wire::CompletionRecord;
 using wire::CompletionStatus;
 using wire::Opcode;
-using wire::RingView;
 using wire::StateField;
 
 constexpr int64_t kPollSliceNs = 20'000'000;  // how often an idle session thread looks around
@@ -42,19 +44,20 @@ constexpr int64_t kPollSliceNs = 20'000'000;  // how often an idle session threa
 // EndSession; between the two the session layer keeps every pointer valid.
 class AdamWSessionPlane {
  public:
-  AdamWSessionPlane(uint64_t session_id, void* control, RegionResolver resolver,
-                    optimizer::WorkerPool* pool)
-      : session_id_(session_id), resolver_(std::move(resolver)), pool_(pool) {
-    auto* header = static_cast<wire::SessionControlHeader*>(control);
-    auto* base = static_cast<char*>(control);
-    commands_ = RingView(base + header->command_ring_offset);
-    completions_ = RingView(base + header->completion_ring_offset);
+  AdamWSessionPlane(uint64_t session_id, const ControlRings& rings, RegionResolver resolver,
+                    optimizer::WorkerPool* pool, SessionFaultFn on_fault)
+      : session_id_(session_id),
+        resolver_(std::move(resolver)),
+        pool_(pool),
+        on_fault_(std::move(on_fault)),
+        commands_(rings.command_ring(), rings.capacity),
+        completions_(rings.completion_ring(), rings.capacity) {
     thread_ = std::thread([this] { Run(); });
   }
 
   ~AdamWSessionPlane() {
     stop_.store(true, std::memory_order_release);
-    commands_.WakeConsumer();
+    commands_.Wake();
     thread_.join();
     engine_.reset();  // waits for in-flight updates: after this no pointer is touched
   }
@@ -85,12 +88,22 @@ class AdamWSessionPlane {
  private:
   void Run() {
     CommandRecord cmd{};
-    while (!stop_.load(std::memory_order_acquire)) {
+    while (!stop_.load(std::memory_order_acquire) && !faulted_.load(std::memory_order_acquire)) {
       FlushOverflow();
-      if (!commands_.Pop(&cmd, kPollSliceNs)) continue;
+      const RingResult got = commands_.Pop(&cmd, kPollSliceNs);
+      if (got == RingResult::kCorrupt) return Fault(commands_.error());
+      if (got != RingResult::kOk) continue;
       ApplyPending();
       Handle(cmd);
     }
+  }
+
+  // The client broke the wire rules: its session ends (on the session layer's
+  // thread); until then nothing more is read from or written to its rings.
+  void Fault(const std::string& why) {
+    if (faulted_.exchange(true)) return;
+    spdlog::warn("session {}: {}; ending it", session_id_, why);
+    if (on_fault_) on_fault_(session_id_, why);
   }
 
   void ApplyPending() {
@@ -242,7 +255,10 @@ class AdamWSessionPlane {
   }
 
   void Reject(Opcode op, uint64_t seq, uint64_t param_id, uint64_t step, const std::string& why) {
-    spdlog::warn("session {}: rejected command: {}", session_id_, why);
+    if (uint64_t dropped = 0; log_limit_.Allow(&dropped)) {
+      spdlog::warn("session {}: rejected command: {}{}", session_id_, why,
+                   dropped == 0 ? "" : " (" + std::to_string(dropped) + " more not logged)");
+    }
     CompletionRecord rec{};
     rec.opcode = op;
     rec.status = CompletionStatus::kInvalid;
@@ -256,21 +272,39 @@ class AdamWSessionPlane {
   // See Note [Completions never block a worker].
   void Complete(const CompletionRecord& rec) {
     std::lock_guard<std::mutex> lock(completion_mu_);
-    if (overflow_.empty() && completions_.TryPush(&rec)) return;
+    if (faulted_.load(std::memory_order_acquire)) return;
+    if (overflow_.empty()) {
+      const RingResult r = completions_.TryPush(rec);
+      if (r == RingResult::kOk) return;
+      if (r == RingResult::kCorrupt) return Fault(completions_.error());
+    }
+    if (overflow_.size() >= kMaxQueuedCompletions) {
+      return Fault("the client left " + std::to_string(overflow_.size()) +
+                   " completions undrained (at most " + std::to_string(kMaxQueuedCompletions) +
+                   " wait in the daemon)");
+    }
     overflow_.push_back(rec);
   }
 
   void FlushOverflow() {
     std::lock_guard<std::mutex> lock(completion_mu_);
-    while (!overflow_.empty() && completions_.TryPush(&overflow_.front())) overflow_.pop_front();
+    while (!overflow_.empty()) {
+      const RingResult r = completions_.TryPush(overflow_.front());
+      if (r == RingResult::kCorrupt) return Fault(completions_.error());
+      if (r != RingResult::kOk) return;
+      overflow_.pop_front();
+    }
   }
 
   const uint64_t session_id_;
   const RegionResolver resolver_;
   optimizer::WorkerPool* const pool_;
-  RingView commands_;     // consumed by thread_ only
-  RingView completions_;  // produced under completion_mu_
+  const SessionFaultFn on_fault_;
+  CommandConsumer commands_;        // consumed by thread_ only
+  CompletionProducer completions_;  // produced under completion_mu_
   std::atomic<bool> stop_{false};
+  std::atomic<bool> faulted_{false};  // set once, by Fault
+  LogLimiter log_limit_;
 
   std::mutex pending_mu_;  // guards pending_, options_, have_options_
   std::vector<ParamBinding> pending_;
@@ -293,7 +327,8 @@ class AdamWSessionPlane {
 struct OptimizerService::Impl {
   explicit Impl(unsigned threads) : pool(optimizer::WorkerPoolOptions{threads, false}) {}
   optimizer::WorkerPool pool;
-  std::mutex mu;  // guards sessions
+  SessionFaultFn on_fault;  // set before sessions start
+  std::mutex mu;            // guards sessions
   std::unordered_map<uint64_t, std::unique_ptr<AdamWSessionPlane>> sessions;
 };
 
@@ -311,9 +346,14 @@ OptimizerService::~OptimizerService() {
   sessions.clear();  // joins each session thread before the pool goes away
 }
 
-void OptimizerService::StartSession(uint64_t session_id, void* control, RegionResolver resolver) {
-  auto plane =
-      std::make_unique<AdamWSessionPlane>(session_id, control, std::move(resolver), &impl_->pool);
+void OptimizerService::SetFaultHandler(SessionFaultFn on_fault) {
+  impl_->on_fault = std::move(on_fault);
+}
+
+void OptimizerService::StartSession(uint64_t session_id, const ControlRings& rings,
+                                    RegionResolver resolver) {
+  auto plane = std::make_unique<AdamWSessionPlane>(session_id, rings, std::move(resolver),
+                                                   &impl_->pool, impl_->on_fault);
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->sessions[session_id] = std::move(plane);
 }

@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "client_rings.h"
 #include "trainstream/wire/session_control.h"
 
 namespace trainstream::optimizer {
@@ -62,9 +63,13 @@ class OptimizerService {
   OptimizerService(const OptimizerService&) = delete;
   OptimizerService& operator=(const OptimizerService&) = delete;
 
-  // Starts serving `session_id`'s rings. `control` is the daemon's mapping of
-  // the session control region (SessionControlHeader at its start).
-  void StartSession(uint64_t session_id, void* control, RegionResolver resolver);
+  // Where a session that breaks the wire rules (client_rings.h) is reported.
+  // Set once, before any session starts.
+  void SetFaultHandler(SessionFaultFn on_fault);
+
+  // Starts serving `session_id`'s rings, laid out as `rings` says (the daemon's
+  // copy, see Note [Rings a client can write]).
+  void StartSession(uint64_t session_id, const ControlRings& rings, RegionResolver resolver);
 
   // Adds parameters to a started session (RegisterParameters). The moments and
   // master are initialised by the worker threads (first touch), master from the

@@ -1,10 +1,14 @@
 #include "session_registry.h"
 
+#include <poll.h>
 #include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
 
+#include "client_memory_guard.h"
 #include "group_registry.h"
 #include "param_layout.h"
 #include "token.h"
@@ -51,22 +55,77 @@ uint64_t Session::BytesHeld() {
 SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
                                  OptimizerService* optimizer)
     : config_(config), budget_(budget), optimizer_(optimizer) {
+  if (std::string err = ClientMemoryGuard::Install(); !err.empty())
+    spdlog::error("cannot guard client memory (Note [Client pages can vanish]): {}", err);
 #ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
   if (optimizer_ != nullptr) {
+    SessionFaultFn on_fault = [this](uint64_t id, const std::string& why) { EndLater(id, why); };
+    optimizer_->SetFaultHandler(on_fault);
     groups_ = std::make_unique<GroupRegistry>(
         [this](uint32_t kind, uint64_t bytes, const std::string& what, const SegmentOwner& owner,
                std::unique_ptr<ShmSegment>* out) {
           return CreateSegment(owner, kind, bytes, what, out);
         },
         [this](std::unique_ptr<ShmSegment> seg) { DropSegment(std::move(seg)); },
-        optimizer_->pool());
+        optimizer_->pool(), on_fault);
   }
 #endif
+  reaper_wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  reaper_ = std::thread([this] { ReaperLoop(); });
 }
 
 SessionRegistry::~SessionRegistry() {
+  {
+    std::lock_guard<std::mutex> lock(reap_mu_);
+    reaper_stop_ = true;
+  }
+  uint64_t one = 1;
+  ssize_t ignored = write(reaper_wake_fd_, &one, sizeof(one));
+  (void)ignored;
+  reaper_.join();
+  close(reaper_wake_fd_);
   EndAll("daemon exiting");
   groups_.reset();  // before the budget and segments' owners go
+}
+
+void SessionRegistry::EndLater(uint64_t session_id, const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(reap_mu_);
+    reap_queue_.emplace_back(session_id, reason);
+  }
+  uint64_t one = 1;
+  ssize_t ignored = write(reaper_wake_fd_, &one, sizeof(one));
+  (void)ignored;
+}
+
+void SessionRegistry::ReaperLoop() {
+  const int guard_fd = ClientMemoryGuard::FaultEventFd();
+  for (;;) {
+    pollfd fds[2] = {{reaper_wake_fd_, POLLIN, 0}, {guard_fd, POLLIN, 0}};
+    if (poll(fds, guard_fd >= 0 ? 2 : 1, -1) < 0 && errno != EINTR) return;
+    uint64_t v;
+    ssize_t ignored = read(reaper_wake_fd_, &v, sizeof(v));
+    (void)ignored;
+    std::vector<std::pair<uint64_t, std::string>> work;
+    {
+      std::lock_guard<std::mutex> lock(reap_mu_);
+      if (reaper_stop_) return;
+      work.swap(reap_queue_);
+    }
+    // Note [Client pages can vanish] (client_memory_guard.h).
+    for (uint64_t owner : ClientMemoryGuard::TakeFaults()) {
+      if (owner == 0) {
+        spdlog::warn(
+            "a base segment's file was truncated under the daemon; its pages read as "
+            "zeros until the base is dropped");
+        continue;
+      }
+      work.emplace_back(owner,
+                        "a shared-memory segment of this session was truncated while the daemon "
+                        "used it; the daemon's copy of it is gone");
+    }
+    for (auto& [id, why] : work) End(id, why, true);
+  }
 }
 
 void SessionRegistry::SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
@@ -189,18 +248,22 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
   if (!st.ok()) return st;
   // SessionControlHeader, then the command ring, then the completion ring.
   char* base = seg->base() + wire::kSegmentHeaderBytes;
+  // Note [Rings a client can write]: the layout is kept here and never read back.
+  s->rings.control = base;
+  s->rings.command_offset = AlignUp(sizeof(wire::SessionControlHeader), 64);
+  s->rings.completion_offset = RingOffsetAfter(
+      s->rings.command_offset, wire::RingBytes(kRingCapacity, sizeof(wire::CommandRecord)));
+  s->rings.capacity = kRingCapacity;
   auto* h = new (base) wire::SessionControlHeader();
   h->magic = wire::kSessionControlMagic;
   h->version = wire::kSessionControlVersion;
   h->session_id = s->id;
-  h->command_ring_offset = AlignUp(sizeof(wire::SessionControlHeader), 64);
-  h->completion_ring_offset = RingOffsetAfter(
-      h->command_ring_offset, wire::RingBytes(kRingCapacity, sizeof(wire::CommandRecord)));
+  h->command_ring_offset = s->rings.command_offset;
+  h->completion_ring_offset = s->rings.completion_offset;
   h->total_bytes = control_bytes;
   h->closing.store(0);
-  wire::RingView::Initialize(base + h->command_ring_offset, kRingCapacity,
-                             sizeof(wire::CommandRecord));
-  wire::RingView::Initialize(base + h->completion_ring_offset, kRingCapacity,
+  wire::RingView::Initialize(s->rings.command_ring(), kRingCapacity, sizeof(wire::CommandRecord));
+  wire::RingView::Initialize(s->rings.completion_ring(), kRingCapacity,
                              sizeof(wire::CompletionRecord));
 
   {
@@ -237,14 +300,9 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
       if (offset > r.length || bytes > r.length - offset) return nullptr;
       return r.segment->base() + r.offset + offset;
     };
-    void* control = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(s->mu);
-      control = s->regions.at(s->control_region_id).segment->base() + wire::kSegmentHeaderBytes;
-    }
     if (!s->group.empty()) {
       // A group member's rings are served by its group's plane, not its own.
-      GroupJoiner joiner{s->id, creds.pid, creds.uid, s->job, control, std::move(resolver)};
+      GroupJoiner joiner{s->id, creds.pid, creds.uid, s->job, s->rings, std::move(resolver)};
       grpc::Status st = groups_->Join(joiner, req.group());
       if (!st.ok()) {
         End(s->id, "could not join its group", true);
@@ -252,7 +310,7 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
       }
     } else {
       std::lock_guard<std::mutex> lock(s->mu);
-      optimizer_->StartSession(s->id, control, std::move(resolver));
+      optimizer_->StartSession(s->id, s->rings, std::move(resolver));
       s->optimizer_started = true;
     }
   }
@@ -308,7 +366,17 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool c
   if (unwatch_pid_) unwatch_pid_(session_id);
   {
     std::lock_guard<std::mutex> lock(s->stream_mu);
-    if (cancel_stream && s->context != nullptr) s->context->TryCancel();
+    if (cancel_stream && s->context != nullptr) {
+      // The reason reaches the client (Session::alive) before the stream closes.
+      if (s->stream != nullptr) {
+        v1::SessionEvent event;
+        event.mutable_notice()->set_kind(v1::DaemonNotice::KIND_SESSION_ENDED);
+        event.mutable_notice()->set_message("session " + std::to_string(session_id) +
+                                            " ended by the daemon: " + reason);
+        s->stream->Write(event);
+      }
+      s->context->TryCancel();
+    }
     s->context = nullptr;
     s->stream = nullptr;
   }
@@ -318,14 +386,12 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool c
   {
     // Tell a client blocked on its completion ring (and the optimizer's
     // consumer of the command ring) that the session is going away.
+    // Note [Rings a client can write]: the daemon's copy of the layout.
     std::lock_guard<std::mutex> rlock(s->regions_mu);
-    auto it = s->regions.find(s->control_region_id);
-    if (it != s->regions.end()) {
-      char* base = it->second.segment->base() + wire::kSegmentHeaderBytes;
-      auto* h = reinterpret_cast<wire::SessionControlHeader*>(base);
-      h->closing.store(1, std::memory_order_release);
-      wire::RingView(base + h->command_ring_offset).WakeConsumer();
-      wire::RingView(base + h->completion_ring_offset).WakeConsumer();
+    if (s->regions.count(s->control_region_id) != 0) {
+      s->rings.header()->closing.store(1, std::memory_order_release);
+      WakeRing(s->rings.command_ring());
+      WakeRing(s->rings.completion_ring());
     }
   }
 #ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
@@ -497,6 +563,17 @@ grpc::Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegio
   std::lock_guard<std::mutex> lock(s.mu);
   if (s.closed)
     return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+  {
+    std::lock_guard<std::mutex> rlock(s.regions_mu);
+    if (s.regions.size() + s.retired.size() >= kMaxRegionsPerSession) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "session " + std::to_string(s.id) + " holds " +
+                              std::to_string(s.regions.size() + s.retired.size()) +
+                              " regions, the most one session may (" +
+                              std::to_string(kMaxRegionsPerSession) +
+                              "); free some (FreeRegion) or use fewer, larger ones");
+    }
+  }
   const uint64_t total = wire::kSegmentHeaderBytes + AlignUp(req.bytes(), kPage);
   std::unique_ptr<ShmSegment> seg;
   grpc::Status st =

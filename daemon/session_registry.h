@@ -8,6 +8,10 @@
 //   Session::regions_mu   guards the region table (read by the optimizer's
 //                         RegionResolver on its own threads, which never take mu)
 //   Session::stream_mu    guards the stream/context pointers (notices, cancel)
+//
+// A session that breaks the wire rules (a corrupt ring, a truncated segment) is
+// reported from the thread that found it through EndLater(), which never blocks;
+// the reaper thread ends it with End() and tells the client why.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -21,9 +25,12 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "budget.h"
+#include "client_rings.h"
 #include "config.h"
 #include "peer_credentials.h"
 #include "shm_segment.h"
@@ -39,6 +46,9 @@ using SessionStream = grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionMess
 // Ring geometry of a session's control region (session_control.h).
 inline constexpr uint64_t kRingCapacity = 4096;
 inline constexpr uint64_t kMaxControlBytes = 64ull << 20;
+// Most regions one session may hold at once (each is a segment and a mapping:
+// the machine's vm.max_map_count is shared by every session).
+inline constexpr size_t kMaxRegionsPerSession = 4096;
 uint64_t MinControlBytes();
 
 // One region of a session: a whole segment handed out as (segment, offset, length).
@@ -66,6 +76,7 @@ class Session {
   std::string group;  // data-parallel group key ("" when none)
   std::chrono::steady_clock::time_point started;
   uint64_t control_region_id = 0;
+  ControlRings rings;  // the control region's layout, as the daemon wrote it
 
   std::mutex mu;
   bool closed = false;             // Guarded by mu.
@@ -120,6 +131,9 @@ class SessionRegistry {
   void End(uint64_t session_id, const std::string& reason, bool cancel_stream);
   // Ends every session (daemon shutdown), without cancelling streams.
   void EndAll(const std::string& reason);
+  // End(session_id, reason, true) soon, on the reaper thread. Never blocks:
+  // for the data plane's threads (SessionFaultFn).
+  void EndLater(uint64_t session_id, const std::string& reason);
 
   grpc::Status RegisterParameters(Session& s, const v1::RegisterParametersRequest& req,
                                   v1::RegisterParametersResponse* resp);
@@ -141,6 +155,7 @@ class SessionRegistry {
                      uint64_t length, bool client_freeable);
   void DropSegment(std::unique_ptr<ShmSegment> seg);
   void FillRegion(const SessionRegion& r, v1::Region* out) const;
+  void ReaperLoop();
 
   const DaemonConfig config_;
   Budget* const budget_;
@@ -157,6 +172,12 @@ class SessionRegistry {
   uint64_t next_session_id_ = 1;                           // Guarded by mu_.
   std::atomic<uint64_t> next_region_id_{1};
   std::atomic<uint64_t> pinned_bytes_{0};
+
+  std::mutex reap_mu_;
+  std::vector<std::pair<uint64_t, std::string>> reap_queue_;  // Guarded by reap_mu_.
+  bool reaper_stop_ = false;                                  // Guarded by reap_mu_.
+  int reaper_wake_fd_ = -1;                                   // eventfd
+  std::thread reaper_;  // last: started once every member above exists
 };
 
 }  // namespace trainstream::daemon

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -13,9 +14,36 @@
 #include <new>
 
 #include "budget.h"
+#include "client_memory_guard.h"
 #include "token.h"
+#include "trainstream/v1/control.pb.h"
 
 namespace trainstream::daemon {
+
+namespace {
+
+// The "system.posix_acl_access" value granting `uid` read access to a file
+// owned by root (the kernel's xattr ACL format, version 2: entries of tag,
+// permission and id): user::r, user:<uid>:r, group::-, mask::r, other::-.
+std::string ReadOnlyAclFor(uid_t uid) {
+  struct Entry {
+    uint16_t tag, perm;
+    uint32_t id;
+  };
+  constexpr uint16_t kUserObj = 0x01, kUser = 0x02, kGroupObj = 0x04, kMask = 0x10, kOther = 0x20;
+  constexpr uint32_t kUndefined = 0xffffffffu;
+  const uint32_t version = 2;
+  const Entry entries[] = {{kUserObj, 4, kUndefined},
+                           {kUser, 4, static_cast<uint32_t>(uid)},
+                           {kGroupObj, 0, kUndefined},
+                           {kMask, 4, kUndefined},
+                           {kOther, 0, kUndefined}};
+  std::string value(reinterpret_cast<const char*>(&version), sizeof(version));
+  value.append(reinterpret_cast<const char*>(entries), sizeof(entries));
+  return value;
+}
+
+}  // namespace
 
 bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* total_bytes) {
   struct statvfs st {};
@@ -46,15 +74,11 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
   }
   // The file is ours now: from here on, destroying `seg` unlinks it.
   seg->path_ = path;
+  seg->share_uid_ = owner.uid;
   auto fail = [&](grpc::Status s) {
     close(fd);
     return s;
   };
-  if (geteuid() == 0 && owner.uid != 0 && fchown(fd, owner.uid, static_cast<gid_t>(-1)) != 0) {
-    return fail(grpc::Status(grpc::StatusCode::INTERNAL, "fchown " + seg->path_ + " to uid " +
-                                                             std::to_string(owner.uid) + ": " +
-                                                             std::strerror(errno)));
-  }
   int rc = posix_fallocate(fd, 0, static_cast<off_t>(total_bytes));
   if (rc != 0) {
     uint64_t free_bytes = 0, fs_total = 0;
@@ -72,13 +96,18 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
     return fail(grpc::Status(grpc::StatusCode::INTERNAL, msg));
   }
   void* base = mmap(nullptr, total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  const int map_err = errno;
-  close(fd);
   if (base == MAP_FAILED) {
-    return grpc::Status(grpc::StatusCode::INTERNAL,
-                        "mmap " + seg->path_ + ": " + std::strerror(map_err));
+    return fail(grpc::Status(grpc::StatusCode::INTERNAL,
+                             "mmap " + seg->path_ + ": " + std::strerror(errno)));
   }
   seg->base_ = base;
+  // Before the first access, and before any client can open the file.
+  seg->guard_ = ClientMemoryGuard::Register(base, total_bytes, owner.session_id);
+  if (seg->guard_ < 0) {
+    return fail(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                             "the daemon holds " + std::to_string(ClientMemoryGuard::kMaxRanges) +
+                                 " segments, its limit; free regions or end sessions"));
+  }
   if (lock) seg->locked_ = mlock(base, total_bytes) == 0;
 
   auto* h = new (base) wire::SegmentHeader();
@@ -95,9 +124,35 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
   std::strncpy(h->job, owner.job.c_str(), sizeof(h->job) - 1);
   h->rank = owner.rank;
   h->local_rank = owner.local_rank;
+  // Note [Who may open a segment]: only session segments become the client's.
+  if (kind == v1::SEGMENT_KIND_SESSION && geteuid() == 0 && owner.uid != 0 &&
+      fchown(fd, owner.uid, static_cast<gid_t>(-1)) != 0) {
+    return fail(grpc::Status(grpc::StatusCode::INTERNAL, "fchown " + seg->path_ + " to uid " +
+                                                             std::to_string(owner.uid) + ": " +
+                                                             std::strerror(errno)));
+  }
+  close(fd);
   *out = std::move(seg);
   return grpc::Status::OK;
 }
+
+std::string ShmSegment::ShareReadOnly() {
+  // Note [Why base segments are read-only] (wire/base_manifest.h).
+  if (geteuid() == 0 && share_uid_ != 0) {
+    const std::string acl = ReadOnlyAclFor(share_uid_);
+    if (chmod(path_.c_str(), 0440) == 0 &&
+        setxattr(path_.c_str(), "system.posix_acl_access", acl.data(), acl.size(), 0) == 0) {
+      return "";
+    }
+    // No ACLs here: the old way, the owner's own file at 0400.
+    if (chown(path_.c_str(), share_uid_, static_cast<gid_t>(-1)) != 0)
+      return "chown " + path_ + ": " + std::strerror(errno);
+  }
+  if (chmod(path_.c_str(), 0400) != 0) return "chmod 0400 " + path_ + ": " + std::strerror(errno);
+  return "";
+}
+
+bool ShmSegment::faulted() const { return ClientMemoryGuard::Faulted(guard_); }
 
 void ShmSegment::Unlink() {
   if (unlinked_ || path_.empty()) return;
@@ -109,6 +164,7 @@ ShmSegment::~ShmSegment() {
   // A segment whose creation failed before mmap still has a file to remove.
   Unlink();
   if (base_ != nullptr) {
+    ClientMemoryGuard::Unregister(guard_);
     if (locked_) munlock(base_, size_);
     munmap(base_, size_);
   }

@@ -3,7 +3,22 @@
 // 0600, owned by the attaching user when the daemon runs as root, sized with
 // posix_fallocate (so a full /dev/shm fails here, not with SIGBUS later), a
 // SegmentHeader at offset 0 and data after kSegmentHeaderBytes. The daemon maps
-// it MAP_SHARED (prefaulted) for its whole life.
+// it MAP_SHARED (prefaulted) for its whole life, registered with
+// ClientMemoryGuard from before its first access to after its last (Note [Client
+// pages can vanish]).
+//
+// Note [Who may open a segment]. With a daemon running as root and a client of
+// another uid, only the kinds a client must map are opened to it:
+//   session  chowned to the client: it maps it read-write;
+//   state    stays root's, 0600: masters and moments reach a client only through
+//            kExportState copies, so no client can write or truncate them;
+//   base     stays root's; ShareReadOnly() grants the owning uid read access
+//            through a POSIX ACL (user:<uid>:r--), so the client can map it but
+//            not chmod, write or truncate it. Where the file system has no ACLs
+//            the base is chowned to the client at 0400, as before (it can then
+//            chmod its own base back; the daemon survives that, see the guard).
+// A daemon that is not root (embedded mode) runs as its only user, so every
+// file is that user's; the guard still keeps the daemon alive.
 //
 // Ownership: the ShmSegment owns the file and the mapping; destroying it unmaps
 // and unlinks. It does not touch the budget: callers reserve before Create and
@@ -47,6 +62,14 @@ class ShmSegment {
   // Removes the file now (the mapping stays until destruction). Idempotent.
   void Unlink();
 
+  // Bases, once filled: makes the file read-only for good and readable by the
+  // owner's uid (Note [Who may open a segment]). Returns "" or what failed.
+  std::string ShareReadOnly();
+
+  // True once a client truncated the file under the daemon's mapping (the
+  // mapping holds zeros since; ClientMemoryGuard).
+  bool faulted() const;
+
   const std::string& name() const { return name_; }
   const std::string& path() const { return path_; }
   uint64_t size() const { return size_; }
@@ -64,6 +87,8 @@ class ShmSegment {
   void* base_ = nullptr;
   bool locked_ = false;
   bool unlinked_ = false;
+  int guard_ = -1;  // ClientMemoryGuard handle of the mapping
+  uid_t share_uid_ = 0;
 };
 
 // Free and total bytes of the filesystem holding `dir` (statvfs); false on error.

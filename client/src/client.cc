@@ -165,7 +165,8 @@ void Session::Impl::ReadEvents() {
     const auto& n = event.notice();
     std::lock_guard<std::mutex> lock(mu);
     why = n.message();
-    if (n.kind() == v1::DaemonNotice::KIND_SHUTDOWN) {
+    if (n.kind() == v1::DaemonNotice::KIND_SHUTDOWN ||
+        n.kind() == v1::DaemonNotice::KIND_SESSION_ENDED) {
       alive = false;
       // Close our side so the daemon's handler finishes promptly.
       stream_context.TryCancel();

@@ -15,9 +15,25 @@
 //   raw_free <region_id> [session_id] [token]
 //   fill <region_id> <byte>          memset a region this client allocated
 //   alive | wait_dead <timeout_ms> | detach | quit
+//
+// Hostile commands (tests/python/test_hostile.py): what an attached client can
+// do to memory it shares with the daemon.
+//   poke <offset> <u64>              write a u64 into the control region (offset from
+//                                    its SessionControlHeader)
+//   peek <offset>                    read one
+//   post <json>                      push one CommandRecord on the command ring as a
+//                                    well-behaved producer (fields as in session_control.h)
+//   flood <n>                        push n zeroed records (opcode 0), waiting for room,
+//                                    never draining completions
+//   truncate <segment> <bytes>       ftruncate a file in the shm dir (O_RDWR open)
+//   try_open <segment> <r|rw>        open a segment file; reports errno
+//   try_chmod <segment> <octal>      chmod a segment file; reports errno
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +48,8 @@
 
 #include "trainstream/client.h"
 #include "trainstream/v1/control.grpc.pb.h"
+#include "trainstream/wire/ring.h"
+#include "trainstream/wire/session_control.h"
 
 using nlohmann::json;
 
@@ -231,6 +249,74 @@ json Run(State& st, const std::string& line) {
     }
     bool alive = st.session->alive(&why);
     return {{"ok", !alive}, {"alive", alive}, {"why", why}};
+  }
+  if (cmd == "poke" || cmd == "peek") {
+    uint64_t offset = 0, value = 0;
+    in >> offset >> value;
+    auto& c = st.session->control();
+    if (offset + 8 > c.size()) return {{"ok", false}, {"code", "CLIENT"}, {"message", "offset"}};
+    auto* word = reinterpret_cast<uint64_t*>(static_cast<char*>(c.data()) + offset);
+    if (cmd == "poke") *reinterpret_cast<volatile uint64_t*>(word) = value;
+    return {{"ok", true}, {"value", *reinterpret_cast<volatile uint64_t*>(word)}};
+  }
+  if (cmd == "post" || cmd == "flood") {
+    using trainstream::wire::CommandRecord;
+    auto* h = static_cast<trainstream::wire::SessionControlHeader*>(st.session->control().data());
+    trainstream::wire::RingView ring(static_cast<char*>(st.session->control().data()) +
+                                     h->command_ring_offset);
+    CommandRecord rec{};
+    uint64_t n = 1;
+    if (cmd == "post") {
+      std::string rest;
+      std::getline(in, rest);
+      json j = json::parse(rest);
+      rec.opcode = static_cast<trainstream::wire::Opcode>(j.value("opcode", 0u));
+      rec.seq = j.value("seq", 0ull);
+      rec.param_id = j.value("param_id", 0ull);
+      rec.step = j.value("step", 0ull);
+      rec.lr = j.value("lr", 0.0);
+      rec.beta1 = j.value("beta1", 0.9);
+      rec.beta2 = j.value("beta2", 0.999);
+      rec.eps = j.value("eps", 1e-8);
+      rec.field = static_cast<trainstream::wire::StateField>(j.value("field", 0u));
+      rec.region_id = j.value("region_id", 0ull);
+      rec.region_offset = j.value("region_offset", 0ull);
+      rec.bytes = j.value("bytes", 0ull);
+    } else {
+      in >> n;
+    }
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    uint64_t pushed = 0;
+    while (pushed < n && std::chrono::steady_clock::now() < end && st.session->alive(nullptr)) {
+      if (ring.TryPush(&rec)) {
+        ++pushed;
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    return {{"ok", pushed == n}, {"pushed", pushed}};
+  }
+  if (cmd == "truncate" || cmd == "try_open" || cmd == "try_chmod") {
+    std::string name, arg;
+    in >> name >> arg;
+    const std::string path = st.session->shm_dir() + "/" + name;
+    int rc = 0;
+    if (cmd == "try_chmod") {
+      rc = chmod(path.c_str(), static_cast<mode_t>(std::stoul(arg, nullptr, 8)));
+    } else {
+      const int flags = cmd == "truncate" || arg == "rw" ? O_RDWR : O_RDONLY;
+      int fd = open(path.c_str(), flags | O_CLOEXEC);
+      rc = fd;
+      if (fd >= 0) {
+        if (cmd == "truncate") rc = ftruncate(fd, static_cast<off_t>(std::stoull(arg)));
+        close(fd);
+      }
+    }
+    if (rc < 0) {
+      return {
+          {"ok", false}, {"code", "ERRNO"}, {"errno", errno}, {"message", std::strerror(errno)}};
+    }
+    return {{"ok", true}};
   }
   if (cmd == "detach") {
     st.regions.clear();

@@ -41,6 +41,11 @@ struct FakeRank {
     completions = RingView::Initialize(memory + 64 + ring, kCapacity, sizeof(CompletionRecord));
   }
   ~FakeRank() { std::free(memory); }
+  // The daemon's copy of the layout (client_rings.h).
+  ControlRings rings() const {
+    const size_t ring = wire::RingBytes(kCapacity, sizeof(CommandRecord));
+    return ControlRings{memory, 64, 64 + ring, kCapacity};
+  }
   FakeRank(const FakeRank&) = delete;
   FakeRank& operator=(const FakeRank&) = delete;
 
@@ -91,8 +96,8 @@ struct Fixture {
     b.rank_grads = {g0.data(), g1.data()};
     b.sum_slot = sum.data();
     std::vector<GroupMemberRings> members;
-    members.push_back({0, 1, rank[0].memory, nullptr});
-    members.push_back({1, 2, rank[1].memory, nullptr});
+    members.push_back({0, 1, rank[0].rings(), nullptr});
+    members.push_back({1, 2, rank[1].rings(), nullptr});
     GroupPlaneOptions o;
     o.name = "test";
     o.world_size = 2;

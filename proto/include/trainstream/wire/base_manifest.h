@@ -25,8 +25,10 @@
 // Note [Why base segments are read-only]: one base is shared by every session of
 // its owner (and stays cached after they end), so a stray write by one process
 // would silently corrupt every other process's weights. The daemon therefore
-// chmods the file to 0400 once it is filled, and clients map it PROT_READ (and
-// register it with cudaHostRegisterReadOnly).
+// makes the file read-only once it is filled (root's, readable by the owner
+// through an ACL, when the daemon runs as root: Note [Who may open a segment] in
+// daemon/shm_segment.h), and clients map it PROT_READ (and register it with
+// cudaHostRegisterReadOnly).
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,169 @@
+// The daemon's ends of a session's two rings (trainstream/wire/ring.h). The
+// client maps the same pages read-write, so everything in them is hostile input.
+//
+// Note [Rings a client can write]. A RingView trusts the shared header: it
+// re-reads the counter it owns and believes any distance between head and tail.
+// A client that moves them can make the daemon replay stale records forever
+// (tail = head + 2^40) or never see room on its completion ring (head > tail),
+// and a client that rewrites the control header's ring offsets can aim the
+// daemon's writes anywhere. So the daemon's endpoints:
+//   - take the ring's place and geometry from daemon memory (ControlRings, filled
+//     in when the daemon laid the region out; never read back from the header);
+//   - keep their own counter (the consumer's head, the producer's tail) in daemon
+//     memory, and only publish it; the peer's counter is the one thing read;
+//   - check the distance on every access: 0 <= tail - head <= capacity, else the
+//     ring is corrupt, the call reports kCorrupt with a message, and the caller
+//     ends the session (SessionFaultFn). A corrupt ring is never touched again.
+// The futex word and the sleeper count stay shared: a client that scribbles on
+// them can at worst cost itself a wakeup, since every wait is bounded.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <string>
+
+#include "trainstream/wire/ring.h"
+#include "trainstream/wire/session_control.h"
+
+namespace trainstream::daemon {
+
+// Ends a session from any thread without blocking: the data plane's way to say
+// that a client broke the rules (the session layer ends it on its own thread).
+using SessionFaultFn = std::function<void(uint64_t session_id, const std::string& why)>;
+
+// Where a session's rings live, as the daemon laid them out at attach.
+struct ControlRings {
+  char* control = nullptr;  // the daemon's mapping of the control region
+  uint64_t command_offset = 0;
+  uint64_t completion_offset = 0;
+  uint64_t capacity = 0;  // records per ring, a power of two
+
+  wire::SessionControlHeader* header() const {
+    return reinterpret_cast<wire::SessionControlHeader*>(control);
+  }
+  wire::RingHeader* command_ring() const {
+    return reinterpret_cast<wire::RingHeader*>(control + command_offset);
+  }
+  wire::RingHeader* completion_ring() const {
+    return reinterpret_cast<wire::RingHeader*>(control + completion_offset);
+  }
+};
+
+enum class RingResult { kOk, kEmpty, kFull, kCorrupt };
+
+inline void WakeRing(wire::RingHeader* h) {
+  h->wake_seq.fetch_add(1, std::memory_order_release);
+  wire::FutexWake(&h->wake_seq);
+}
+
+// The consumer of a ring the client produces (the command ring).
+template <typename Record>
+class ClientRingConsumer {
+ public:
+  ClientRingConsumer() = default;
+  ClientRingConsumer(wire::RingHeader* header, uint64_t capacity)
+      : header_(header), capacity_(capacity) {}
+
+  // kOk (one record copied to *out), kEmpty or kCorrupt (see error()).
+  RingResult TryPop(Record* out) {
+    if (!error_.empty()) return RingResult::kCorrupt;
+    const uint64_t tail = header_->tail.load(std::memory_order_acquire);
+    const uint64_t pending = tail - head_;
+    if (pending == 0) return RingResult::kEmpty;
+    if (pending > capacity_) {
+      error_ = "command ring corrupt: tail " + std::to_string(tail) + " is not within " +
+               std::to_string(capacity_) + " records after head " + std::to_string(head_);
+      return RingResult::kCorrupt;
+    }
+    std::memcpy(static_cast<void*>(out), Slot(head_), sizeof(Record));
+    ++head_;
+    header_->head.store(head_, std::memory_order_release);
+    return RingResult::kOk;
+  }
+
+  // As TryPop, but waits up to `timeout_ns` for a record (spinning briefly
+  // first: a command should cross in well under 10 us).
+  RingResult Pop(Record* out, int64_t timeout_ns) {
+    for (int spin = 0; spin < 2000; ++spin) {
+      RingResult r = TryPop(out);
+      if (r != RingResult::kEmpty) return r;
+    }
+    const timespec ts{static_cast<time_t>(timeout_ns / 1000000000), timeout_ns % 1000000000};
+    header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = header_->wake_seq.load(std::memory_order_acquire);
+    RingResult r = TryPop(out);
+    if (r == RingResult::kEmpty) {
+      wire::FutexWait(&header_->wake_seq, seen, &ts);
+      r = TryPop(out);
+    }
+    header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    return r;
+  }
+
+  void Wake() { WakeRing(header_); }
+  const std::string& error() const { return error_; }
+
+ private:
+  const void* Slot(uint64_t counter) const {
+    return reinterpret_cast<const char*>(header_ + 1) +
+           (counter & (capacity_ - 1)) * sizeof(Record);
+  }
+
+  wire::RingHeader* header_ = nullptr;
+  uint64_t capacity_ = 0;
+  uint64_t head_ = 0;  // ours: the shared copy is only written
+  std::string error_;
+};
+
+// The producer of a ring the client consumes (the completion ring).
+template <typename Record>
+class ClientRingProducer {
+ public:
+  ClientRingProducer() = default;
+  ClientRingProducer(wire::RingHeader* header, uint64_t capacity)
+      : header_(header), capacity_(capacity) {}
+
+  // kOk, kFull or kCorrupt (see error()).
+  RingResult TryPush(const Record& rec) {
+    if (!error_.empty()) return RingResult::kCorrupt;
+    const uint64_t head = header_->head.load(std::memory_order_acquire);
+    const uint64_t used = tail_ - head;
+    if (used > capacity_) {
+      error_ = "completion ring corrupt: head " + std::to_string(head) + " is not within " +
+               std::to_string(capacity_) + " records before tail " + std::to_string(tail_);
+      return RingResult::kCorrupt;
+    }
+    if (used == capacity_) return RingResult::kFull;
+    std::memcpy(Slot(tail_), static_cast<const void*>(&rec), sizeof(Record));
+    ++tail_;
+    header_->tail.store(tail_, std::memory_order_release);
+    header_->wake_seq.fetch_add(1, std::memory_order_release);
+    if (header_->sleepers.load(std::memory_order_seq_cst) != 0) wire::FutexWake(&header_->wake_seq);
+    return RingResult::kOk;
+  }
+
+  const std::string& error() const { return error_; }
+
+ private:
+  void* Slot(uint64_t counter) const {
+    return reinterpret_cast<char*>(header_ + 1) + (counter & (capacity_ - 1)) * sizeof(Record);
+  }
+
+  wire::RingHeader* header_ = nullptr;
+  uint64_t capacity_ = 0;
+  uint64_t tail_ = 0;  // ours: the shared copy is only written
+  std::string error_;
+};
+
+using CommandConsumer = ClientRingConsumer<wire::CommandRecord>;
+using CompletionProducer = ClientRingProducer<wire::CompletionRecord>;
+
+// Most completions one session may have waiting in daemon memory for room on
+// its ring (Note [Completions never block a worker]): 8 MiB. A client that
+// stops draining its ring past this is ended, not buffered for.
+inline constexpr size_t kMaxQueuedCompletions = size_t{1} << 16;
+
+}  // namespace trainstream::daemon
