@@ -71,10 +71,19 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
   options.path = req->path();
   options.format = req->format();
   options.block_size = req->block_size();
-  // Progress at most every 100 ms (and the last one); a cancelled call stops the load.
+  // Progress at most every 100 ms (and the last one). The load stops when the
+  // client goes away (the call is cancelled), the daemon shuts down, or the
+  // session it loads for ends: why, in `stopped`.
   auto last_sent = std::chrono::steady_clock::now() - std::chrono::seconds(1);
+  const char* stopped = nullptr;
   auto progress = [&](const base::LoadProgress& p) {
-    if (ctx->IsCancelled() || state_->shutting_down.load()) return false;
+    if (state_->shutting_down.load()) stopped = "the daemon is shutting down";
+    if (ctx->IsCancelled()) stopped = "the client went away";
+    if (session && stopped == nullptr) {
+      std::lock_guard<std::mutex> lock(session->mu);
+      if (session->closed) stopped = "its session ended";
+    }
+    if (stopped != nullptr) return false;
     state_->Touch();  // a long load is activity (embedded mode's idle exit)
     const auto now = std::chrono::steady_clock::now();
     if (p.tensors_total == 0 ||
@@ -93,6 +102,10 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
   };
   base::BaseInfo info;
   grpc::Status st = bases_->Load(creds, options, session ? session->id : 0, progress, &info);
+  if (st.error_code() == grpc::StatusCode::CANCELLED && stopped != nullptr) {
+    st = grpc::Status(grpc::StatusCode::CANCELLED,
+                      std::string(base::kLoadCancelled) + ": " + stopped + " (nothing was kept)");
+  }
   if (!st.ok()) {
     spdlog::info("LoadBase of '{}' by uid {} pid {} refused: {}", options.path.substr(0, 256),
                  creds.uid, creds.pid, st.error_message());

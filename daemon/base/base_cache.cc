@@ -88,7 +88,8 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
   ModelSources sources;
   st = OpenModelAsCaller(caller, options.path, &sources);
   if (!st.ok()) return st;
-  st = PlanBase(sources, &plan);
+  // Planning parses every header: a long one stops when `progress` says so.
+  st = PlanBase(sources, &plan, [&] { return progress && !progress(LoadProgress{}); });
   if (!st.ok()) return st;
   const std::string key = MakeKey(plan, caller.uid);
 
@@ -110,9 +111,7 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
       lock.unlock();  // the callback may block on the client: never under mu_
       const bool go_on = !progress || progress(LoadProgress{});
       lock.lock();
-      if (!go_on) {
-        return grpc::Status(grpc::StatusCode::CANCELLED, "base load cancelled by the client");
-      }
+      if (!go_on) return grpc::Status(grpc::StatusCode::CANCELLED, kLoadCancelled);
     }
     Entry& e = entries_[key];
     e.state = Entry::State::kLoading;

@@ -96,7 +96,10 @@ class BaseCache {
   ~BaseCache();
 
   // Loads `options.path` for `caller` (or finds it cached). With `session_id` != 0
-  // the session takes a reference. `progress` may return false to cancel.
+  // the session takes a reference. `progress` may return false to cancel: it is
+  // polled while headers are parsed (with an empty LoadProgress), after each
+  // tensor and between the pieces of a large one. A cancelled load gives back
+  // its budget and segment and returns CANCELLED (base_loader.h).
   grpc::Status Load(const PeerCredentials& caller, const BaseLoadOptions& options,
                     uint64_t session_id, const std::function<bool(const LoadProgress&)>& progress,
                     BaseInfo* out);

@@ -25,6 +25,12 @@ grpc::Status Invalid(const std::string& msg) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
 }
 
+grpc::Status Cancelled() { return grpc::Status(grpc::StatusCode::CANCELLED, kLoadCancelled); }
+
+// Reads are split into pieces this large so that a cancelled load stops within
+// one piece (tens of ms) even in a multi-GB tensor.
+constexpr uint64_t kReadPiece = 64ull << 20;
+
 uint64_t Mix(uint64_t h, uint64_t v) {
   // FNV-1a over the 8 bytes of v.
   for (int i = 0; i < 8; ++i) {
@@ -56,11 +62,13 @@ bool IsFloat(SafetensorsDType d) {
 }
 
 // Reads exactly `bytes` at `offset`; an error names the file and the tensor.
+// `cancelled` is polled between pieces.
 grpc::Status ReadFully(const SourceFile& f, const std::string& tensor, uint64_t offset,
-                       uint64_t bytes, char* dst) {
+                       uint64_t bytes, char* dst, const CancelCheck& cancelled) {
   uint64_t done = 0;
   while (done < bytes) {
-    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(bytes - done, 1ull << 30));
+    if (done != 0 && cancelled && cancelled()) return Cancelled();
+    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(bytes - done, kReadPiece));
     const ssize_t r = pread(f.fd, dst + done, chunk, static_cast<off_t>(offset + done));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
@@ -140,17 +148,29 @@ bool IsBlockLinearWeight(const SafetensorsTensor& t) {
   return false;
 }
 
-grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan) {
+grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan, const CancelCheck& cancelled) {
   plan->tensors.clear();
   plan->source_bytes = 0;
   plan->quantized_tensors = 0;
+  // Remembers that `cancelled` fired, so a parse it stopped reads as CANCELLED.
+  bool fired = false;
+  const CancelCheck check = [&] { return fired = fired || (cancelled && cancelled()); };
   uint64_t h = Mix(0xcbf29ce484222325ull, sources.files.size());
   std::map<std::string, std::string> seen;  // tensor -> file
   for (size_t i = 0; i < sources.files.size(); ++i) {
     const SourceFile& f = sources.files[i];
+    if (check()) return Cancelled();
     SafetensorsHeader header;
-    std::string err = ReadSafetensorsHeader(f.fd, f.path, &header);
+    std::string err = ReadSafetensorsHeader(f.fd, f.path, &header, check);
+    if (fired) return Cancelled();
     if (!err.empty()) return Invalid(err);
+    if (plan->tensors.size() + header.tensors.size() > kMaxTensors) {
+      return Invalid(sources.path + ": the shards list more than " + std::to_string(kMaxTensors) +
+                     " tensors together (" +
+                     std::to_string(plan->tensors.size() + header.tensors.size()) +
+                     " up to and including " + f.path + "; accepted: at most " +
+                     std::to_string(kMaxTensors) + " per checkpoint)");
+    }
     h = Mix(h, f.st.st_dev);
     h = Mix(h, f.st.st_ino);
     h = Mix(h, static_cast<uint64_t>(f.st.st_size));
@@ -193,6 +213,7 @@ grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan) {
   }
   if (plan->tensors.empty()) return Invalid(sources.path + ": the checkpoint holds no tensors");
   plan->identity_hash = h;
+  if (check()) return Cancelled();
 
   // Layout: header page, manifest, then the tensors (64-byte aligned).
   uint64_t cursor = 0;
@@ -292,13 +313,15 @@ grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const s
   LoadProgress p;
   p.bytes_total = plan.source_bytes;
   p.tensors_total = static_cast<uint32_t>(plan.tensors.size());
+  const CancelCheck cancelled = [&] { return progress && !progress(p); };
   *scratch_peak = 0;
   std::unique_ptr<char[]> scratch;
   uint64_t scratch_bytes = 0;
   for (const auto& t : plan.tensors) {
     const SourceFile& f = sources.files[t.file];
     if (!t.quantized) {
-      grpc::Status st = ReadFully(f, t.src.name, t.src.begin, t.src.bytes(), segment + t.offset);
+      grpc::Status st =
+          ReadFully(f, t.src.name, t.src.begin, t.src.bytes(), segment + t.offset, cancelled);
       if (!st.ok()) return st;
     } else {
       // Source bytes, plus an fp32 copy for F16 (the kernels read fp32 or bf16).
@@ -316,7 +339,8 @@ grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const s
         scratch_bytes = need;
         *scratch_peak = std::max(*scratch_peak, need);
       }
-      grpc::Status st = ReadFully(f, t.src.name, t.src.begin, t.src.bytes(), scratch.get());
+      grpc::Status st =
+          ReadFully(f, t.src.name, t.src.begin, t.src.bytes(), scratch.get(), cancelled);
       if (!st.ok()) return st;
       const int64_t bad = FirstNonFinite(t, scratch.get());
       if (bad >= 0) {
@@ -350,9 +374,7 @@ grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const s
     }
     p.bytes_read += t.src.bytes();
     p.tensors_done += 1;
-    if (progress && !progress(p)) {
-      return grpc::Status(grpc::StatusCode::CANCELLED, "base load cancelled by the client");
-    }
+    if (progress && !progress(p)) return Cancelled();
   }
   return grpc::Status::OK;
 }

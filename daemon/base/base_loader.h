@@ -9,6 +9,13 @@
 // segment; peak extra memory is the largest quantized tensor's source bytes (plus
 // an fp32 copy for F16 sources), reported as scratch_peak_bytes.
 //
+// Both can be cancelled: PlanBase polls its `cancelled` while it parses headers
+// (every few thousand JSON events) and between files; FillBase polls `progress`
+// after each tensor and between the 64 MiB pieces a large tensor is read in.
+// Quantizing one tensor is not interrupted (the largest takes well under a
+// second). A cancelled call returns CANCELLED with kLoadCancelled; the caller
+// frees what it reserved for the segment (BaseCache::Load does).
+//
 // Which tensors are quantized (when a format is asked): the block-stack linear
 // weights, i.e. 2-D F32/F16/BF16 tensors whose name ends in ".weight" and has a
 // numeric component ("model.layers.7.mlp.up_proj.weight"). Embeddings, norms and
@@ -60,6 +67,9 @@ struct LoadProgress {
   uint32_t tensors_total = 0;
 };
 
+// The message of the CANCELLED status PlanBase and FillBase return when stopped.
+inline constexpr const char* kLoadCancelled = "base load cancelled";
+
 // Parses `format` ("", "none", "int8", "nf4", "fp8", "nvfp4") and `block_size`
 // (0 takes 64); INVALID_ARGUMENT naming the field and the accepted values.
 grpc::Status ParseBaseFormat(const std::string& format, int64_t block_size, BasePlan* plan);
@@ -68,15 +78,18 @@ grpc::Status ParseBaseFormat(const std::string& format, int64_t block_size, Base
 bool IsBlockLinearWeight(const SafetensorsTensor& t);
 
 // Fills `plan` (whose format ParseBaseFormat set) from the opened files.
-grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan);
+// INVALID_ARGUMENT for a bad header or index, or more than kMaxTensors tensors
+// in all the files together; CANCELLED once `cancelled` (may be empty) is true.
+grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan,
+                      const CancelCheck& cancelled = nullptr);
 
 // The manifest JSON for `plan` (wire/base_manifest.h), `key` included.
 std::string BaseManifestJson(const BasePlan& plan, const std::string& key);
 
 // Writes the manifest and every tensor into `segment` (plan.total_bytes long,
-// SegmentHeader already written). `progress` is called after each tensor; when
-// it returns false the load stops with CANCELLED. `scratch_peak` receives the
-// largest scratch allocation.
+// SegmentHeader already written). `progress` is called after each tensor and
+// between the pieces of a large one; when it returns false the load stops with
+// CANCELLED. `scratch_peak` receives the largest scratch allocation.
 grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const std::string& key,
                       char* segment, const std::function<bool(const LoadProgress&)>& progress,
                       uint64_t* scratch_peak);

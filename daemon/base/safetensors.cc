@@ -38,53 +38,168 @@ uint64_t Fnv1a64(std::string_view bytes) {
   return h;
 }
 
-// Thrown from the parse callback to stop at the first structural problem.
-struct JsonShapeError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+// Builds the DOM of one JSON text and enforces what nlohmann's plain parser does
+// not: no duplicate keys (it would keep the last silently), at most
+// kMaxJsonDepth levels, and at most `max_entries` members of the root object
+// (`uncounted` aside). Fed by json::sax_parse.
+//
+// Why not json::parse with a callback: that parser, to drop discarded values,
+// rescans the parent object at every end_object, so a header of n tensors took
+// O(n^2) (issue 16: 32k tensors 4.8 s, 200k over a minute). Here each event is
+// O(log n) (one map lookup per key).
+//
+// Past the entry limit the DOM is no longer built: the rest of the root object
+// is only scanned to count its members, so the error can name the count.
+// `cancelled` (may be empty) is polled every kCancelPollEvents events.
+class StrictSax {
+ public:
+  StrictSax(json* root, uint64_t max_entries, std::string_view uncounted,
+            const CancelCheck& cancelled)
+      : root_(root), max_entries_(max_entries), uncounted_(uncounted), cancelled_(cancelled) {}
 
-// Parses `text` as JSON, refusing duplicate keys (nlohmann would keep the last
-// silently) and nesting deeper than kMaxJsonDepth. Returns "" or an error.
-std::string StrictParse(std::string_view text, json* out) {
-  std::vector<std::set<std::string>> keys;  // one set per open object
-  int depth = 0;
-  auto callback = [&](int, json::parse_event_t event, json& parsed) -> bool {
-    switch (event) {
-      case json::parse_event_t::object_start:
-      case json::parse_event_t::array_start:
-        if (++depth > kMaxJsonDepth) {
-          throw JsonShapeError("nesting deeper than " + std::to_string(kMaxJsonDepth) +
-                               " levels (a safetensors header is an object of objects of "
-                               "arrays)");
-        }
-        if (event == json::parse_event_t::object_start) keys.emplace_back();
-        break;
-      case json::parse_event_t::object_end:
-        --depth;
-        keys.pop_back();
-        break;
-      case json::parse_event_t::array_end:
-        --depth;
-        break;
-      case json::parse_event_t::key:
-        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second) {
-          throw JsonShapeError("duplicate key \"" + parsed.get<std::string>() + "\"");
-        }
-        break;
-      default:
-        break;
+  // "" after a complete parse, else why it stopped (parse errors throw instead).
+  const std::string& error() const { return error_; }
+  bool was_cancelled() const { return was_cancelled_; }
+  uint64_t entries() const { return entries_; }
+  // The root had more than max_entries members; entries() counts them all.
+  bool limit_hit() const { return limit_hit_; }
+
+  bool null() { return Value(nullptr); }
+  bool boolean(bool v) { return Value(v); }
+  bool number_integer(json::number_integer_t v) { return Value(v); }
+  bool number_unsigned(json::number_unsigned_t v) { return Value(v); }
+  bool number_float(json::number_float_t v, const json::string_t&) { return Value(v); }
+  bool string(json::string_t& v) { return Value(std::move(v)); }
+  bool binary(json::binary_t&) { return Fail("binary value"); }  // not in JSON text
+
+  bool start_object(std::size_t) { return Open(json::object()); }
+  bool start_array(std::size_t) { return Open(json::array()); }
+  bool end_object() { return Close(); }
+  bool end_array() { return Close(); }
+
+  bool key(json::string_t& k) {
+    if (!Tick()) return false;
+    const bool root_member = depth_ == 1;
+    if (root_member && max_entries_ != 0 && k != uncounted_ && ++entries_ > max_entries_) {
+      over_limit_ = true;  // from here on: count, build nothing
+    }
+    if (over_limit_) return true;
+    json& object = *open_.back();
+    if (object.contains(k)) return Fail("duplicate key \"" + k + "\"");
+    member_ = &object[std::move(k)];
+    return true;
+  }
+
+  // The parser's syntax errors: reported as before (json::exception).
+  template <class Exception>
+  bool parse_error(std::size_t, const std::string&, const Exception& ex) {
+    throw ex;
+  }
+
+ private:
+  static constexpr uint64_t kCancelPollEvents = 4096;
+
+  bool Tick() {
+    if (++events_ % kCancelPollEvents == 0 && cancelled_ && cancelled_()) {
+      was_cancelled_ = true;
+      return Fail("parse cancelled");
     }
     return true;
-  };
-  try {
-    *out = json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true,
-                       /*ignore_comments=*/false);
-  } catch (const JsonShapeError& e) {
-    return e.what();
-  } catch (const json::exception& e) {
-    return std::string("malformed JSON: ") + e.what();
   }
-  return "";
+
+  bool Fail(std::string why) {
+    error_ = std::move(why);
+    return false;  // sax_parse stops here
+  }
+
+  // Places `v` where the parser is: the root, the next array element or the
+  // member whose key came last. Returns where it went (null past the limit).
+  json* Place(json&& v) {
+    if (over_limit_) return nullptr;
+    if (open_.empty()) {
+      *root_ = std::move(v);
+      return root_;
+    }
+    json& parent = *open_.back();
+    if (parent.is_array()) {
+      parent.push_back(std::move(v));
+      return &parent.back();
+    }
+    *member_ = std::move(v);
+    return member_;
+  }
+
+  bool Value(json&& v) {
+    if (!Tick()) return false;
+    Place(std::move(v));
+    return true;
+  }
+
+  bool Open(json&& empty) {
+    if (!Tick()) return false;
+    if (++depth_ > kMaxJsonDepth) {
+      return Fail("nesting deeper than " + std::to_string(kMaxJsonDepth) +
+                  " levels (a safetensors header is an object of objects of arrays)");
+    }
+    json* placed = Place(std::move(empty));
+    if (placed != nullptr) open_.push_back(placed);
+    return true;
+  }
+
+  bool Close() {
+    if (!Tick()) return false;
+    --depth_;
+    if (over_limit_) {
+      if (depth_ > 0) return true;
+      // The root closed: every member is counted, nothing more to learn.
+      limit_hit_ = true;
+      return Fail("more than " + std::to_string(max_entries_) + " entries");
+    }
+    open_.pop_back();
+    return true;
+  }
+
+  json* const root_;
+  const uint64_t max_entries_;
+  const std::string_view uncounted_;
+  const CancelCheck& cancelled_;
+  std::vector<json*> open_;  // the objects and arrays being filled, innermost last
+  json* member_ = nullptr;   // the member the next value of the innermost object fills
+  int depth_ = 0;
+  uint64_t entries_ = 0;
+  uint64_t events_ = 0;
+  bool over_limit_ = false;  // past max_entries_: counting only
+  bool limit_hit_ = false;
+  bool was_cancelled_ = false;
+  std::string error_;
+};
+
+// What StrictParse found, beyond its error.
+struct StrictParseResult {
+  std::string error;  // "" when `out` holds the document
+  bool cancelled = false;
+  bool over_limit = false;
+  uint64_t entries = 0;  // root members counted (all of them when over_limit)
+};
+
+// Parses `text` as JSON under StrictSax's rules.
+StrictParseResult StrictParse(std::string_view text, json* out, uint64_t max_entries = 0,
+                              std::string_view uncounted = {},
+                              const CancelCheck& cancelled = nullptr) {
+  StrictParseResult r;
+  StrictSax sax(out, max_entries, uncounted, cancelled);
+  try {
+    json::sax_parse(text.begin(), text.end(), &sax, json::input_format_t::json,
+                    /*strict=*/true, /*ignore_comments=*/false);
+  } catch (const json::exception& e) {
+    r.error = std::string("malformed JSON: ") + e.what();
+    return r;
+  }
+  r.error = sax.error();
+  r.cancelled = sax.was_cancelled();
+  r.over_limit = sax.limit_hit();
+  r.entries = sax.entries();
+  return r;
 }
 
 std::string Quote(const std::string& s) {
@@ -206,7 +321,8 @@ uint64_t SafetensorsTensor::numel() const {
 }
 
 std::string ParseSafetensorsJson(const std::string& file_label, std::string_view text,
-                                 uint64_t file_size, SafetensorsHeader* out) {
+                                 uint64_t file_size, SafetensorsHeader* out,
+                                 const CancelCheck& cancelled) {
   *out = SafetensorsHeader();
   out->header_bytes = text.size();
   out->data_start = 8 + text.size();
@@ -218,8 +334,15 @@ std::string ParseSafetensorsJson(const std::string& file_label, std::string_view
   }
   const uint64_t data_bytes = file_size - out->data_start;
   json doc;
-  std::string err = StrictParse(text, &doc);
-  if (!err.empty()) return file_label + ": header: " + err;
+  const StrictParseResult parsed = StrictParse(text, &doc, kMaxTensors, "__metadata__", cancelled);
+  if (parsed.over_limit) {
+    return file_label + ": header: lists " + std::to_string(parsed.entries) +
+           " tensors, more than the " + std::to_string(kMaxTensors) +
+           " a checkpoint may hold (accepted: at most " + std::to_string(kMaxTensors) +
+           " tensors per file and in all shards together)";
+  }
+  if (!parsed.error.empty()) return file_label + ": header: " + parsed.error;
+  std::string err;
   if (!doc.is_object()) {
     return file_label + ": header: must be a JSON object of tensors, got " + doc.type_name();
   }
@@ -237,6 +360,9 @@ std::string ParseSafetensorsJson(const std::string& file_label, std::string_view
       continue;
     }
     if (name.empty()) return file_label + ": a tensor has an empty name";
+    if (out->tensors.size() % 4096 == 4095 && cancelled && cancelled()) {
+      return file_label + ": header: parse cancelled";
+    }
     SafetensorsTensor t;
     t.name = name;
     err = ParseTensor(file_label + ": tensor " + Quote(name), *it, data_bytes, &t);
@@ -310,7 +436,8 @@ std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t*
       file_label, std::string_view(reinterpret_cast<const char*>(data) + 8, n), size, out);
 }
 
-std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out) {
+std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out,
+                                  const CancelCheck& cancelled) {
   const off_t end = lseek(fd, 0, SEEK_END);
   if (end < 0) return file_label + ": cannot seek: " + std::strerror(errno);
   const uint64_t size = static_cast<uint64_t>(end);
@@ -330,18 +457,23 @@ std::string ReadSafetensorsHeader(int fd, const std::string& file_label, Safeten
     if (r <= 0) return file_label + ": cannot read the header: " + std::strerror(errno);
     done += static_cast<uint64_t>(r);
   }
-  return ParseSafetensorsJson(file_label, text, size, out);
+  return ParseSafetensorsJson(file_label, text, size, out, cancelled);
 }
 
 std::string ParseShardIndex(const std::string& file_label, std::string_view text, ShardIndex* out) {
   *out = ShardIndex();
   json doc;
-  std::string err = StrictParse(text, &doc);
+  const std::string err = StrictParse(text, &doc).error;
   if (!err.empty()) return file_label + ": " + err;
   if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
     return file_label +
            ": must be an object with a \"weight_map\" object (tensor name -> shard "
            "file name)";
+  }
+  if (doc["weight_map"].size() > kMaxTensors) {
+    return file_label + ": weight_map lists " + std::to_string(doc["weight_map"].size()) +
+           " tensors, more than the " + std::to_string(kMaxTensors) +
+           " a checkpoint may hold (accepted: at most " + std::to_string(kMaxTensors) + ")";
   }
   std::set<std::string> shards;
   for (auto it = doc["weight_map"].begin(); it != doc["weight_map"].end(); ++it) {

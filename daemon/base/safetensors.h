@@ -11,11 +11,16 @@
 // the file ends). Errors name the file, the tensor and what is wrong, and say
 // what is accepted.
 //
+// Parsing is linear in the header's size (a SAX parse; see StrictSax in the
+// .cc for why not nlohmann's callback parser), a header may list at most
+// kMaxTensors tensors, and a long parse can be cancelled (CancelCheck).
+//
 // No I/O beyond pread on a caller's fd, no gRPC: the fuzz target
 // (tests/fuzz/safetensors_fuzz.cc) links only this file and nlohmann-json.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -49,6 +54,20 @@ bool ParseSafetensorsDType(std::string_view name, SafetensorsDType* out);
 inline constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 inline constexpr int kMaxJsonDepth = 4;
 
+// The most tensors one file may list, and (base_loader.h) all the shards of a
+// checkpoint together. Real checkpoints stay far below: the most tensor-heavy
+// public ones (DeepSeek-V3 and Kimi-K2, FP8 weights each with its scale
+// tensor) hold about 92k and 140k in all, and single shards a few thousand.
+// The cap bounds what one LoadBase request costs the daemon: a header at the
+// cap parses in well under a second, into a few hundred MB of transient DOM
+// (docs/base-cache.md, "Limits").
+inline constexpr uint64_t kMaxTensors = 1ull << 18;  // 262144
+
+// Polled every few thousand JSON events while a header is parsed; once it
+// returns true the parse stops with an error ending in "parse cancelled". An
+// empty function never cancels. Must not block.
+using CancelCheck = std::function<bool()>;
+
 struct SafetensorsTensor {
   std::string name;
   SafetensorsDType dtype = SafetensorsDType::kF32;
@@ -71,7 +90,8 @@ struct SafetensorsHeader {
 // Parses a header whose JSON is `json` (N bytes) for a file of `file_size` bytes.
 // Returns "" on success, else an error that starts with `file_label`.
 std::string ParseSafetensorsJson(const std::string& file_label, std::string_view json,
-                                 uint64_t file_size, SafetensorsHeader* out);
+                                 uint64_t file_size, SafetensorsHeader* out,
+                                 const CancelCheck& cancelled = nullptr);
 
 // Treats `data[0, size)` as a whole safetensors file (the fuzz target's entry).
 std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data,
@@ -79,10 +99,12 @@ std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t*
 
 // Reads and parses the header of the open file `fd` (pread; the file offset is
 // not moved). `file_label` is the path shown in errors.
-std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out);
+std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out,
+                                  const CancelCheck& cancelled = nullptr);
 
 // A parsed `model.safetensors.index.json`: tensor name -> shard file name (a
-// plain file name in the same folder: no '/', not "." or "..").
+// plain file name in the same folder: no '/', not "." or ".."), at most
+// kMaxTensors entries.
 struct ShardIndex {
   std::map<std::string, std::string> weight_map;
   std::vector<std::string> shards;  // distinct file names, sorted

@@ -1,14 +1,21 @@
 // The safetensors header parser: good files parse, and each kind of bad file the
-// issue lists gives an error naming the file, the tensor and what is wrong.
+// issue lists gives an error naming the file, the tensor and what is wrong. Also
+// the tensor cap and cancellation of the parser and of the base loader.
 #include "safetensors.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <set>
 #include <string>
+#include <string_view>
+#include <vector>
 
+#include "base_loader.h"
 #include "catch_compat.h"
+#include "model_sources.h"
 
 using namespace trainstream::daemon::base;
 
@@ -155,4 +162,172 @@ TEST_CASE("The shard index maps tensors to plain file names", "[safetensors]") {
             "is not a file name in the model's folder"));
   CHECK(Has(ParseShardIndex("i.json", R"({"weight_map":{"a":3}})", &idx), "file name string"));
   CHECK(Has(ParseShardIndex("i.json", R"({"x":{}})", &idx), "\"weight_map\""));
+}
+
+namespace {
+
+// A header of `n` empty U8 tensors ("t0", "t1", ...), then one 4-byte tensor
+// "last" so the data area is not empty.
+std::string ManyTensors(uint64_t n, bool metadata = false) {
+  std::string json = metadata ? R"({"__metadata__":{"format":"pt"},)" : "{";
+  json.reserve(n * 56 + 128);
+  for (uint64_t i = 0; i < n; ++i) {
+    json += "\"t" + std::to_string(i) + R"(":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},)";
+  }
+  json += R"("last":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  return File(json, "abcd");
+}
+
+}  // namespace
+
+// Issue 16: a header of many tensors took quadratic time. The parse is now
+// linear (benchmarks/safetensors_header.py measures it); these pin the results
+// at and past the cap.
+TEST_CASE("A header at the tensor cap parses completely", "[safetensors]") {
+  SafetensorsHeader h;
+  REQUIRE(Parse(ManyTensors(kMaxTensors - 1, /*metadata=*/true), &h) == "");
+  REQUIRE(h.tensors.size() == kMaxTensors);
+  CHECK(h.metadata.at("format") == "pt");
+  // Sorted by offset: the empty tensors at 0 come before the one at [0, 4).
+  CHECK(h.tensors.back().name == "last");
+  CHECK(h.tensors.back().bytes() == 4);
+  std::set<std::string> names;
+  for (const auto& t : h.tensors) names.insert(t.name);
+  CHECK(names.size() == kMaxTensors);
+  CHECK(names.count("t0") == 1);
+  CHECK(names.count("t" + std::to_string(kMaxTensors - 2)) == 1);
+}
+
+TEST_CASE("A header over the tensor cap is refused with the count and the cap", "[safetensors]") {
+  SafetensorsHeader h;
+  const std::string e = Parse(ManyTensors(kMaxTensors + 99), &h);
+  CHECK(Has(e, "m.safetensors: header: lists " + std::to_string(kMaxTensors + 100) +
+                   " tensors, more than the " + std::to_string(kMaxTensors)));
+  CHECK(Has(e, "accepted: at most " + std::to_string(kMaxTensors) + " tensors per file"));
+  CHECK(h.tensors.empty());
+}
+
+TEST_CASE("Duplicate keys are refused inside a tensor too", "[safetensors]") {
+  SafetensorsHeader h;
+  auto e =
+      Parse(File(R"({"t":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}})", "a"), &h);
+  CHECK(Has(e, "header: duplicate key \"dtype\""));
+  e = Parse(File(R"({"__metadata__":{"a":"x","a":"y"}})", ""), &h);
+  CHECK(Has(e, "header: duplicate key \"a\""));
+}
+
+TEST_CASE("A parse stops once its CancelCheck says so", "[safetensors]") {
+  const std::string file = ManyTensors(20000);
+  const std::string_view json(file.data() + 8, file.size() - 8 - 4);
+  SafetensorsHeader h;
+  int polls = 0;
+  CHECK(ParseSafetensorsJson("m.safetensors", json, file.size(), &h, [&] {
+          ++polls;
+          return false;
+        }) == "");
+  CHECK(h.tensors.size() == 20001);
+  CHECK(polls > 10);  // polled all along the parse, not once
+  int left = 3;
+  const std::string e =
+      ParseSafetensorsJson("m.safetensors", json, file.size(), &h, [&] { return --left < 0; });
+  CHECK(e == "m.safetensors: header: parse cancelled");
+}
+
+TEST_CASE("A shard index over the tensor cap is refused", "[safetensors]") {
+  std::string json = R"({"weight_map":{)";
+  for (uint64_t i = 0; i <= kMaxTensors; ++i) {
+    json += (i ? ",\"t" : "\"t") + std::to_string(i) + R"(":"s.safetensors")";
+  }
+  json += "}}";
+  ShardIndex idx;
+  CHECK(Has(ParseShardIndex("i.json", json, &idx),
+            "i.json: weight_map lists " + std::to_string(kMaxTensors + 1) +
+                " tensors, more than the " + std::to_string(kMaxTensors)));
+}
+
+namespace {
+
+// Writes `file` to a temporary path and opens it as a checkpoint shard; the
+// file is unlinked at once (the fd keeps it).
+void AddShard(const std::string& file, ModelSources* sources, uint64_t sparse_tail = 0) {
+  char path[] = "/tmp/ts-shard-XXXXXX";
+  SourceFile f;
+  f.fd = mkstemp(path);
+  REQUIRE(f.fd >= 0);
+  f.path = path;
+  unlink(path);
+  REQUIRE(write(f.fd, file.data(), file.size()) == static_cast<ssize_t>(file.size()));
+  if (sparse_tail != 0)
+    REQUIRE(ftruncate(f.fd, static_cast<off_t>(file.size() + sparse_tail)) == 0);
+  REQUIRE(fstat(f.fd, &f.st) == 0);
+  sources->path = "/models/m";
+  sources->files.push_back(std::move(f));
+}
+
+}  // namespace
+
+TEST_CASE("PlanBase refuses more than the tensor cap over all shards", "[base_loader]") {
+  ModelSources sources;
+  AddShard(ManyTensors(kMaxTensors / 2), &sources);
+  AddShard(ManyTensors(kMaxTensors / 2), &sources);
+  BasePlan plan;
+  REQUIRE(ParseBaseFormat("none", 0, &plan).ok());
+  grpc::Status st = PlanBase(sources, &plan);
+  // Each shard alone is under the cap; together they are not. (The second
+  // repeats the first's names: the cap is checked before the names are.)
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(Has(st.error_message(), "/models/m: the shards list more than " +
+                                    std::to_string(kMaxTensors) + " tensors together"));
+}
+
+TEST_CASE("PlanBase and FillBase stop with CANCELLED when asked", "[base_loader]") {
+  ModelSources sources;
+  AddShard(ManyTensors(20000), &sources);
+  BasePlan plan;
+  REQUIRE(ParseBaseFormat("none", 0, &plan).ok());
+  int left = 2;
+  grpc::Status st = PlanBase(sources, &plan, [&] { return --left < 0; });
+  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
+  CHECK(st.error_message() == kLoadCancelled);
+  REQUIRE(PlanBase(sources, &plan).ok());
+
+  // Cancelled after the first tensor.
+  std::vector<char> segment(plan.total_bytes);
+  uint64_t peak = 0;
+  std::vector<uint32_t> done;
+  st = FillBase(
+      sources, plan, "k", segment.data(),
+      [&](const LoadProgress& p) {
+        done.push_back(p.tensors_done);
+        return false;
+      },
+      &peak);
+  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
+  CHECK(done == std::vector<uint32_t>{1});
+}
+
+TEST_CASE("FillBase polls between the pieces of a large tensor", "[base_loader]") {
+  // One U8 tensor of 64 MiB + 4 bytes, read in two pieces (the data is a hole).
+  const uint64_t bytes = (64ull << 20) + 4;
+  ModelSources sources;
+  AddShard(File(R"({"big":{"dtype":"U8","shape":[)" + std::to_string(bytes) +
+                    R"(],"data_offsets":[0,)" + std::to_string(bytes) + "]}}",
+                ""),
+           &sources, bytes);
+  BasePlan plan;
+  REQUIRE(ParseBaseFormat("none", 0, &plan).ok());
+  REQUIRE(PlanBase(sources, &plan).ok());
+  std::vector<char> segment(plan.total_bytes);
+  uint64_t peak = 0;
+  std::vector<LoadProgress> seen;
+  grpc::Status st = FillBase(
+      sources, plan, "k", segment.data(),
+      [&](const LoadProgress& p) {
+        seen.push_back(p);
+        return false;
+      },
+      &peak);
+  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
+  REQUIRE(seen.size() == 1);
+  CHECK(seen[0].tensors_done == 0);  // mid-tensor
 }
