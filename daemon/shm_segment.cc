@@ -1,5 +1,6 @@
 #include "shm_segment.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -10,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <new>
 
@@ -21,6 +23,8 @@
 namespace trainstream::daemon {
 
 namespace {
+
+std::string g_segment_tag;  // set once at startup (SetSegmentTag)
 
 // The "system.posix_acl_access" value granting `uid` read access to a file
 // owned by root (the kernel's xattr ACL format, version 2: entries of tag,
@@ -45,6 +49,49 @@ std::string ReadOnlyAclFor(uid_t uid) {
 
 }  // namespace
 
+void SetSegmentTag(const std::string& tag) { g_segment_tag = tag; }
+
+std::string SegmentTagFor(const std::string& socket_path) {
+  uint32_t h = 2166136261u;  // FNV-1a: stable across builds and machines
+  for (unsigned char c : socket_path) h = (h ^ c) * 16777619u;
+  char buf[9];
+  std::snprintf(buf, sizeof(buf), "%08x", h);
+  return buf;
+}
+
+ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag) {
+  ReclaimResult out;
+  const std::string prefix = "trainstream-" + tag + "-";
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) {
+    out.error = "opendir " + dir + ": " + std::strerror(errno);
+    return out;
+  }
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string path = dir + "/" + name;
+    int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) continue;  // a symlink or gone: not ours to follow
+    struct stat st {};
+    wire::SegmentHeader h{};
+    const bool regular = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+    const bool has_header =
+        regular && pread(fd, &h, sizeof(h), 0) == sizeof(h) && h.magic == wire::kSegmentMagic;
+    close(fd);
+    if (!regular) continue;
+    if (unlink(path.c_str()) != 0) {
+      if (out.error.empty()) out.error = "unlink " + path + ": " + std::strerror(errno);
+      continue;
+    }
+    ++out.files;
+    out.bytes += static_cast<uint64_t>(st.st_size);
+    if (has_header && h.kind == v1::SEGMENT_KIND_STATE) ++out.state_segments;
+  }
+  closedir(d);
+  return out;
+}
+
 bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* total_bytes) {
   struct statvfs st {};
   if (statvfs(dir.c_str(), &st) != 0) return false;
@@ -60,7 +107,8 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
     return grpc::Status(grpc::StatusCode::INTERNAL, "segment smaller than its header");
   }
   std::unique_ptr<ShmSegment> seg(new ShmSegment());
-  seg->name_ = "trainstream-" + RandomHex(16);
+  // Note [Segments outlive a crashed daemon].
+  seg->name_ = "trainstream-" + (g_segment_tag.empty() ? "" : g_segment_tag + "-") + RandomHex(16);
   const std::string path = dir + "/" + seg->name_;
   seg->size_ = total_bytes;
   seg->kind_ = kind;

@@ -91,6 +91,30 @@ class ShmSegment {
   uid_t share_uid_ = 0;
 };
 
+// Note [Segments outlive a crashed daemon]. A daemon killed by SIGKILL or the
+// OOM killer cannot unlink its files, and /dev/shm keeps them until reboot. So
+// every segment's name carries its daemon's tag, a hash of the socket path
+// ("trainstream-<tag>-<random>"): a daemon that took the socket's lock file (no
+// other daemon serves that socket) removes every file with its tag before it
+// serves, whoever held them. The lock file records the pid and shm dir of the
+// daemon holding it, so the one that follows knows where to look.
+
+// Sets the tag of every segment this process creates from now on (once, at
+// startup, before any segment exists). "" (the default) gives untagged names.
+void SetSegmentTag(const std::string& tag);
+// The tag for a daemon serving `socket_path`: 8 hex digits.
+std::string SegmentTagFor(const std::string& socket_path);
+
+struct ReclaimResult {
+  uint64_t files = 0;
+  uint64_t bytes = 0;
+  uint64_t state_segments = 0;  // optimizer state among them (lost: recovery is issue 21)
+  std::string error;            // first failure, if any (the rest still ran)
+};
+// Removes every regular file in `dir` named "trainstream-<tag>-*". Reads each
+// one's header with pread (never a mapping: a client may have truncated it).
+ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag);
+
 // Free and total bytes of the filesystem holding `dir` (statvfs); false on error.
 bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* total_bytes);
 
