@@ -71,15 +71,17 @@ ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag) {
     const std::string name = e->d_name;
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
     const std::string path = dir + "/" + name;
-    int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-    if (fd < 0) continue;  // a symlink or gone: not ours to follow
+    // lstat, not the file: the systemd unit's root lacks CAP_DAC_OVERRIDE, so a
+    // client's 0600 session segment may not open, but it still unlinks
+    // (CAP_FOWNER in the sticky /dev/shm).
     struct stat st {};
+    if (lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
     wire::SegmentHeader h{};
-    const bool regular = fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-    const bool has_header =
-        regular && pread(fd, &h, sizeof(h), 0) == sizeof(h) && h.magic == wire::kSegmentMagic;
-    close(fd);
-    if (!regular) continue;
+    bool has_header = false;
+    if (int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK); fd >= 0) {
+      has_header = pread(fd, &h, sizeof(h), 0) == sizeof(h) && h.magic == wire::kSegmentMagic;
+      close(fd);
+    }
     if (unlink(path.c_str()) != 0) {
       if (out.error.empty()) out.error = "unlink " + path + ": " + std::strerror(errno);
       continue;
