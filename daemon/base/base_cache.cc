@@ -88,6 +88,8 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
   ModelSources sources;
   st = OpenModelAsCaller(caller, options.path, &sources);
   if (!st.ok()) return st;
+  spdlog::debug("base load for uid {} pid {}: reading the headers of {} files", caller.uid,
+                caller.pid, sources.files.size());
   // Planning parses every header: a long one stops when `progress` says so.
   st = PlanBase(sources, &plan, [&] { return progress && !progress(LoadProgress{}); });
   if (!st.ok()) return st;
