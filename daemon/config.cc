@@ -164,6 +164,10 @@ grpc::Status ParseConfigText(const std::string& text, const std::string& origin,
       s = ParseBytes(value, field, &n);
       if (s.ok() && n == 0) s = Invalid(field + ": must be > 0");
       if (s.ok()) config->max_region_bytes = n;
+    } else if (key == "max_connections_per_uid") {
+      s = ParseUnsigned(value, field, &n);
+      if (s.ok() && n > 1000000) s = Invalid(field + ": at most 1000000 (0: no cap)");
+      if (s.ok()) config->max_connections_per_uid = static_cast<uint32_t>(n);
     } else if (key == "lock_memory") {
       s = ParseBool(value, field, &config->lock_memory);
     } else {

@@ -21,6 +21,7 @@ struct DaemonConfig {
   std::string allow_group;                 // members may use the daemon
   std::string admin_group;                 // members may also shut it down
   uint64_t max_region_bytes = 1ull << 40;  // per AllocateRegion request
+  uint32_t max_connections_per_uid = 64;   // open connections one uid may hold; 0: no cap
   bool lock_memory = true;                 // mlock() segments (counted as pinned)
   bool foreground = false;
 };

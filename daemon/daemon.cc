@@ -26,6 +26,7 @@
 #include "budget.h"
 #include "control_service.h"
 #include "daemon_state.h"
+#include "log_limiter.h"
 #include "peer_credentials.h"
 #include "pid_watcher.h"
 #include "session_registry.h"
@@ -108,15 +109,24 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) return refuse("cannot start the gRPC server");
 
-  listener->Start(server.get(), [&policy, &peers](int fd, const PeerCredentials& raw) {
+  LogLimiter not_allowed_log;
+  const uint32_t max_per_uid = config.max_connections_per_uid;
+  listener->Start(server.get(), [&, max_per_uid](int fd, const PeerCredentials& raw) {
     PeerCredentials creds = raw;
     policy.Apply(&creds);
+    // Note [Accepting under a connection flood] (unix_listener.h).
+    uint32_t live = 0;
+    if (!peers.Admit(fd, creds, max_per_uid, &live)) {
+      return "uid " + std::to_string(creds.uid) + " already holds " + std::to_string(live) +
+             " connections (max_connections_per_uid = " + std::to_string(max_per_uid) + ")";
+    }
     // Refused peers still get a channel: their every call is answered with
     // PERMISSION_DENIED (ControlService::Authorize), which tells them why.
-    if (!creds.allowed)
-      spdlog::warn("connection from uid {} pid {}: not allowed", creds.uid, creds.pid);
-    peers.Set(fd, creds);
-    return true;
+    if (uint64_t dropped = 0; !creds.allowed && not_allowed_log.Allow(&dropped)) {
+      spdlog::warn("connection from uid {} pid {}: not allowed{}", creds.uid, creds.pid,
+                   dropped == 0 ? "" : " (" + std::to_string(dropped) + " more not logged)");
+    }
+    return std::string();
   });
   spdlog::info("trainstreamd {} ready: socket={} shm_dir={} budget={} ({} bytes) workers={} pid={}",
                kDaemonVersion, config.socket_path, config.shm_dir, HumanBytes(budget_bytes),

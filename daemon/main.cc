@@ -5,11 +5,13 @@
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -69,6 +71,28 @@ bool Daemonize(int* exit_code) {
   return false;
 }
 
+// Each connection and each segment holds an fd, and the soft limit is often
+// 1024 under a hard limit of 512Ki: take what we may (Note [Accepting under a
+// connection flood] in unix_listener.h).
+void RaiseOpenFileLimit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  if (lim.rlim_cur >= lim.rlim_max) {
+    spdlog::info("open-file limit {} (the hard limit)", static_cast<uint64_t>(lim.rlim_cur));
+    return;
+  }
+  const rlim_t old_soft = lim.rlim_cur;
+  lim.rlim_cur = lim.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &lim) != 0) {
+    spdlog::warn("cannot raise the open-file limit from {} to {}: {}",
+                 static_cast<uint64_t>(old_soft), static_cast<uint64_t>(lim.rlim_max),
+                 std::strerror(errno));
+    return;
+  }
+  spdlog::info("raised the open-file limit from {} to the hard limit {}",
+               static_cast<uint64_t>(old_soft), static_cast<uint64_t>(lim.rlim_max));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -78,6 +102,7 @@ int main(int argc, char** argv) {
   std::string config_path, socket, budget, log_level, shm_dir, allow_group, admin_group, log_file;
   unsigned threads = 0;
   uint64_t idle_exit = 0;
+  uint32_t max_connections_per_uid = 0;
   bool foreground = false;
   app.add_option("--config", config_path, "Config file (key = value lines; docs/daemon.md)");
   app.add_option("--socket", socket,
@@ -96,6 +121,9 @@ int main(int argc, char** argv) {
   app.add_option("--allow-group", allow_group, "Members of this group may use the daemon");
   app.add_option("--admin-group", admin_group,
                  "Members of this group may also shut the daemon down");
+  app.add_option("--max-connections-per-uid", max_connections_per_uid,
+                 "Open connections one uid may hold; more are closed at once (default 64; 0: "
+                 "no cap)");
   // A flag given twice takes the last value (wrappers append overrides).
   for (CLI::Option* opt : app.get_options())
     opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -117,11 +145,15 @@ int main(int argc, char** argv) {
   if (app.count("--idle-exit") != 0) config.idle_exit_s = idle_exit;
   if (!allow_group.empty()) config.allow_group = allow_group;
   if (!admin_group.empty()) config.admin_group = admin_group;
+  if (app.count("--max-connections-per-uid") != 0)
+    config.max_connections_per_uid = max_connections_per_uid;
   config.foreground = foreground;
   {
     // Check the merged values once more so a bad flag is reported like a bad file.
     DaemonConfig check = config;
-    std::string text = "budget = " + config.budget + "\nlog_level = " + config.log_level + "\n";
+    std::string text =
+        "budget = " + config.budget + "\nlog_level = " + config.log_level +
+        "\nmax_connections_per_uid = " + std::to_string(config.max_connections_per_uid) + "\n";
     grpc::Status s = trainstream::daemon::ParseConfigText(text, "command line", &check);
     if (!s.ok()) {
       std::fprintf(stderr, "trainstreamd: %s\n", s.error_message().c_str());
@@ -152,6 +184,7 @@ int main(int argc, char** argv) {
   logger->set_level(spdlog::level::from_str(config.log_level));
   logger->flush_on(spdlog::level::info);
   spdlog::set_default_logger(logger);
+  RaiseOpenFileLimit();
 
   return trainstream::daemon::RunDaemon(config, sfd, ReportReady);
 }

@@ -2,6 +2,7 @@
 
 #include <grp.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -79,8 +80,53 @@ void AccessPolicy::Apply(PeerCredentials* c) const {
 }
 
 void PeerTable::Set(int fd, const PeerCredentials& creds) {
+  uint32_t ignored = 0;
+  Admit(fd, creds, 0, &ignored);
+}
+
+bool PeerTable::Admit(int fd, const PeerCredentials& creds, uint32_t max_per_uid, uint32_t* live) {
+  struct stat st {};
+  const bool identified = fstat(fd, &st) == 0;
   std::lock_guard<std::mutex> lock(mu_);
-  by_fd_[fd] = creds;
+  // The number may still name a connection gRPC closed: that entry goes first.
+  if (auto it = by_fd_.find(fd); it != by_fd_.end()) {
+    --recorded_[it->second.creds.uid];
+    by_fd_.erase(it);
+  }
+  if (max_per_uid != 0 && recorded_[creds.uid] >= max_per_uid) {
+    *live = PruneAndCountLocked(creds.uid);
+    if (*live >= max_per_uid) return false;
+  }
+  Entry& e = by_fd_[fd];
+  e.creds = creds;
+  e.dev = identified ? st.st_dev : 0;
+  e.ino = identified ? st.st_ino : 0;
+  *live = ++recorded_[creds.uid];
+  return true;
+}
+
+uint32_t PeerTable::PruneAndCountLocked(uid_t uid) {
+  uint32_t count = 0;
+  for (auto it = by_fd_.begin(); it != by_fd_.end();) {
+    if (it->second.creds.uid != uid) {
+      ++it;
+      continue;
+    }
+    struct stat st {};
+    if (fstat(it->first, &st) == 0 && st.st_dev == it->second.dev && st.st_ino == it->second.ino) {
+      ++count;
+      ++it;
+    } else {
+      it = by_fd_.erase(it);
+    }
+  }
+  recorded_[uid] = count;
+  return count;
+}
+
+uint32_t PeerTable::LiveConnections(uid_t uid) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return PruneAndCountLocked(uid);
 }
 
 bool PeerTable::Lookup(const std::string& peer, PeerCredentials* out) const {
@@ -93,7 +139,7 @@ bool PeerTable::Lookup(const std::string& peer, PeerCredentials* out) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = by_fd_.find(static_cast<int>(fd));
   if (it == by_fd_.end()) return false;
-  *out = it->second;
+  *out = it->second.creds;
   return true;
 }
 

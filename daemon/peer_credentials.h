@@ -50,16 +50,40 @@ class AccessPolicy {
   gid_t allow_gid_ = 0, admin_gid_ = 0;
 };
 
-// fd number -> credentials of the connection on it. Thread-safe.
+// fd number -> credentials of the connection on it, and how many connections
+// each uid holds. Thread-safe.
+//
+// Note [Counting connections gRPC owns]: gRPC closes an accepted fd itself, and
+// tells nobody. So Admit() records the socket's identity (st_dev, st_ino) with
+// its fd, and a count prunes every entry whose fd no longer names that socket
+// (fstat fails: closed; another inode: the number was reused by a file). The
+// accept thread is the only one that admits, so an fd cannot be reused by a new
+// connection between the prune and the overwrite. Counting costs one fstat per
+// connection of that uid (~0.3 us each), and runs only when the uid's recorded
+// count has reached the cap.
 class PeerTable {
  public:
+  // Records `fd` for `creds` unless creds.uid already holds `max_per_uid` live
+  // connections (0: no cap). False (nothing recorded) when over the cap; then
+  // *live is that uid's count.
+  bool Admit(int fd, const PeerCredentials& creds, uint32_t max_per_uid, uint32_t* live);
   void Set(int fd, const PeerCredentials& creds);
   // Looks up a ServerContext::peer() string ("fd:12"). False when unknown.
   bool Lookup(const std::string& peer, PeerCredentials* out) const;
+  // Live connections of `uid` (prunes closed ones first).
+  uint32_t LiveConnections(uid_t uid);
 
  private:
+  struct Entry {
+    PeerCredentials creds;
+    dev_t dev = 0;
+    ino_t ino = 0;
+  };
+  uint32_t PruneAndCountLocked(uid_t uid);
+
   mutable std::mutex mu_;
-  std::unordered_map<int, PeerCredentials> by_fd_;  // Guarded by mu_.
+  std::unordered_map<int, Entry> by_fd_;          // Guarded by mu_.
+  std::unordered_map<uid_t, uint32_t> recorded_;  // Guarded by mu_: entries per uid
 };
 
 }  // namespace trainstream::daemon

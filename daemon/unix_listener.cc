@@ -7,19 +7,24 @@
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 
+#include "log_limiter.h"
 #include "peer_credentials.h"
 
 namespace trainstream::daemon {
 namespace {
+
+constexpr int kListenBacklog = 128;
 
 grpc::Status Fail(grpc::StatusCode code, const std::string& msg) { return grpc::Status(code, msg); }
 
@@ -125,10 +130,11 @@ grpc::Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
   if (chmod(path.c_str(), mode) != 0) {
     return Fail(grpc::StatusCode::INTERNAL, "chmod " + path + ": " + std::strerror(errno));
   }
-  if (listen(l->listen_fd_, 128) != 0) {
+  if (listen(l->listen_fd_, kListenBacklog) != 0) {
     return Fail(grpc::StatusCode::INTERNAL, "listen " + path + ": " + std::strerror(errno));
   }
   l->stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  l->reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
   *out = std::move(l);
   return grpc::Status::OK;
 }
@@ -138,37 +144,92 @@ void UnixListener::Start(grpc::Server* server, OnAccept on_accept) {
 }
 
 void UnixListener::AcceptLoop(grpc::Server* server, OnAccept on_accept) {
-  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+  // Note [Accepting under a connection flood].
+  LogLimiter out_of_fds_log(3, std::chrono::seconds(5));
+  LogLimiter refused_log(5, std::chrono::seconds(5));
+  LogLimiter error_log(3, std::chrono::seconds(5));
+  uint64_t suppressed = 0;
+  auto and_suppressed = [&suppressed] {
+    return suppressed == 0 ? std::string()
+                           : " (" + std::to_string(suppressed) + " similar lines not logged)";
+  };
+  bool backing_off = false;
   for (;;) {
-    int n = poll(fds, 2, -1);
+    // A negative fd is ignored by poll(): while backing off only stop_fd_ counts.
+    pollfd fds[2] = {{backing_off ? -1 : listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    int n = poll(fds, 2, backing_off ? kEmfileBackoffMs : -1);
     if (n < 0) {
       if (errno == EINTR) continue;
       spdlog::error("accept loop: poll: {}", std::strerror(errno));
       return;
     }
     if (fds[1].revents != 0) return;
+    if (backing_off) {
+      backing_off = false;
+      if (reserve_fd_ < 0) reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+      continue;
+    }
     if ((fds[0].revents & POLLIN) == 0) continue;
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
-      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
-        spdlog::warn("accept on {}: {}", path_, std::strerror(errno));
+      const int err = errno;
+      if (err == EMFILE || err == ENFILE) {
+        const int shed = ShedWaitingConnections();
+        backing_off = true;
+        if (out_of_fds_log.Allow(&suppressed)) {
+          rlimit lim{};
+          getrlimit(RLIMIT_NOFILE, &lim);
+          spdlog::warn(
+              "accept on {}: {} (open-file limit {}): closed {} waiting connection(s), next "
+              "accept in {} ms; sessions already attached go on. Lower max_connections_per_uid "
+              "or raise the limit (systemd LimitNOFILE=){}",
+              path_, std::strerror(err), static_cast<uint64_t>(lim.rlim_cur), shed,
+              kEmfileBackoffMs, and_suppressed());
+        }
+      } else if (err != EAGAIN && err != EINTR && err != ECONNABORTED) {
+        if (error_log.Allow(&suppressed))
+          spdlog::warn("accept on {}: {}{}", path_, std::strerror(err), and_suppressed());
       }
       continue;
     }
     PeerCredentials creds;
     if (!ReadPeerCredentials(fd, &creds)) {
-      spdlog::warn("SO_PEERCRED failed on a new connection: {}; closing it", std::strerror(errno));
+      if (error_log.Allow(&suppressed)) {
+        spdlog::warn("SO_PEERCRED failed on a new connection: {}; closing it{}",
+                     std::strerror(errno), and_suppressed());
+      }
       close(fd);
       continue;
     }
-    if (!on_accept(fd, creds)) {
+    std::string refusal = on_accept(fd, creds);
+    if (!refusal.empty()) {
       close(fd);
+      if (refused_log.Allow(&suppressed)) {
+        spdlog::warn("closed a connection from uid {} pid {}: {}{}", creds.uid, creds.pid, refusal,
+                     and_suppressed());
+      }
       continue;
     }
     accepted_.fetch_add(1);
     // gRPC owns the fd from here and closes it when the connection ends.
     grpc::AddInsecureChannelFromFd(server, fd);
   }
+}
+
+int UnixListener::ShedWaitingConnections() {
+  if (reserve_fd_ >= 0) {
+    close(reserve_fd_);
+    reserve_fd_ = -1;
+  }
+  int shed = 0;
+  for (; shed < kListenBacklog; ++shed) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) break;
+    close(fd);
+  }
+  // Another thread may take the freed number first; the end of the back-off tries again.
+  reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  return shed;
 }
 
 void UnixListener::Stop() {
@@ -195,6 +256,7 @@ UnixListener::~UnixListener() {
   Stop();
   RemoveFiles();
   if (stop_fd_ >= 0) close(stop_fd_);
+  if (reserve_fd_ >= 0) close(reserve_fd_);
   if (lock_fd_ >= 0) close(lock_fd_);
 }
 

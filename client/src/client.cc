@@ -7,6 +7,7 @@
 
 #include "client_impl.h"
 #include "grpc_status.h"
+#include "socket_path.h"
 #include "status_json.h"
 
 namespace trainstream {
@@ -45,6 +46,10 @@ Client::~Client() = default;
 Status Client::Connect(const std::string& socket_path, int timeout_ms,
                        std::unique_ptr<Client>* out) {
   if (socket_path.empty()) return Status(StatusCode::kInvalidArgument, "socket_path: empty");
+  // A socket this uid may not open is reported now, not after the timeout, and
+  // not as "no daemon answers" (which makes callers start one of their own).
+  if (std::string denied = internal::DescribeAccessDenied(socket_path); !denied.empty())
+    return Status(StatusCode::kPermissionDenied, denied);
   auto impl = std::make_unique<Impl>();
   impl->socket_path = socket_path;
   grpc::ChannelArguments args;
@@ -54,13 +59,13 @@ Status Client::Connect(const std::string& socket_path, int timeout_ms,
       grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
   const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms);
   if (!impl->channel->WaitForConnected(deadline)) {
-    std::string hint =
-        access(socket_path.c_str(), F_OK) == 0
-            ? "nothing answers on it (stale socket, or no permission to connect)"
-            : "the socket does not exist (is trainstreamd running? start it with `trainstreamd`)";
-    return Status(StatusCode::kUnavailable, "cannot reach trainstreamd at " + socket_path +
-                                                " within " + std::to_string(timeout_ms) +
-                                                " ms: " + hint);
+    bool closed_at_once = false;
+    const std::string hint = internal::DescribeUnreachable(socket_path, &closed_at_once);
+    // A daemon that refuses this uid's connection runs: RESOURCE_EXHAUSTED, so
+    // that nobody starts another one (UNAVAILABLE says none answers).
+    return Status(closed_at_once ? StatusCode::kResourceExhausted : StatusCode::kUnavailable,
+                  "cannot reach trainstreamd at " + socket_path + " within " +
+                      std::to_string(timeout_ms) + " ms: " + hint);
   }
   impl->stub = v1::Control::NewStub(impl->channel);
   out->reset(new Client(std::move(impl)));

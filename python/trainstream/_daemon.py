@@ -39,11 +39,17 @@ def connect(socket: Optional[str] = None, *, spawn: bool = True, timeout_s: floa
     When nothing answers at the per-user default, starts an embedded daemon
     there (it exits after being idle for 5 minutes). An explicit socket that
     does not answer is an error: that daemon is someone else's to start.
+
+    A socket this user may not open raises ``trainstream._control.PermissionDenied``
+    (a ``PermissionError`` and a ``TrainStreamError``) naming the socket's group to
+    join, and a daemon that closes this user's connections at once (its
+    max_connections_per_uid) ``ResourceExhausted``; no daemon is started then: one
+    runs there, and an embedded one of our own would hide it.
     """
     c = _control()
     explicit = socket or os.environ.get("TRAINSTREAM_SOCKET")
     path = explicit or c.default_socket_path()
-    try:
+    try:  # (PermissionDenied and ResourceExhausted pass through: see above)
         return c.Client.connect(path, 2000)
     except c.Unavailable as e:
         if explicit or not spawn:

@@ -21,7 +21,8 @@
 namespace trainstream {
 
 // The socket a client uses when none is given: $TRAINSTREAM_SOCKET, else the
-// system service's /run/trainstream/trainstreamd.sock if it exists, else the
+// system service's /run/trainstream/trainstreamd.sock if it exists (or its
+// directory keeps this uid out: Connect then says so), else the
 // per-user embedded socket ($XDG_RUNTIME_DIR/trainstream/trainstreamd.sock or
 // /tmp/trainstream-$UID/trainstreamd.sock).
 std::string DefaultSocketPath();
@@ -113,7 +114,7 @@ struct RegisterOptions {
   DType moment_dtype = DType::kFloat32;
   double max_grad_norm = 0;  // 0: no clipping
   uint64_t seed = 0;
-  uint32_t threads = 0;  // daemon worker threads for this session's updates (0: all)
+  uint32_t threads = 0;          // daemon worker threads for this session's updates (0: all)
   std::string weights_checksum;  // group sessions: digest of the initial weights
 };
 
@@ -181,8 +182,11 @@ class Client {
   Client& operator=(const Client&) = delete;
   ~Client();
 
-  // Connects to the daemon at `socket_path`. Fails with kUnavailable (naming the
-  // path) when nothing answers within `timeout_ms`.
+  // Connects to the daemon at `socket_path`. Fails with kPermissionDenied at once
+  // when this uid may not open the socket (naming its group to join), with
+  // kResourceExhausted when the daemon accepts and closes this uid's connection
+  // (its max_connections_per_uid, or out of fds), and with kUnavailable (naming
+  // the path and what is there) when nothing answers within `timeout_ms`.
   static Status Connect(const std::string& socket_path, int timeout_ms,
                         std::unique_ptr<Client>* out);
 

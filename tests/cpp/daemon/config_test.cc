@@ -54,6 +54,7 @@ TEST_CASE("Config file: key = value, comments, quotes, errors name file:line", "
       "allow_group = trainstream\n"
       "admin_group = wheel\n"
       "max_region_bytes = 1G\n"
+      "max_connections_per_uid = 16\n"
       "lock_memory = false\n";
   auto s = ParseConfigText(text, "t.conf", &c);
   REQUIRE(s.ok());
@@ -66,7 +67,9 @@ TEST_CASE("Config file: key = value, comments, quotes, errors name file:line", "
   CHECK(c.allow_group == "trainstream");
   CHECK(c.admin_group == "wheel");
   CHECK(c.max_region_bytes == 1ull << 30);
+  CHECK(c.max_connections_per_uid == 16);
   CHECK_FALSE(c.lock_memory);
+  CHECK(DaemonConfig().max_connections_per_uid == 64);
 
   DaemonConfig d;
   auto e = ParseConfigText("budget = 1G\nbogus = 1\n", "t.conf", &d);
@@ -77,6 +80,8 @@ TEST_CASE("Config file: key = value, comments, quotes, errors name file:line", "
   CHECK_FALSE(ParseConfigText("budget = 200%\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("no equals sign\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("lock_memory = maybe\n", "f", &d).ok());
+  CHECK_FALSE(ParseConfigText("max_connections_per_uid = -1\n", "f", &d).ok());
+  CHECK_FALSE(ParseConfigText("max_connections_per_uid = 2000000\n", "f", &d).ok());
   CHECK(LoadConfigFile("/nonexistent/trainstreamd.conf", &d).error_code() ==
         grpc::StatusCode::NOT_FOUND);
 }
