@@ -4,8 +4,75 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "log_safe.h"
 
 namespace trainstream::daemon {
+namespace {
+
+// Note [Client strings in the log] (log_safe.h): job names, group keys, region
+// labels and parameter names are shown by `trainstreamctl status` or logged
+// (inside error messages too), so they must be plain text.
+grpc::Status CheckPrintable(const std::string& text, const char* field, const char* what) {
+  if (PrintableUtf8(text)) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      std::string(field) + ": '" + LogSafe(text) + "' holds a control character " +
+                          "or invalid UTF-8; " + what +
+                          " must be printable UTF-8 text (no newline, tab or escape)");
+}
+
+// Keeps the elements of a repeated field for which `keep` is true, in order.
+template <typename Repeated, typename Keep>
+void KeepIf(Repeated* items, Keep keep) {
+  int kept = 0;
+  for (int i = 0; i < items->size(); ++i) {
+    if (keep(items->Get(i))) items->SwapElements(kept++, i);
+  }
+  items->DeleteSubrange(kept, items->size() - kept);
+}
+
+// Note [Status shows a user only their own]: another user's pids, job names and
+// segment names are not a non-admin's to see (issue 16). The registries fill
+// the whole picture; this keeps, for a non-admin, the caller's sessions, their
+// segments, the caller's groups and bases and their segments, and the
+// machine-wide totals (budget, pinned bytes). A group's segments carry
+// session_id 0 and name their group only in the label ("group 'KEY' ..."), and
+// two users may each have a group of one key, so a group segment is kept only
+// when every group its label can name is the caller's.
+void KeepOnlyCallers(const PeerCredentials& caller, const std::set<std::string>& base_segments,
+                     v1::StatusResponse* resp) {
+  std::set<uint64_t> sessions;
+  for (const auto& s : resp->sessions())
+    if (s.uid() == caller.uid) sessions.insert(s.session_id());
+  std::vector<std::pair<std::string, bool>> groups;  // (label prefix, the caller's)
+  for (const auto& g : resp->groups())
+    groups.emplace_back("group '" + g.key() + "' ", g.uid() == caller.uid);
+  auto is_callers_group_segment = [&](const std::string& label) {
+    bool named = false;
+    for (const auto& [prefix, mine] : groups) {
+      if (label.compare(0, prefix.size(), prefix) != 0) continue;
+      if (!mine) return false;
+      named = true;
+    }
+    return named;
+  };
+  KeepIf(resp->mutable_sessions(),
+         [&](const v1::SessionStatus& s) { return s.uid() == caller.uid; });
+  KeepIf(resp->mutable_groups(), [&](const v1::GroupStatus& g) { return g.uid() == caller.uid; });
+  KeepIf(resp->mutable_bases(),
+         [&](const v1::BaseStatus& b) { return b.owner_uid() == caller.uid; });
+  KeepIf(resp->mutable_segments(), [&](const v1::SegmentStatus& seg) {
+    if (seg.session_id() != 0) return sessions.count(seg.session_id()) != 0;
+    if (seg.kind() == v1::SEGMENT_KIND_BASE) return base_segments.count(seg.name()) != 0;
+    return is_callers_group_segment(seg.label());
+  });
+}
+
+}  // namespace
 
 grpc::Status ControlService::Authorize(grpc::ServerContext* ctx, PeerCredentials* creds) {
   state_->Touch();
@@ -46,6 +113,10 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "attach: the first message on the session stream must be an AttachRequest");
   }
+  if (auto s = CheckPrintable(first.attach().job(), "attach.job", "job names"); !s.ok()) return s;
+  if (auto s = CheckPrintable(first.attach().group().key(), "attach.group.key", "group keys");
+      !s.ok())
+    return s;
   if (state_->shutting_down.load()) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "trainstreamd is shutting down");
   }
@@ -59,12 +130,23 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
   grpc::Status st =
       registry_->Create(creds, first.attach(), ctx, stream, &session, event.mutable_attached());
   if (!st.ok()) {
-    spdlog::warn("attach refused for pid {} uid {}: {}", creds.pid, creds.uid, st.error_message());
+    spdlog::warn("attach refused for pid {} uid {}: {}", creds.pid, creds.uid,
+                 LogSafe(st.error_message(), 1024));
     return st;
   }
   const uint64_t id = session->id;
+  // Another thread's End (the reaper, the pid watcher) may still be writing its
+  // notice on this stream or cancelling it; End returns at once here when that
+  // one took the session first. The stream dies with this handler, so take it
+  // back first: after this, no other thread touches it.
+  auto take_back_stream = [&session] {
+    std::lock_guard<std::mutex> lock(session->stream_mu);
+    session->context = nullptr;
+    session->stream = nullptr;
+  };
   if (!session->Send(event)) {
     registry_->End(id, "could not send Attached", false);
+    take_back_stream();
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "session stream closed during attach");
   }
   v1::SessionMessage extra;
@@ -74,6 +156,7 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
   }
   const bool shutting_down = state_->shutting_down.load();
   registry_->End(id, shutting_down ? "daemon shutting down" : "session stream closed", false);
+  take_back_stream();
   state_->Touch();
   state_->WakeMainLoop();  // a drain may be waiting for the last session
   if (shutting_down) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "trainstreamd shut down");
@@ -88,9 +171,17 @@ grpc::Status ControlService::RegisterParameters(grpc::ServerContext* ctx,
   std::shared_ptr<Session> session;
   if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
     return s;
+  for (int i = 0; i < req->params_size(); ++i) {
+    const std::string field = "params[" + std::to_string(i) + "].name";
+    if (auto s = CheckPrintable(req->params(i).name(), field.c_str(), "parameter names"); !s.ok())
+      return s;
+  }
+  if (auto s = CheckPrintable(req->weights_checksum(), "weights_checksum", "checksums"); !s.ok())
+    return s;
   grpc::Status st = registry_->RegisterParameters(*session, *req, resp);
   if (!st.ok())
-    spdlog::info("session {}: RegisterParameters refused: {}", session->id, st.error_message());
+    spdlog::info("session {}: RegisterParameters refused: {}", session->id,
+                 LogSafe(st.error_message(), 1024));
   return st;
 }
 
@@ -102,9 +193,11 @@ grpc::Status ControlService::AllocateRegion(grpc::ServerContext* ctx,
   std::shared_ptr<Session> session;
   if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
     return s;
+  if (auto s = CheckPrintable(req->label(), "label", "region labels"); !s.ok()) return s;
   grpc::Status st = registry_->AllocateRegion(*session, *req, resp->mutable_region());
   if (!st.ok())
-    spdlog::info("session {}: AllocateRegion refused: {}", session->id, st.error_message());
+    spdlog::info("session {}: AllocateRegion refused: {}", session->id,
+                 LogSafe(st.error_message(), 1024));
   return st;
 }
 
@@ -137,6 +230,12 @@ grpc::Status ControlService::Status(grpc::ServerContext* ctx, const v1::StatusRe
   resp->set_worker_threads(state_->worker_threads);
   registry_->FillStatus(resp);
   FillBaseStatus(resp);
+  if (!creds.admin) {
+    std::set<std::string> base_segments;
+    if (bases_ != nullptr)
+      for (const auto& b : bases_->List(creds)) base_segments.insert(b.segment_name);
+    KeepOnlyCallers(creds, base_segments, resp);
+  }
   return grpc::Status::OK;
 }
 

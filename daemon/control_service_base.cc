@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "control_service.h"
+#include "log_safe.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -114,8 +115,8 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
                       std::string(base::kLoadCancelled) + ": " + stopped + " (nothing was kept)");
   }
   if (!st.ok()) {
-    spdlog::info("LoadBase of '{}' by uid {} pid {} refused: {}", options.path.substr(0, 256),
-                 creds.uid, creds.pid, st.error_message());
+    spdlog::info("LoadBase of '{}' by uid {} pid {} refused: {}", LogSafe(options.path), creds.uid,
+                 creds.pid, LogSafe(st.error_message(), 1024));
     return st;
   }
   if (session) {

@@ -8,6 +8,7 @@
 #include <cinttypes>
 #include <cstdio>
 
+#include "log_safe.h"
 #include "trainstream/v1/control.pb.h"
 
 namespace trainstream::daemon::base {
@@ -157,7 +158,8 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
   if (!st.ok()) {
     seg.reset();
     budget_->Release(plan.total_bytes);
-    spdlog::info("base load of {} failed: {}", options.path, st.error_message());
+    spdlog::info("base load of {} failed: {}", LogSafe(options.path),
+                 LogSafe(st.error_message(), 1024));
     return fail(st);
   }
   const double seconds =
@@ -179,9 +181,9 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
   spdlog::info(
       "base {} loaded from {}: {} tensors ({} quantized to {}), {} checkpoint bytes -> {} "
       "segment bytes in {:.2f} s ({:.2f} GB/s), scratch peak {} bytes",
-      key, options.path, out->tensors, out->quantized_tensors, out->format, out->source_bytes,
-      out->segment_bytes, seconds, seconds > 0 ? out->source_bytes / seconds / 1e9 : 0.0,
-      scratch_peak);
+      key, LogSafe(options.path), out->tensors, out->quantized_tensors, out->format,
+      out->source_bytes, out->segment_bytes, seconds,
+      seconds > 0 ? out->source_bytes / seconds / 1e9 : 0.0, scratch_peak);
   return grpc::Status::OK;
 }
 
@@ -327,8 +329,8 @@ grpc::Status BaseCache::ShareVram(uint64_t session_id, const std::string& key,
   std::string pci_bus_id;
   grpc::Status st = vram_.Resolve(device, &index, &pci_bus_id);
   if (!st.ok()) {
-    spdlog::info("share_vram of base {} for session {} refused: {}", key, session_id,
-                 st.error_message());
+    spdlog::info("share_vram of base {} for session {} refused: {}", LogSafe(key), session_id,
+                 LogSafe(st.error_message(), 1024));
     return st;
   }
 
@@ -381,7 +383,8 @@ grpc::Status BaseCache::ShareVram(uint64_t session_id, const std::string& key,
   }
   FreeVram(dead_vram);
   if (!st.ok()) {
-    spdlog::info("share_vram of base {} on device {} refused: {}", key, index, st.error_message());
+    spdlog::info("share_vram of base {} on device {} refused: {}", key, index,
+                 LogSafe(st.error_message(), 1024));
     return st;
   }
   spdlog::info("share_vram: base {} copied to device {} ({}): {} bytes in {:.3f} s", key,

@@ -104,9 +104,20 @@ using namespace trainstream::python;  // NOLINT
 PYBIND11_MODULE(_control, m) {
   m.doc() = "TrainStream control-plane client (gRPC over a unix socket)";
 
-  // Error classes: each also derives from the builtin a Python user expects.
+  // Error classes: each derives from trainstream.errors.TrainStreamError and from
+  // the builtin a Python user expects. The package (its __init__ has run, or is
+  // running, before any submodule loads) provides errors.py, which imports
+  // nothing: no torch comes in here. Loaded outside the package, the base is
+  // RuntimeError, as it always was.
   py::exec(R"(
-class ControlError(RuntimeError):
+def _error_base():
+    import importlib
+    package = __name__.rpartition(".")[0]
+    if not package:
+        return RuntimeError
+    return importlib.import_module(package + ".errors").TrainStreamError
+
+class ControlError(_error_base()):
     """An error answered by (or about) the TrainStream daemon."""
 class InvalidArgument(ControlError, ValueError): pass
 class NotFound(ControlError, LookupError): pass
@@ -117,6 +128,7 @@ class FailedPrecondition(ControlError): pass
 class Unavailable(ControlError, ConnectionError): pass
 class DeadlineExceeded(ControlError, TimeoutError): pass
 class Internal(ControlError): pass
+del _error_base
 )",
            m.attr("__dict__"));
   auto& types = ErrorTypes();

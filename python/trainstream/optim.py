@@ -127,6 +127,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._backlog: List[Dict[str, Any]] = []  # completions kept for a later wait
         self._finishing: Optional[_Finishing] = None  # the step being ended, if interrupted
         self._groups_checked = 0  # the step whose hyperparameters were last checked
+        # Note [After the daemon is gone]: why, once it is; None while it answers.
+        self._daemon_gone: Optional[str] = None
+        self._probed_step = 0  # the step whose backward last asked the session if it lives
         self._gpu: Optional[_gpu_adamw.ZeroCopyAdamW] = None  # optimizer_mode="gpu"
         self.optimizer_mode: Optional[str] = None  # resolved at attach()
         # offload="auto": after two steps, torch's fused AdamW on the GPU when it fits.
@@ -239,6 +242,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             e.posted_step = 0
         self._backlog = []  # the old session's replies
         self._finishing = None
+        self._clear_pending()  # a step of the old session never completes
+        self._daemon_gone = None
+        self._probed_step = 0
         self._plane = None
         self._scratch = None
         self._regions.clear()
@@ -322,6 +328,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             # (None: a paged weight, whose gradient went to accept_grad; autograd still
             # runs the hook with nothing accumulated.)
             return
+        self._ensure_daemon(in_backward=True)
         if self._count_backward(e):
             if self._gpu is not None:
                 self._gpu.on_grad_final(e)
@@ -336,6 +343,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         e = self._entries.get(id(p))
         if e is None or self._plane is None:
             return False
+        self._ensure_daemon(in_backward=True)
         final = self._count_backward(e)
         e.external = True
         # The same sum AccumulateGrad computes for p.grad.
@@ -357,9 +365,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         if grad.dtype != e.grad_slot.dtype:
             grad = grad.to(e.grad_slot.dtype)
         step = self._step_id + 1
-        e.posted_seq = self._plane.post_grad(
-            e.param_id, grad, e.grad_slot, step, float(g["lr"]), float(g["betas"][0]),
-            float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
+        try:
+            e.posted_seq = self._plane.post_grad(
+                e.param_id, grad, e.grad_slot, step, float(g["lr"]), float(g["betas"][0]),
+                float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
+        except _C().DaemonGone as exc:
+            raise self._gone(str(exc)) from None
         e.posted_step = step
         e.posted_grad = p_grad
         e.posted_version = p_grad._version
@@ -417,13 +428,60 @@ class OffloadAdamW(torch.optim.Optimizer):
         try:
             return fn(*args)
         except c.Unavailable as e:
+            if self._session is not None:  # it answered this session before
+                raise self._gone(str(e)) from None
             raise DaemonError(f"the TrainStream daemon is unreachable: {e}") from None
+
+    # Note [After the daemon is gone]
+    # Once the daemon has died (or ended the session), nothing this optimizer holds
+    # there comes back, so every later call raises the same DaemonError, saying so and
+    # what to do: the gradient hook (which would otherwise count a second backward of
+    # the step that never ended and raise "backward() reached ... 2 times", issue 16),
+    # step(), zero_grad(), synchronize(), state_dict() and load_state_dict(). Each of
+    # those asks the session whether it lives (a pybind call; the hook only at the
+    # first gradient of a step), so once the client has seen the session's stream end
+    # (milliseconds after a death) even the first backward raises, before a gradient
+    # is posted into a ring nobody reads. A backward that runs before that posts as
+    # usual, and the step() after it raises. detach() clears the state: attach() then
+    # starts a fresh session.
+    def _gone(self, why: str) -> DaemonError:
+        """Records that the daemon is gone and returns the DaemonError to raise."""
+        if self._daemon_gone is None:
+            self._daemon_gone = (
+                f"this optimizer's session with the TrainStream daemon is over: the daemon is "
+                f"gone or ended it ({why}), and the optimizer state it held (master weights, "
+                "moments) is lost. Start a daemon again if none runs (trainstreamd, or let "
+                "trainstream.wrap() start one), then build a new optimizer and load_state_dict() "
+                "from your last checkpoint, or call detach() and attach() to go on from the "
+                "current weights with fresh moments")
+        return DaemonError(self._daemon_gone)
+
+    def _ensure_daemon(self, in_backward: bool = False) -> None:
+        """Raises DaemonError when the daemon is known to be gone, asking the session
+        first (in backward, only at the first gradient of a step: Note [After the
+        daemon is gone])."""
+        if self._daemon_gone is not None:
+            raise DaemonError(self._daemon_gone)
+        if self._session is None:
+            return
+        if in_backward:
+            step = self._step_id + 1
+            if self._probed_step == step:
+                return
+            self._probed_step = step
+        alive, why = self._session.alive()
+        if alive and not (self._plane is not None and self._plane.closing):
+            return
+        # What the daemon said last (a data-parallel group's end, say) goes first:
+        # _wait reads what is left on the ring, then finds the session over.
+        if self._plane is not None:
+            self._wait(lambda c: False, keep=_STEP_REPLIES)
+        raise self._gone(why or "the session is closed")
 
     def _check_alive(self, waited_s: float) -> None:
         alive, why = self._session.alive()
         if not alive or self._plane.closing:
-            raise DaemonError(f"the TrainStream daemon ended this session ({why or 'closed'}); "
-                              "optimizer state in the daemon is lost unless you saved a state_dict")
+            raise self._gone(f"it ended this session: {why or 'closed'}")
         if waited_s > self._options["timeout_s"]:
             raise DaemonError(f"no answer from the TrainStream daemon for {waited_s:.0f} s "
                               f"(timeout_s={self._options['timeout_s']})")
@@ -469,7 +527,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             try:
                 c = self._plane.poll(100)
             except _C().DaemonGone as e:
-                raise DaemonError(str(e)) from None
+                raise self._gone(str(e)) from None
             if c is None:
                 self._check_alive(time.monotonic() - start)
                 continue
@@ -481,7 +539,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         try:
             seq = self._plane.post_sync()
         except _C().DaemonGone as e:
-            raise DaemonError(str(e)) from None
+            raise self._gone(str(e)) from None
         errors = []
 
         def want(c):
@@ -507,6 +565,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _require_attached(self) -> None:
         if self._plane is None:
             raise TrainStreamError("OffloadAdamW is detached; call attach() first")
+        self._ensure_daemon()
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -564,7 +623,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     posted.append(e)
             t0 = time.monotonic()
         except _C().DaemonGone as e:
-            raise DaemonError(str(e)) from None
+            raise self._gone(str(e)) from None
         result = self._finish_step(step, posted, t0)
         norm = result.get("grad_norm", float("nan"))
         self._last_grad_norm = norm if norm >= 0 else None
@@ -631,7 +690,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                                                  posted, on_completion)
                 self._plane.post_step_end(step, len(posted))
             except _C().DaemonGone as e:
-                raise DaemonError(str(e)) from None
+                raise self._gone(str(e)) from None
             f.end_sent = True
 
         def want(c):
@@ -774,6 +833,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         """``torch.optim.Optimizer.zero_grad``. Called with a step pending that will not
         come (a backward or step() raised part way), it ends that step first: see
         ``_abandon_step``."""
+        if self._local is None and self._plane is not None:
+            self._ensure_daemon()
         if (self._local is None and self._gpu is None and self._plane is not None
                 and self._dp is None and not self.between_steps()):
             self._abandon_step()
@@ -785,6 +846,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._local is not None:
             return
         if self._gpu is not None:
+            self._require_attached()
             self._gpu.synchronize()
             return
         self._sync()
