@@ -11,6 +11,7 @@
 // No signal handler runs code: SIGTERM/SIGINT arrive through the signalfd.
 #include "daemon.h"
 
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
@@ -18,10 +19,15 @@
 #include <sys/signalfd.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "budget.h"
 #include "control_service.h"
@@ -38,6 +44,62 @@
 #endif
 
 namespace trainstream::daemon {
+namespace {
+
+// Note [Segments outlive a crashed daemon] (shm_segment.h). Runs with the
+// socket's lock held: no other daemon of this socket is alive. Reads what the
+// previous holder wrote into the lock file, removes its segments (and any of
+// ours in this shm dir), then writes this daemon's identity there.
+void ReclaimAndClaim(const DaemonConfig& config) {
+  const std::string tag = SegmentTagFor(config.socket_path);
+  SetSegmentTag(tag);
+  const std::string lock_path = config.socket_path + ".lock";
+  int fd = open(lock_path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  std::string previous;
+  if (fd >= 0) {
+    char buf[4096];
+    const ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
+    if (n > 0) previous.assign(buf, static_cast<size_t>(n));
+  }
+  std::string previous_pid = "?", previous_dir;
+  for (size_t at = 0; at < previous.size();) {
+    size_t nl = previous.find('\n', at);
+    if (nl == std::string::npos) nl = previous.size();
+    const std::string line = previous.substr(at, nl - at);
+    if (line.rfind("pid=", 0) == 0) previous_pid = line.substr(4);
+    if (line.rfind("shm_dir=", 0) == 0) previous_dir = line.substr(8);
+    at = nl + 1;
+  }
+  std::vector<std::string> dirs = {config.shm_dir};
+  if (!previous_dir.empty() && previous_dir != config.shm_dir) dirs.push_back(previous_dir);
+  for (const auto& dir : dirs) {
+    ReclaimResult r = ReclaimSegments(dir, tag);
+    if (r.files != 0) {
+      spdlog::warn(
+          "removed {} segment files ({}) in {} left by a trainstreamd (pid {}) that did "
+          "not exit cleanly{}",
+          r.files, HumanBytes(r.bytes), dir, previous_pid,
+          r.state_segments == 0 ? std::string()
+                                : "; the optimizer state of " + std::to_string(r.state_segments) +
+                                      " sessions in them is lost (load their last state_dict)");
+    }
+    if (!r.error.empty()) spdlog::warn("reclaiming segments in {}: {}", dir, r.error);
+  }
+  if (fd < 0) return;
+  const std::string identity =
+      "pid=" + std::to_string(getpid()) + "\nshm_dir=" + config.shm_dir + "\nstarted_unix_ns=" +
+      std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count()) +
+      "\n";
+  if (ftruncate(fd, 0) != 0 ||
+      pwrite(fd, identity.data(), identity.size(), 0) != static_cast<ssize_t>(identity.size())) {
+    spdlog::warn("cannot record this daemon in {}: {}", lock_path, std::strerror(errno));
+  }
+  close(fd);
+}
+
+}  // namespace
 
 int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const char* error)) {
   DaemonConfig config = cfg_in;
@@ -68,6 +130,7 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   if (auto s = UnixListener::Bind(config.socket_path, 0660, socket_gid, &listener); !s.ok()) {
     return refuse(s.error_message());
   }
+  ReclaimAndClaim(config);
 
   DaemonState state;
   state.socket_path = config.socket_path;

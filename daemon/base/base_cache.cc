@@ -151,9 +151,10 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
   }
   uint64_t scratch_peak = 0;
   st = FillBase(sources, plan, key, seg->base(), progress, &scratch_peak);
-  if (st.ok() && chmod(seg->path().c_str(), 0400) != 0) {
-    // Note [Why base segments are read-only] (wire/base_manifest.h).
-    st = grpc::Status(grpc::StatusCode::INTERNAL, "chmod 0400 " + seg->path() + " failed");
+  if (st.ok()) {
+    // Note [Who may open a segment] (shm_segment.h).
+    if (std::string err = seg->ShareReadOnly(); !err.empty())
+      st = grpc::Status(grpc::StatusCode::INTERNAL, err);
   }
   if (!st.ok()) {
     seg.reset();
