@@ -36,10 +36,11 @@ build_targets() {  # tests, benchmarks, target...
 if [[ $STAGES == *build* ]]; then
   make build PYTHON=python3 BUILD=build-gpu CMAKE_ARGS="$CMAKE_ARGS" > "$OUT/build.log" 2>&1 || { rc=1; tail -40 "$OUT/build.log"; }
 fi
-# "lean": only what the Python tests and benchmarks load (no C++ tests or benches).
+# "lean": only what the Python tests and benchmarks load (no C++ tests or benches;
+# the scriptable test client is one of those: the daemon tests drive it).
 if [[ $STAGES == *lean* ]]; then
-  build_targets OFF OFF trainstreamd trainstreamctl trainstream_C trainstream_control \
-    trainstream_python_files
+  build_targets ON OFF trainstreamd trainstreamctl trainstream_C trainstream_control \
+    trainstream_python_files trainstream-test-client
 fi
 # "pytest": just the Python tests in $PYTEST_FILES (default: all of tests/python).
 if [[ $STAGES == *pytest* ]]; then
