@@ -238,6 +238,14 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
   s->started = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
+    size_t held = 0;
+    for (const auto& [id, other] : sessions_) held += other->creds.uid == creds.uid ? 1 : 0;
+    if (held >= kMaxSessionsPerUid) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "uid " + std::to_string(creds.uid) + " already holds " +
+                              std::to_string(held) + " sessions, the most one uid may (" +
+                              std::to_string(kMaxSessionsPerUid) + "); detach some first");
+    }
     s->id = next_session_id_++;
   }
 

@@ -49,6 +49,9 @@ inline constexpr uint64_t kMaxControlBytes = 64ull << 20;
 // Most regions one session may hold at once (each is a segment and a mapping:
 // the machine's vm.max_map_count is shared by every session).
 inline constexpr size_t kMaxRegionsPerSession = 4096;
+// Most sessions one uid may hold at once: each holds a gRPC thread, a plane
+// thread and a control segment, and one connection can carry many streams.
+inline constexpr size_t kMaxSessionsPerUid = 256;
 uint64_t MinControlBytes();
 
 // One region of a session: a whole segment handed out as (segment, offset, length).

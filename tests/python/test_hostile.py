@@ -363,3 +363,18 @@ def test_an_unprivileged_owner_cannot_make_its_base_writable(member_daemon):
     assert c.send(f"try_chmod {name} 600")["errno"] == 1
     assert c.send(f"truncate {name} 0")["errno"] == 13
     shutil.rmtree(folder)
+
+
+def test_one_uid_cannot_hold_unbounded_sessions(daemon):
+    """Each session costs a gRPC thread, a plane thread and a control segment, and one
+    connection can carry many streams: a uid holds at most 256 sessions at once."""
+    from trainstream import TrainStreamError, _control as control
+    client = control.Client.connect(daemon.socket)
+    held = [client.attach(job=f"s{i}") for i in range(256)]
+    with pytest.raises(TrainStreamError, match="256 sessions"):
+        client.attach(job="one-too-many")
+    assert daemon.ctl("ping").returncode == 0
+    held.pop().detach()
+    held.append(client.attach(job="room-again"))  # the cap counts live sessions only
+    for s in held:
+        s.detach()

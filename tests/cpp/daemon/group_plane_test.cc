@@ -2,11 +2,15 @@
 // the test plays the clients' side of session_control.h.
 #include "group_plane.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "catch_compat.h"
@@ -101,6 +105,10 @@ struct Fixture {
     GroupPlaneOptions o;
     o.name = "test";
     o.world_size = 2;
+    o.on_fault = [this](uint64_t session_id, const std::string& why) {
+      std::lock_guard<std::mutex> lock(fault_mu);
+      faults.emplace_back(session_id, why);
+    };
     std::vector<GroupParamBinding> params;
     params.push_back(std::move(b));
     plane = std::make_unique<GroupPlane>(o, std::move(members), std::move(params), &pool);
@@ -111,6 +119,8 @@ struct Fixture {
   FakeRank rank[2];
   std::vector<float> master, m, v, sum, param_slot, g0, g1;
   uint64_t step_counter = 0;
+  std::mutex fault_mu;
+  std::vector<std::pair<uint64_t, std::string>> faults;  // Guarded by fault_mu.
   std::unique_ptr<GroupPlane> plane;  // last: stopped before the memory above goes
 };
 
@@ -164,4 +174,25 @@ TEST_CASE("Group: Stop tells every rank but the leaver, and drains a half-done s
   CHECK(std::string(b.message).find("local rank 1 (pid 7) left") != std::string::npos);
   CompletionRecord c{};
   while (f.rank[1].completions.TryPop(&c)) CHECK(c.opcode != Opcode::kGroupBroken);  // not told
+}
+
+TEST_CASE("Group: a member whose ring is corrupt is reported by its session id", "[group]") {
+  Fixture f;
+  f.Start();
+  // Local rank 1 (session 2) pushes its tail 2^40 records ahead (client_rings.h).
+  auto* h = reinterpret_cast<wire::RingHeader*>(f.rank[1].rings().command_ring());
+  h->tail.store(uint64_t{1} << 40);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(f.fault_mu);
+      if (!f.faults.empty()) break;
+    }
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::lock_guard<std::mutex> lock(f.fault_mu);
+  REQUIRE(f.faults.size() == 1);
+  CHECK(f.faults[0].first == 2);
+  CHECK(f.faults[0].second.find("command ring corrupt") != std::string::npos);
 }
