@@ -33,15 +33,12 @@
 #include "control_service.h"
 #include "daemon_state.h"
 #include "log_limiter.h"
+#include "optimizer_service.h"
 #include "peer_credentials.h"
 #include "pid_watcher.h"
 #include "session_registry.h"
 #include "startup_checks.h"
 #include "unix_listener.h"
-
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
-#include "optimizer_service.h"
-#endif
 
 namespace trainstream::daemon {
 namespace {
@@ -138,16 +135,10 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   state.Touch();
   Budget budget(budget_bytes);
 
-  OptimizerService* optimizer_ptr = nullptr;
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
   auto optimizer = std::make_unique<OptimizerService>(config.threads);
-  optimizer_ptr = optimizer.get();
   state.worker_threads = optimizer->worker_threads();
-#else
-  state.worker_threads = config.threads != 0 ? config.threads : std::thread::hardware_concurrency();
-#endif
 
-  auto registry = std::make_unique<SessionRegistry>(config, &budget, optimizer_ptr);
+  auto registry = std::make_unique<SessionRegistry>(config, &budget, optimizer.get());
   SessionRegistry* reg = registry.get();
   auto watcher = std::make_unique<PidWatcher>([reg, &state](uint64_t id) {
     reg->End(id, "client process exited", true);
@@ -246,9 +237,7 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   server->Wait();
   watcher.reset();
   registry.reset();
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
   optimizer.reset();
-#endif
   listener->RemoveFiles();
   close(state.wake_fd);
   spdlog::info("trainstreamd stopped");

@@ -10,14 +10,11 @@
 
 #include "client_memory_guard.h"
 #include "group_registry.h"
+#include "optimizer_service.h"
 #include "param_layout.h"
 #include "token.h"
 #include "trainstream/wire/segment_header.h"
 #include "trainstream/wire/session_control.h"
-
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
-#include "optimizer_service.h"
-#endif
 
 namespace trainstream::daemon {
 namespace {
@@ -57,19 +54,15 @@ SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
     : config_(config), budget_(budget), optimizer_(optimizer) {
   if (std::string err = ClientMemoryGuard::Install(); !err.empty())
     spdlog::error("cannot guard client memory (Note [Client pages can vanish]): {}", err);
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
-  if (optimizer_ != nullptr) {
-    SessionFaultFn on_fault = [this](uint64_t id, const std::string& why) { EndLater(id, why); };
-    optimizer_->SetFaultHandler(on_fault);
-    groups_ = std::make_unique<GroupRegistry>(
-        [this](uint32_t kind, uint64_t bytes, const std::string& what, const SegmentOwner& owner,
-               std::unique_ptr<ShmSegment>* out) {
-          return CreateSegment(owner, kind, bytes, what, out);
-        },
-        [this](std::unique_ptr<ShmSegment> seg) { DropSegment(std::move(seg)); },
-        optimizer_->pool(), on_fault);
-  }
-#endif
+  SessionFaultFn on_fault = [this](uint64_t id, const std::string& why) { EndLater(id, why); };
+  optimizer_->SetFaultHandler(on_fault);
+  groups_ = std::make_unique<GroupRegistry>(
+      [this](uint32_t kind, uint64_t bytes, const std::string& what, const SegmentOwner& owner,
+             std::unique_ptr<ShmSegment>* out) {
+        return CreateSegment(owner, kind, bytes, what, out);
+      },
+      [this](std::unique_ptr<ShmSegment> seg) { DropSegment(std::move(seg)); }, optimizer_->pool(),
+      on_fault);
   reaper_wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   reaper_ = std::thread([this] { ReaperLoop(); });
 }
@@ -216,11 +209,6 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
     control_bytes = AlignUp(req.control_bytes(), kPage);
   }
   if (req.has_group()) {
-    if (!groups_) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          "attach.group: this trainstreamd was built without the optimizer "
-                          "service, so it has no data-parallel groups");
-    }
     if (grpc::Status st = GroupRegistry::Validate(req.group()); !st.ok()) return st;
   }
   if (req.pid() != 0 && req.pid() != creds.pid) {
@@ -294,35 +282,31 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
     std::lock_guard<std::mutex> lock(mu_);
     sessions_[s->id] = s;
   }
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
-  if (optimizer_ != nullptr) {
-    std::weak_ptr<Session> weak = s;
-    RegionResolver resolver = [weak](uint64_t region_id, uint64_t offset, uint64_t bytes) -> void* {
-      auto sp = weak.lock();
-      if (!sp) return nullptr;
-      std::lock_guard<std::mutex> lock(sp->regions_mu);
-      auto it = sp->regions.find(region_id);
-      if (it == sp->regions.end() || it->second.segment->kind() != v1::SEGMENT_KIND_SESSION)
-        return nullptr;
-      const SessionRegion& r = it->second;
-      if (offset > r.length || bytes > r.length - offset) return nullptr;
-      return r.segment->base() + r.offset + offset;
-    };
-    if (!s->group.empty()) {
-      // A group member's rings are served by its group's plane, not its own.
-      GroupJoiner joiner{s->id, creds.pid, creds.uid, s->job, s->rings, std::move(resolver)};
-      grpc::Status st = groups_->Join(joiner, req.group());
-      if (!st.ok()) {
-        End(s->id, "could not join its group", true);
-        return st;
-      }
-    } else {
-      std::lock_guard<std::mutex> lock(s->mu);
-      optimizer_->StartSession(s->id, s->rings, std::move(resolver));
-      s->optimizer_started = true;
+  std::weak_ptr<Session> weak = s;
+  RegionResolver resolver = [weak](uint64_t region_id, uint64_t offset, uint64_t bytes) -> void* {
+    auto sp = weak.lock();
+    if (!sp) return nullptr;
+    std::lock_guard<std::mutex> lock(sp->regions_mu);
+    auto it = sp->regions.find(region_id);
+    if (it == sp->regions.end() || it->second.segment->kind() != v1::SEGMENT_KIND_SESSION)
+      return nullptr;
+    const SessionRegion& r = it->second;
+    if (offset > r.length || bytes > r.length - offset) return nullptr;
+    return r.segment->base() + r.offset + offset;
+  };
+  if (!s->group.empty()) {
+    // A group member's rings are served by its group's plane, not its own.
+    GroupJoiner joiner{s->id, creds.pid, creds.uid, s->job, s->rings, std::move(resolver)};
+    grpc::Status st = groups_->Join(joiner, req.group());
+    if (!st.ok()) {
+      End(s->id, "could not join its group", true);
+      return st;
     }
+  } else {
+    std::lock_guard<std::mutex> lock(s->mu);
+    optimizer_->StartSession(s->id, s->rings, std::move(resolver));
+    s->optimizer_started = true;
   }
-#endif
   // A client that died before this point is noticed here (the pidfd cannot be
   // opened) and its session ends at once.
   if (watch_pid_ && !watch_pid_(s->id, creds.pid)) {
@@ -402,12 +386,10 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool c
       WakeRing(s->rings.completion_ring());
     }
   }
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
   // Before any of the session's memory is unmapped (optimizer_service.h,
   // group_registry.h).
-  if (optimizer_ != nullptr && s->optimizer_started) optimizer_->EndSession(session_id);
+  if (s->optimizer_started) optimizer_->EndSession(session_id);
   if (groups_ && !s->group.empty()) groups_->Leave(session_id, reason);
-#endif
   std::map<uint64_t, SessionRegion> regions;
   {
     std::lock_guard<std::mutex> rlock(s->regions_mu);
@@ -457,7 +439,7 @@ uint64_t SessionRegistry::pinned_bytes() const { return pinned_bytes_.load(); }
 grpc::Status SessionRegistry::RegisterParameters(Session& s,
                                                  const v1::RegisterParametersRequest& req,
                                                  v1::RegisterParametersResponse* resp) {
-  if (!s.group.empty() && groups_) {
+  if (!s.group.empty()) {
     // Not under s.mu: the group barrier waits for the other local ranks, and
     // End (which holds s.mu) must be able to break the group meanwhile.
     {
@@ -495,9 +477,7 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
       req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype();
   wire::StateManifestEntry* entries = WriteStateManifest(state->base(), layout, req);
 
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
   std::vector<ParamBinding> bindings;
-#endif
   for (int i = 0; i < req.params_size(); ++i) {
     const auto& p = req.params(i);
     const ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
@@ -508,7 +488,6 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
     slot->set_grad_offset(pl.grad_offset);
     slot->set_param_offset(pl.param_offset);
     slot->set_numel(pl.numel);
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
     ParamBinding b;
     b.param_id = p.param_id();
     b.name = p.name();
@@ -524,24 +503,19 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
     b.param_slot = staging->base() + pl.param_offset;
     b.step_counter = &e.step;
     bindings.push_back(std::move(b));
-#endif
   }
 
-#ifdef TRAINSTREAM_HAVE_OPTIMIZER_SERVICE
-  if (optimizer_ != nullptr) {
-    SessionOptimizerOptions options;
-    options.moment_dtype = static_cast<WireDType>(moment);
-    options.max_grad_norm = req.max_grad_norm();
-    options.seed = req.seed();
-    options.threads = req.threads();
-    std::string error = optimizer_->AddParameters(s.id, options, std::move(bindings));
-    if (!error.empty()) {
-      DropSegment(std::move(staging));
-      DropSegment(std::move(state));
-      return Invalid(error);
-    }
+  SessionOptimizerOptions options;
+  options.moment_dtype = static_cast<WireDType>(moment);
+  options.max_grad_norm = req.max_grad_norm();
+  options.seed = req.seed();
+  options.threads = req.threads();
+  std::string error = optimizer_->AddParameters(s.id, options, std::move(bindings));
+  if (!error.empty()) {
+    DropSegment(std::move(staging));
+    DropSegment(std::move(state));
+    return Invalid(error);
   }
-#endif
   const uint64_t staging_length = layout.staging_bytes - wire::kSegmentHeaderBytes;
   AddRegion(s, std::move(state), "optimizer-state", layout.state_bytes - wire::kSegmentHeaderBytes,
             false);
@@ -662,7 +636,7 @@ void SessionRegistry::FillStatus(v1::StatusResponse* out) {
     }
     ss->set_bytes_held(held);
   }
-  if (groups_) groups_->FillStatus(out);
+  groups_->FillStatus(out);
 }
 
 }  // namespace trainstream::daemon

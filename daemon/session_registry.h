@@ -104,7 +104,7 @@ class Session {
 
 class SessionRegistry {
  public:
-  // `budget` and `optimizer` (may be null) must outlive the registry.
+  // `budget` and `optimizer` (not null) must outlive the registry.
   // `on_session_start(id, pid)` / `on_session_end(id)` let the daemon watch pids.
   SessionRegistry(const DaemonConfig& config, Budget* budget, OptimizerService* optimizer);
   SessionRegistry(const SessionRegistry&) = delete;
@@ -162,9 +162,8 @@ class SessionRegistry {
 
   const DaemonConfig config_;
   Budget* const budget_;
-  OptimizerService* const optimizer_;  // null when the optimizer service is not built in
-  // Data-parallel groups (null without the optimizer service). Declared after
-  // the members its callbacks use.
+  OptimizerService* const optimizer_;
+  // Data-parallel groups. Declared after the members its callbacks use.
   std::unique_ptr<GroupRegistry> groups_;
   std::function<bool(uint64_t, pid_t)> watch_pid_;
   std::function<void(uint64_t)> unwatch_pid_;
