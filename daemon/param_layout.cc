@@ -81,6 +81,7 @@ grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
                                  std::to_string(kMaxParamsPerRequest) + ")");
   }
   std::set<uint64_t> seen;
+  uint64_t total_numel = 0;
   for (int i = 0; i < req.params_size(); ++i) {
     const auto& p = req.params(i);
     const std::string f = "params[" + std::to_string(i) + "].";
@@ -108,6 +109,12 @@ grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
         return Invalid(f + "shape", "more than " + std::to_string(kMaxParamNumel) + " elements");
       }
       numel *= static_cast<uint64_t>(dim);
+    }
+    total_numel += numel;  // each <= 2^36 and at most 2^20 of them: no overflow
+    if (total_numel > kMaxRequestNumel) {
+      return Invalid("params", "more than " + std::to_string(kMaxRequestNumel) +
+                                   " elements in one request (through params[" + std::to_string(i) +
+                                   "])");
     }
     if (DTypeBytes(p.dtype()) == 0) {
       return Invalid(f + "dtype", std::to_string(p.dtype()) +

@@ -31,6 +31,10 @@ namespace trainstream::daemon {
 inline constexpr uint64_t kMaxParamNumel = 1ull << 36;  // 64 Gi elements per tensor
 inline constexpr int kMaxParamDims = 16;
 inline constexpr size_t kMaxParamsPerRequest = 1u << 20;
+// Elements of all parameters of one request together (1 Ti): keeps every offset
+// ComputeRegistrationLayout adds up (64 gradient slots, a sum slot, the weights)
+// far below 2^64.
+inline constexpr uint64_t kMaxRequestNumel = 1ull << 40;
 inline constexpr size_t kMaxGroups = 4096;
 
 size_t DTypeBytes(int dtype);  // 0 for unknown / unspecified

@@ -106,3 +106,21 @@ TEST_CASE("Group layout: a grad slot per rank, a sum slot, one param slot; same 
   CHECK(a.master_offset == single.params[0].master_offset);
   CHECK(single.params[0].sum_offset == 0);
 }
+
+TEST_CASE("A request's parameters may not add up past 2^40 elements", "[params]") {
+  // 17 tensors of 2^36 elements each: every one is allowed, together they are not
+  // (each offset of the layout must stay far from 2^64).
+  v1::RegisterParametersRequest r = Request();
+  r.clear_params();
+  for (int i = 0; i < 17; ++i) {
+    auto* p = r.add_params();
+    p->set_param_id(static_cast<uint64_t>(i));
+    p->add_shape(int64_t{1} << 36);
+    p->set_dtype(v1::DTYPE_FLOAT32);
+  }
+  const grpc::Status st = ValidateRegistration(r, {});
+  CHECK(Field(st) == "params");
+  CHECK(st.error_message().find("params[16]") != std::string::npos);
+  r.mutable_params()->RemoveLast();  // 16 * 2^36 = 2^40: at the cap
+  CHECK(ValidateRegistration(r, {}).ok());
+}
