@@ -29,16 +29,16 @@
 #include <thread>
 #include <vector>
 
-#include "budget.h"
-#include "control_service.h"
 #include "daemon_state.h"
 #include "log_limiter.h"
-#include "optimizer_service.h"
-#include "peer_credentials.h"
-#include "pid_watcher.h"
-#include "session_registry.h"
+#include "memory/budget.h"
+#include "planes/optimizer_service.h"
+#include "sessions/pid_watcher.h"
+#include "sessions/session_registry.h"
 #include "startup_checks.h"
-#include "unix_listener.h"
+#include "transport/control_service.h"
+#include "transport/peer_credentials.h"
+#include "transport/unix_listener.h"
 
 namespace trainstream::daemon {
 namespace {

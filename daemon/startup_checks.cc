@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <cstring>
 
-#include "budget.h"
 #include "config.h"
-#include "shm_segment.h"
+#include "memory/budget.h"
+#include "memory/shm_segment.h"
 
 namespace trainstream::daemon {
 namespace {

@@ -1,5 +1,5 @@
 """How long a client's ftruncate of its own segment takes to end its session, and what
-it costs everyone else (Note [Client pages can vanish], daemon/client_memory_guard.h).
+it costs everyone else (Note [Client pages can vanish], daemon/memory/client_memory_guard.h).
 
 Starts a daemon on a temporary socket, and N times: attaches an attacker
 (trainstream-test-client), truncates its control segment, and times until the

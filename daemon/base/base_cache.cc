@@ -1,4 +1,4 @@
-#include "base_cache.h"
+#include "base/base_cache.h"
 
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>

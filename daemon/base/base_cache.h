@@ -40,12 +40,12 @@
 #include <string>
 #include <vector>
 
-#include "base_loader.h"
-#include "budget.h"
+#include "base/base_loader.h"
+#include "base/vram_export.h"
+#include "caller.h"
 #include "config.h"
-#include "peer_credentials.h"
-#include "shm_segment.h"
-#include "vram_export.h"
+#include "memory/budget.h"
+#include "memory/shm_segment.h"
 
 namespace trainstream::daemon::base {
 

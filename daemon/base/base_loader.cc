@@ -1,4 +1,4 @@
-#include "base_loader.h"
+#include "base/base_loader.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -29,8 +29,8 @@
 #include <string>
 #include <vector>
 
-#include "model_sources.h"
-#include "safetensors.h"
+#include "base/model_sources.h"
+#include "base/safetensors.h"
 #include "trainstream/kernels/quant.h"
 
 namespace trainstream::daemon::base {

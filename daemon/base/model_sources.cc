@@ -1,4 +1,4 @@
-#include "model_sources.h"
+#include "base/model_sources.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "peer_credentials.h"
-#include "safetensors.h"
+#include "base/safetensors.h"
+#include "caller.h"
 
 namespace trainstream::daemon::base {
 

@@ -1,4 +1,4 @@
-#include "safetensors.h"
+#include "base/safetensors.h"
 
 #include <unistd.h>
 

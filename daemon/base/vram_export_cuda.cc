@@ -6,7 +6,7 @@
 #include <chrono>
 #include <string>
 
-#include "vram_export.h"
+#include "base/vram_export.h"
 
 namespace trainstream::daemon::base {
 namespace {

@@ -1,6 +1,6 @@
 // VramExporter for a daemon built without CUDA: every request is refused
 // (Note [CUDA in the daemon only on request], vram_export.h).
-#include "vram_export.h"
+#include "base/vram_export.h"
 
 namespace trainstream::daemon::base {
 namespace {

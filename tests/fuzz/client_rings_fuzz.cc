@@ -1,4 +1,4 @@
-// Fuzzes the daemon's ring ends (daemon/client_rings.h) against a client that
+// Fuzzes the daemon's ring ends (daemon/planes/client_rings.h) against a client that
 // writes anything into the shared ring: the bytes are a script of client writes
 // (head, tail, the header's capacity and record size, slot contents) between
 // daemon pops and pushes. The rings live in exactly-sized heap blocks, so ASan
@@ -12,7 +12,7 @@
 #include <cstring>
 #include <memory>
 
-#include "client_rings.h"
+#include "planes/client_rings.h"
 #include "trainstream/wire/ring.h"
 #include "trainstream/wire/session_control.h"
 

@@ -1,6 +1,6 @@
 // Note [Client pages can vanish]: a truncated file under a guarded mapping
 // costs the owner its session, never the daemon; anywhere else SIGBUS still kills.
-#include "client_memory_guard.h"
+#include "memory/client_memory_guard.h"
 
 #include <fcntl.h>
 #include <signal.h>

@@ -1,6 +1,6 @@
 // The daemon's ring endpoints against a client that plays by the rules and one
-// that does not (Note [Rings a client can write], daemon/client_rings.h).
-#include "client_rings.h"
+// that does not (Note [Rings a client can write], daemon/planes/client_rings.h).
+#include "planes/client_rings.h"
 
 #include <cstdlib>
 #include <cstring>

@@ -1,6 +1,6 @@
 // GroupPlane against two in-process "ranks": their rings live in ordinary memory,
 // the test plays the clients' side of session_control.h.
-#include "group_plane.h"
+#include "planes/group_plane.h"
 
 #include <chrono>
 #include <cmath>

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "catch_compat.h"
-#include "peer_credentials.h"
+#include "transport/peer_credentials.h"
 
 using namespace trainstream::daemon;
 

@@ -1,4 +1,4 @@
-#include "param_layout.h"
+#include "sessions/param_layout.h"
 
 #include "catch_compat.h"
 

@@ -1,7 +1,7 @@
 // The safetensors header parser: good files parse, and each kind of bad file the
 // issue lists gives an error naming the file, the tensor and what is wrong. Also
 // the tensor cap and cancellation of the parser and of the base loader.
-#include "safetensors.h"
+#include "base/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -13,9 +13,9 @@
 #include <string_view>
 #include <vector>
 
-#include "base_loader.h"
+#include "base/base_loader.h"
+#include "base/model_sources.h"
 #include "catch_compat.h"
-#include "model_sources.h"
 
 using namespace trainstream::daemon::base;
 

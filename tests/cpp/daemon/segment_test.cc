@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "catch_compat.h"
-#include "shm_segment.h"
+#include "memory/shm_segment.h"
 
 using namespace trainstream::daemon;
 namespace fs = std::filesystem;

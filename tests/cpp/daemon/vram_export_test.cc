@@ -1,7 +1,7 @@
 // VramExporter (share_vram's seam to CUDA): without CUDA or a GPU every request is
 // refused with FAILED_PRECONDITION naming why; with a GPU it resolves devices,
 // refuses unknown ones and exports an allocation with a 64-byte IPC handle.
-#include "vram_export.h"
+#include "base/vram_export.h"
 
 #include <string>
 #include <vector>

@@ -27,7 +27,7 @@
 // would silently corrupt every other process's weights. The daemon therefore
 // makes the file read-only once it is filled (root's, readable by the owner
 // through an ACL, when the daemon runs as root: Note [Who may open a segment] in
-// daemon/shm_segment.h), and clients map it PROT_READ (and register it with
+// daemon/memory/shm_segment.h), and clients map it PROT_READ (and register it with
 // cudaHostRegisterReadOnly).
 #pragma once
 

@@ -1,4 +1,4 @@
-#include "plane_common.h"
+#include "planes/plane_common.h"
 
 #include <cstring>
 #include <vector>

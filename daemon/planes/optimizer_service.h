@@ -14,7 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "client_rings.h"
+#include "planes/client_rings.h"
 #include "trainstream/wire/session_control.h"
 
 namespace trainstream::optimizer {

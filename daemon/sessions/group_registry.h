@@ -33,8 +33,8 @@
 #include <set>
 #include <string>
 
-#include "optimizer_service.h"
-#include "shm_segment.h"
+#include "memory/shm_segment.h"
+#include "planes/optimizer_service.h"
 #include "trainstream/v1/control.pb.h"
 
 namespace trainstream::optimizer {

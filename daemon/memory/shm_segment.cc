@@ -1,4 +1,4 @@
-#include "shm_segment.h"
+#include "memory/shm_segment.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -15,8 +15,8 @@
 #include <cstring>
 #include <new>
 
-#include "budget.h"
-#include "client_memory_guard.h"
+#include "memory/budget.h"
+#include "memory/client_memory_guard.h"
 #include "token.h"
 #include "trainstream/v1/control.pb.h"
 

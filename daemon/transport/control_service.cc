@@ -1,4 +1,4 @@
-#include "control_service.h"
+#include "transport/control_service.h"
 
 #include <spdlog/spdlog.h>
 #include <unistd.h>

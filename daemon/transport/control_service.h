@@ -8,12 +8,12 @@
 #include <string>
 
 #include "base/base_cache.h"
-#include "budget.h"
 #include "config.h"
 #include "daemon_state.h"
-#include "peer_credentials.h"
-#include "session_registry.h"
+#include "memory/budget.h"
+#include "sessions/session_registry.h"
 #include "trainstream/v1/control.grpc.pb.h"
+#include "transport/peer_credentials.h"
 
 namespace trainstream::daemon {
 

@@ -1,4 +1,4 @@
-#include "unix_listener.h"
+#include "transport/unix_listener.h"
 
 #include <fcntl.h>
 #include <grpcpp/server.h>
@@ -19,7 +19,7 @@
 #include <cstring>
 
 #include "log_limiter.h"
-#include "peer_credentials.h"
+#include "transport/peer_credentials.h"
 
 namespace trainstream::daemon {
 namespace {

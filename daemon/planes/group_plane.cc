@@ -7,7 +7,7 @@
 // been idle for a while (a forward pass, evaluation, checkpointing). A command
 // arriving at an idle group is noticed within that sleep; during backward
 // commands arrive back to back and are taken without sleeping.
-#include "group_plane.h"
+#include "planes/group_plane.h"
 
 #include <spdlog/spdlog.h>
 
@@ -21,7 +21,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "plane_common.h"
+#include "planes/plane_common.h"
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/optimizer/worker_pool.h"

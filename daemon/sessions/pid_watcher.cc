@@ -1,4 +1,4 @@
-#include "pid_watcher.h"
+#include "sessions/pid_watcher.h"
 
 #include <poll.h>
 #include <sys/eventfd.h>

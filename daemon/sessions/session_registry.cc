@@ -1,4 +1,4 @@
-#include "session_registry.h"
+#include "sessions/session_registry.h"
 
 #include <poll.h>
 #include <spdlog/spdlog.h>
@@ -8,10 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
-#include "client_memory_guard.h"
-#include "group_registry.h"
-#include "optimizer_service.h"
-#include "param_layout.h"
+#include "memory/client_memory_guard.h"
+#include "planes/optimizer_service.h"
+#include "sessions/group_registry.h"
+#include "sessions/param_layout.h"
 #include "token.h"
 #include "trainstream/wire/segment_header.h"
 #include "trainstream/wire/session_control.h"

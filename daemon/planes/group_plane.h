@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "optimizer_service.h"
+#include "planes/optimizer_service.h"
 
 namespace trainstream::optimizer {
 class WorkerPool;

@@ -1,4 +1,4 @@
-#include "client_memory_guard.h"
+#include "memory/client_memory_guard.h"
 
 #include <signal.h>
 #include <sys/eventfd.h>

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "optimizer_service.h"
+#include "planes/optimizer_service.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/wire/session_control.h"
 

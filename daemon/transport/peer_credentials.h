@@ -16,16 +16,9 @@
 #include <unordered_map>
 #include <vector>
 
-namespace trainstream::daemon {
+#include "caller.h"
 
-struct PeerCredentials {
-  pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
-  std::vector<gid_t> groups;  // supplementary groups (SO_PEERGROUPS)
-  bool allowed = false;       // may use the daemon
-  bool admin = false;         // may also shut it down
-};
+namespace trainstream::daemon {
 
 // Reads SO_PEERCRED and SO_PEERGROUPS of a connected unix socket.
 bool ReadPeerCredentials(int fd, PeerCredentials* out);

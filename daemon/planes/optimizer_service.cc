@@ -9,7 +9,7 @@
 // overflow is non-empty every completion goes through it, so order is kept. The
 // queue is bounded (kMaxQueuedCompletions): a client that stops draining past it
 // is ended (client_rings.h), so it cannot grow the daemon's memory.
-#include "optimizer_service.h"
+#include "planes/optimizer_service.h"
 
 #include <spdlog/spdlog.h>
 
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "log_limiter.h"
-#include "plane_common.h"
+#include "planes/plane_common.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/optimizer/worker_pool.h"
 

@@ -1,4 +1,4 @@
-#include "group_registry.h"
+#include "sessions/group_registry.h"
 
 #include <spdlog/spdlog.h>
 
@@ -8,8 +8,8 @@
 #include <set>
 #include <vector>
 
-#include "group_plane.h"
-#include "param_layout.h"
+#include "planes/group_plane.h"
+#include "sessions/param_layout.h"
 #include "trainstream/wire/segment_header.h"
 
 namespace trainstream::daemon {

@@ -5,8 +5,8 @@
 
 #include <chrono>
 
-#include "control_service.h"
 #include "log_safe.h"
+#include "transport/control_service.h"
 
 namespace trainstream::daemon {
 namespace {

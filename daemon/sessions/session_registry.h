@@ -29,11 +29,11 @@
 #include <utility>
 #include <vector>
 
-#include "budget.h"
-#include "client_rings.h"
+#include "caller.h"
 #include "config.h"
-#include "peer_credentials.h"
-#include "shm_segment.h"
+#include "memory/budget.h"
+#include "memory/shm_segment.h"
+#include "planes/client_rings.h"
 #include "trainstream/v1/control.grpc.pb.h"
 
 namespace trainstream::daemon {

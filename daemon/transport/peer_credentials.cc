@@ -1,4 +1,4 @@
-#include "peer_credentials.h"
+#include "transport/peer_credentials.h"
 
 #include <grp.h>
 #include <sys/socket.h>
