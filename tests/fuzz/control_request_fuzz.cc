@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "base/base_loader.h"
-#include "group_registry.h"
-#include "param_layout.h"
+#include "sessions/group_registry.h"
+#include "sessions/param_layout.h"
 #include "trainstream/v1/control.pb.h"
 #include "trainstream/wire/segment_header.h"
 

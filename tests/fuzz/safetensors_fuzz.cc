@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "safetensors.h"
+#include "base/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace trainstream::daemon::base;
