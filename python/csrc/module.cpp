@@ -9,6 +9,7 @@ void RegisterAdamWBindings(pybind11::module_& m);      // adamw_bindings.cpp
 void RegisterQuantBindings(pybind11::module_& m);      // quant_bindings.cpp
 void RegisterAdamWCudaBindings(pybind11::module_& m);  // adamw_cuda_bindings.cpp
 void RegisterVramBindings(pybind11::module_& m);       // vram_bindings.cpp
+void RegisterWireBindings(pybind11::module_& m);       // wire_bindings.cpp
 }  // namespace trainstream::python
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -23,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   trainstream::python::RegisterQuantBindings(m);
   trainstream::python::RegisterAdamWCudaBindings(m);
   trainstream::python::RegisterVramBindings(m);
+  trainstream::python::RegisterWireBindings(m);
 }

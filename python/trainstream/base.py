@@ -39,9 +39,10 @@ _TORCH_DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-_SEGMENT_MAGIC = 0x54535347    # wire/segment_header.h
-_MANIFEST_MAGIC = 0x54534246   # wire/base_manifest.h
-_MANIFEST_OFFSET_FIELD = 120   # SegmentHeader.manifest_offset
+from ._wire import BASE_MANIFEST_HEADER_BYTES as _MANIFEST_HEADER_BYTES
+from ._wire import BASE_MANIFEST_MAGIC as _MANIFEST_MAGIC
+from ._wire import SEGMENT_MAGIC as _SEGMENT_MAGIC
+from ._wire import SEGMENT_MANIFEST_OFFSET_FIELD as _MANIFEST_OFFSET_FIELD
 
 
 def _cuda_device(device: Any) -> torch.device:
@@ -88,12 +89,12 @@ class SharedBase:
         if magic != _SEGMENT_MAGIC:
             raise DaemonError(f"base segment {region.segment_name} has no segment header")
         moff, mbytes = struct.unpack("<QQ", ctypes.string_at(addr + _MANIFEST_OFFSET_FIELD, 16))
-        if moff + mbytes > size or mbytes < 64:
+        if moff + mbytes > size or mbytes < _MANIFEST_HEADER_BYTES:
             raise DaemonError(f"base segment {region.segment_name}: manifest out of range")
         mmagic, _version, json_bytes, _data = struct.unpack("<IIQQ", ctypes.string_at(addr + moff, 24))
-        if mmagic != _MANIFEST_MAGIC or 64 + json_bytes > mbytes:
+        if mmagic != _MANIFEST_MAGIC or _MANIFEST_HEADER_BYTES + json_bytes > mbytes:
             raise DaemonError(f"base segment {region.segment_name}: bad manifest")
-        self.manifest = json.loads(ctypes.string_at(addr + moff + 64, json_bytes))
+        self.manifest = json.loads(ctypes.string_at(addr + moff + _MANIFEST_HEADER_BYTES, json_bytes))
         self.entries: Dict[str, Dict[str, Any]] = {t["name"]: t for t in self.manifest["tensors"]}
         from . import _C
         # One uint8 tensor over the whole (read-only) segment; every tensor is a view of it.

@@ -30,17 +30,23 @@ from ._options import check_adamw_hyper, validate
 from ._pinning import register_fresh
 from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
 
-# Wire constants (proto/include/trainstream/wire/session_control.h).
-_OP_PARAM_READY = 16
-_OP_STEP_DONE = 17
+from ._wire import (  # the wire format, pinned to the C++ headers by test_wire_constants.py
+    FIELD_EXP_AVG as _FIELD_EXP_AVG,
+    FIELD_EXP_AVG_SQ as _FIELD_EXP_AVG_SQ,
+    FIELD_MASTER as _FIELD_MASTER,
+    FIELD_PARAM_FROM_SLOT as _FIELD_PARAM_FROM_SLOT,
+    FIELD_STEP as _FIELD_STEP,
+    OP_ERROR as _OP_ERROR,
+    OP_GROUP_BROKEN as _OP_GROUP_BROKEN,
+    OP_PARAM_READY as _OP_PARAM_READY,
+    OP_STATE_DONE as _OP_STATE_DONE,
+    OP_STEP_DONE as _OP_STEP_DONE,
+    OP_SYNC_DONE as _OP_SYNC_DONE,
+    STATUS_OK as _STATUS_OK,
+    STATUS_SKIPPED_NONFINITE as _STATUS_SKIPPED_NONFINITE,
+)
+
 _STEP_REPLIES = (_OP_PARAM_READY, _OP_STEP_DONE)  # what a step() waits for
-_OP_STATE_DONE = 18
-_OP_SYNC_DONE = 19
-_OP_ERROR = 20
-_OP_GROUP_BROKEN = 22
-_STATUS_OK = 0
-_STATUS_SKIPPED_NONFINITE = 1
-_FIELD_MASTER, _FIELD_EXP_AVG, _FIELD_EXP_AVG_SQ, _FIELD_STEP, _FIELD_PARAM_FROM_SLOT = range(5)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

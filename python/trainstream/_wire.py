@@ -1,0 +1,36 @@
+"""The shared-memory wire constants the Python side uses, in one place.
+
+They are defined by the C++ headers in proto/include/trainstream/wire/; this copy
+lets ``import trainstream`` work without loading the torch extension, and
+tests/python/test_wire_constants.py pins every value here to ``trainstream._C.wire``
+(which reads them from those headers).
+"""
+
+# Opcodes (session_control.h, Opcode): daemon -> client.
+OP_PARAM_READY = 16
+OP_STEP_DONE = 17
+OP_STATE_DONE = 18
+OP_SYNC_DONE = 19
+OP_ERROR = 20
+OP_REDUCE_READY = 21
+OP_GROUP_BROKEN = 22
+
+# Completion statuses (CompletionStatus).
+STATUS_OK = 0
+STATUS_SKIPPED_NONFINITE = 1
+STATUS_INVALID = 2
+STATUS_INTERNAL = 3
+
+# Which optimizer-state tensor a kLoadState/kExportState moves (StateField).
+FIELD_MASTER = 0
+FIELD_EXP_AVG = 1
+FIELD_EXP_AVG_SQ = 2
+FIELD_STEP = 3
+FIELD_PARAM_FROM_SLOT = 4
+
+# Segment header and base manifest (segment_header.h, base_manifest.h).
+SEGMENT_MAGIC = 0x54535347
+SEGMENT_HEADER_BYTES = 4096
+SEGMENT_MANIFEST_OFFSET_FIELD = 120  # offsetof(SegmentHeader, manifest_offset)
+BASE_MANIFEST_MAGIC = 0x54534246
+BASE_MANIFEST_HEADER_BYTES = 64

@@ -1,0 +1,27 @@
+"""The Python copy of the wire format (trainstream/_wire.py) against the C++ headers,
+as the extension reads them (trainstream._C.wire): every value, in both directions."""
+import trainstream._C as C
+from trainstream import _wire
+
+
+def _upper(module):
+    return {n: getattr(module, n) for n in dir(module) if n.isupper()}
+
+
+def test_every_python_wire_constant_equals_the_cpp_one():
+    cpp = _upper(C.wire)
+    py = _upper(_wire)
+    assert py, "trainstream._wire defines no constants"
+    for name, value in py.items():
+        assert name in cpp, f"_wire.{name} has no C++ counterpart in _C.wire"
+        assert value == cpp[name], f"_wire.{name} = {value}, the C++ header says {cpp[name]}"
+
+
+def test_every_cpp_constant_the_client_receives_is_known_to_python():
+    # The daemon -> client opcodes and statuses must all be known where completions
+    # are read; the client -> daemon opcodes are posted by _C itself.
+    cpp = _upper(C.wire)
+    outbound = {"OP_GRAD_READY", "OP_STEP_END", "OP_LOAD_STATE", "OP_EXPORT_STATE", "OP_SYNC",
+                "OP_GRAD_REDUCED"}
+    missing = sorted(set(cpp) - set(_upper(_wire)) - outbound)
+    assert not missing, f"C++ wire constants with no Python copy: {missing}"
