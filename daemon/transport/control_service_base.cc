@@ -1,6 +1,7 @@
 // ControlService's frozen-base RPCs: LoadBase, ReleaseBase, ListBases, DropBase,
 // ShareBaseVram
 // (docs/base-cache.md). The work is BaseCache's; these authorise and translate.
+#include <malloc.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -110,6 +111,10 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
   };
   base::BaseInfo info;
   grpc::Status st = bases_->Load(creds, options, session ? session->id : 0, progress, &info);
+  // A header near the tensor cap parses into a few hundred MB of short-lived
+  // JSON nodes; hand those pages back now rather than keep them as the daemon's
+  // RSS for good (a client could grow it so, one crafted header at a time).
+  malloc_trim(0);
   if (st.error_code() == grpc::StatusCode::CANCELLED && stopped != nullptr) {
     st = grpc::Status(grpc::StatusCode::CANCELLED,
                       std::string(base::kLoadCancelled) + ": " + stopped + " (nothing was kept)");

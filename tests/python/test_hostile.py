@@ -378,3 +378,63 @@ def test_one_uid_cannot_hold_unbounded_sessions(daemon):
     held.append(client.attach(job="room-again"))  # the cap counts live sessions only
     for s in held:
         s.detach()
+
+
+# --------------------------------------------- the listener and the base loader, likewise
+
+
+def _crafted_header(path, count):
+    """A checkpoint of `count` tensors, all but one of them empty: issue 16 measured
+    such headers at quadratic parse time (32k: 4.8 s of daemon CPU)."""
+    import struct
+    parts = [f'"t{i}":{{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}' for i in range(count - 1)]
+    parts.append('"last":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}')
+    header = ("{" + ",".join(parts) + "}").encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+
+
+@pytest.mark.parametrize("count", [200_000, 300_000])
+def test_a_crafted_checkpoint_header_leaves_the_others_alone(daemon, tmp_path, count):
+    """Finding 6: 200k empty tensors took over a minute of daemon CPU; now the parse is
+    linear, and past the tensor cap the load is refused by name."""
+    path = tmp_path / "crafted.safetensors"
+    _crafted_header(path, count)
+
+    def attack():
+        r = daemon.ctl("base", "load", str(path), timeout=120)
+        if count > 1 << 18:
+            assert r.returncode != 0 and "tensors" in r.stderr, r.stderr
+        else:
+            assert r.returncode == 0, r.stderr
+            assert daemon.ctl("base", "drop", json.loads(
+                daemon.ctl("base", "list", "--json").stdout)[0]["key"]).returncode == 0
+    under_attack(daemon, attack)
+
+
+@needs_root
+def test_a_connection_flood_by_a_member_leaves_the_others_alone(member_daemon):
+    """Finding 5: idle connections past the fd limit put the accept loop into a spin.
+    An unprivileged member opens 1,000 connections and holds them while root's
+    bystander trains."""
+    d = member_daemon
+    script = (
+        "import socket, sys, time\n"
+        "held = []\n"
+        "for _ in range(1000):\n"
+        "    s = socket.socket(socket.AF_UNIX)\n"
+        "    try:\n"
+        "        s.connect(sys.argv[1])\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    held.append(s)\n"
+        "print(len(held), flush=True)\n"
+        "time.sleep(3)\n")
+
+    def attack():
+        r = subprocess.run(["/usr/bin/python3", "-c", script, d.socket], capture_output=True,
+                           text=True, timeout=60, preexec_fn=as_nobody)
+        assert r.returncode == 0, r.stderr
+        assert int(r.stdout) > 0
+        assert d.ctl("--timeout-ms", "2000", "ping").returncode == 0
+    under_attack(d, attack)
