@@ -432,6 +432,7 @@ def test_a_connection_flood_by_a_member_leaves_the_others_alone(member_daemon):
         "time.sleep(3)\n")
 
     def attack():
+        # The system interpreter: the project's venv may sit under root's 0700 home.
         r = subprocess.run(["/usr/bin/python3", "-c", script, d.socket], capture_output=True,
                            text=True, timeout=60, preexec_fn=as_nobody)
         assert r.returncode == 0, r.stderr
