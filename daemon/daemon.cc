@@ -156,8 +156,7 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   registry->AddEndHook([&bases](uint64_t id) { bases.ReleaseSession(id); });
 
   PeerTable peers;
-  ControlService service(config, &policy, &peers, registry.get(), &budget, &state);
-  service.SetBaseCache(&bases);
+  ControlService service(config, &policy, &peers, registry.get(), &budget, &state, &bases);
   grpc::ServerBuilder builder;
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

@@ -166,52 +166,43 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
 grpc::Status ControlService::RegisterParameters(grpc::ServerContext* ctx,
                                                 const v1::RegisterParametersRequest* req,
                                                 v1::RegisterParametersResponse* resp) {
-  PeerCredentials creds;
-  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
-  std::shared_ptr<Session> session;
-  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
-    return s;
-  for (int i = 0; i < req->params_size(); ++i) {
-    const std::string field = "params[" + std::to_string(i) + "].name";
-    if (auto s = CheckPrintable(req->params(i).name(), field.c_str(), "parameter names"); !s.ok())
+  return WithSession(ctx, *req, [&](const PeerCredentials&, Session& session) {
+    for (int i = 0; i < req->params_size(); ++i) {
+      const std::string field = "params[" + std::to_string(i) + "].name";
+      if (auto s = CheckPrintable(req->params(i).name(), field.c_str(), "parameter names"); !s.ok())
+        return s;
+    }
+    if (auto s = CheckPrintable(req->weights_checksum(), "weights_checksum", "checksums"); !s.ok())
       return s;
-  }
-  if (auto s = CheckPrintable(req->weights_checksum(), "weights_checksum", "checksums"); !s.ok())
-    return s;
-  grpc::Status st = registry_->RegisterParameters(*session, *req, resp);
-  if (!st.ok())
-    spdlog::info("session {}: RegisterParameters refused: {}", session->id,
-                 LogSafe(st.error_message(), 1024));
-  return st;
+    grpc::Status st = registry_->RegisterParameters(session, *req, resp);
+    if (!st.ok())
+      spdlog::info("session {}: RegisterParameters refused: {}", session.id,
+                   LogSafe(st.error_message(), 1024));
+    return st;
+  });
 }
 
 grpc::Status ControlService::AllocateRegion(grpc::ServerContext* ctx,
                                             const v1::AllocateRegionRequest* req,
                                             v1::AllocateRegionResponse* resp) {
-  PeerCredentials creds;
-  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
-  std::shared_ptr<Session> session;
-  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
-    return s;
-  if (auto s = CheckPrintable(req->label(), "label", "region labels"); !s.ok()) return s;
-  grpc::Status st = registry_->AllocateRegion(*session, *req, resp->mutable_region());
-  if (!st.ok())
-    spdlog::info("session {}: AllocateRegion refused: {}", session->id,
-                 LogSafe(st.error_message(), 1024));
-  return st;
+  return WithSession(ctx, *req, [&](const PeerCredentials&, Session& session) {
+    if (auto s = CheckPrintable(req->label(), "label", "region labels"); !s.ok()) return s;
+    grpc::Status st = registry_->AllocateRegion(session, *req, resp->mutable_region());
+    if (!st.ok())
+      spdlog::info("session {}: AllocateRegion refused: {}", session.id,
+                   LogSafe(st.error_message(), 1024));
+    return st;
+  });
 }
 
 grpc::Status ControlService::FreeRegion(grpc::ServerContext* ctx, const v1::FreeRegionRequest* req,
                                         v1::FreeRegionResponse* resp) {
-  PeerCredentials creds;
-  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
-  std::shared_ptr<Session> session;
-  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
-    return s;
-  uint64_t freed = 0;
-  grpc::Status st = registry_->FreeRegion(*session, *req, &freed);
-  resp->set_bytes_freed(freed);
-  return st;
+  return WithSession(ctx, *req, [&](const PeerCredentials&, Session& session) {
+    uint64_t freed = 0;
+    grpc::Status st = registry_->FreeRegion(session, *req, &freed);
+    resp->set_bytes_freed(freed);
+    return st;
+  });
 }
 
 grpc::Status ControlService::Status(grpc::ServerContext* ctx, const v1::StatusRequest*,

@@ -22,15 +22,18 @@ inline constexpr uint32_t kProtocolVersion = 1;
 
 class ControlService final : public v1::Control::Service {
  public:
-  // Every pointer must outlive the service (and the gRPC server using it).
+  // Every pointer must be non-null and outlive the service (and the gRPC server
+  // using it).
   ControlService(const DaemonConfig& config, const AccessPolicy* policy, PeerTable* peers,
-                 SessionRegistry* registry, Budget* budget, DaemonState* state)
+                 SessionRegistry* registry, Budget* budget, DaemonState* state,
+                 base::BaseCache* bases)
       : config_(config),
         policy_(policy),
         peers_(peers),
         registry_(registry),
         budget_(budget),
-        state_(state) {}
+        state_(state),
+        bases_(bases) {}
 
   grpc::Status Ping(grpc::ServerContext* ctx, const v1::PingRequest* req,
                     v1::PingResponse* resp) override;
@@ -47,8 +50,7 @@ class ControlService final : public v1::Control::Service {
   grpc::Status Shutdown(grpc::ServerContext* ctx, const v1::ShutdownRequest* req,
                         v1::ShutdownResponse* resp) override;
 
-  // Frozen bases (control_service_base.cc). `bases` must outlive the service.
-  void SetBaseCache(base::BaseCache* bases) { bases_ = bases; }
+  // Frozen bases (control_service_base.cc).
   grpc::Status LoadBase(grpc::ServerContext* ctx, const v1::LoadBaseRequest* req,
                         grpc::ServerWriter<v1::LoadBaseEvent>* writer) override;
   grpc::Status ReleaseBase(grpc::ServerContext* ctx, const v1::ReleaseBaseRequest* req,
@@ -63,6 +65,19 @@ class ControlService final : public v1::Control::Service {
  private:
   // The caller's credentials, or PERMISSION_DENIED saying who may connect.
   grpc::Status Authorize(grpc::ServerContext* ctx, PeerCredentials* creds);
+
+  // The idiom of every session request: authorise the caller, find the session
+  // its id and token name (it must be the caller's), then run
+  // fn(creds, session) and return what it returns.
+  template <typename Request, typename Fn>
+  grpc::Status WithSession(grpc::ServerContext* ctx, const Request& req, Fn fn) {
+    PeerCredentials creds;
+    if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
+    std::shared_ptr<Session> session;
+    if (auto s = registry_->Find(req.session_id(), req.session_token(), creds, &session); !s.ok())
+      return s;
+    return fn(creds, *session);
+  }
   // Adds the cached bases (and their segments) to a status answer.
   void FillBaseStatus(v1::StatusResponse* resp);
 
@@ -72,7 +87,7 @@ class ControlService final : public v1::Control::Service {
   SessionRegistry* registry_;
   Budget* budget_;
   DaemonState* state_;
-  base::BaseCache* bases_ = nullptr;
+  base::BaseCache* const bases_;
 };
 
 }  // namespace trainstream::daemon

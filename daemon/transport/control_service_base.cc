@@ -12,10 +12,6 @@
 namespace trainstream::daemon {
 namespace {
 
-grpc::Status NoCache() {
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this trainstreamd has no base cache");
-}
-
 void ToProto(const base::BaseInfo& b, v1::BaseInfo* out) {
   out->set_key(b.key);
   out->set_path(b.path);
@@ -39,7 +35,6 @@ void ToProto(const base::BaseInfo& b, v1::BaseInfo* out) {
 }  // namespace
 
 void ControlService::FillBaseStatus(v1::StatusResponse* resp) {
-  if (bases_ == nullptr) return;
   PeerCredentials all;
   all.admin = true;  // status lists every base, as it lists every session
   for (const auto& b : bases_->List(all)) {
@@ -63,7 +58,6 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
                                       grpc::ServerWriter<v1::LoadBaseEvent>* writer) {
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
-  if (bases_ == nullptr) return NoCache();
   std::shared_ptr<Session> session;
   if (req->session_id() != 0) {
     if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
@@ -152,20 +146,15 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
 grpc::Status ControlService::ReleaseBase(grpc::ServerContext* ctx,
                                          const v1::ReleaseBaseRequest* req,
                                          v1::ReleaseBaseResponse*) {
-  PeerCredentials creds;
-  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
-  if (bases_ == nullptr) return NoCache();
-  std::shared_ptr<Session> session;
-  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
-    return s;
-  return bases_->Release(session->id, req->key());
+  return WithSession(ctx, *req, [&](const PeerCredentials&, Session& session) {
+    return bases_->Release(session.id, req->key());
+  });
 }
 
 grpc::Status ControlService::ListBases(grpc::ServerContext* ctx, const v1::ListBasesRequest*,
                                        v1::ListBasesResponse* resp) {
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
-  if (bases_ == nullptr) return NoCache();
   for (const auto& b : bases_->List(creds)) ToProto(b, resp->add_bases());
   return grpc::Status::OK;
 }
@@ -174,7 +163,6 @@ grpc::Status ControlService::DropBase(grpc::ServerContext* ctx, const v1::DropBa
                                       v1::DropBaseResponse* resp) {
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
-  if (bases_ == nullptr) return NoCache();
   uint64_t freed = 0;
   grpc::Status st = bases_->Drop(creds, req->key(), &freed);
   resp->set_bytes_freed(freed);
@@ -184,30 +172,26 @@ grpc::Status ControlService::DropBase(grpc::ServerContext* ctx, const v1::DropBa
 grpc::Status ControlService::ShareBaseVram(grpc::ServerContext* ctx,
                                            const v1::ShareBaseVramRequest* req,
                                            v1::ShareBaseVramResponse* resp) {
-  PeerCredentials creds;
-  if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
-  if (bases_ == nullptr) return NoCache();
-  std::shared_ptr<Session> session;
-  if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
-    return s;
-  if (req->pci_bus_id().size() > 64) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "pci_bus_id: longer than 64 characters (e.g. '0000:19:00.0')");
-  }
-  base::VramDevice device;
-  device.pci_bus_id = req->pci_bus_id();
-  device.index = req->device();
-  base::VramShareInfo info;
-  grpc::Status st = bases_->ShareVram(session->id, req->key(), device, &info);
-  if (!st.ok()) return st;
-  resp->set_ipc_handle(info.ipc_handle);
-  resp->set_bytes(info.bytes);
-  resp->set_device(info.device);
-  resp->set_pci_bus_id(info.pci_bus_id);
-  resp->set_cached(info.cached);
-  resp->set_copy_seconds(info.copy_seconds);
-  resp->set_holders(info.holders);
-  return grpc::Status::OK;
+  return WithSession(ctx, *req, [&](const PeerCredentials&, Session& session) {
+    if (req->pci_bus_id().size() > 64) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "pci_bus_id: longer than 64 characters (e.g. '0000:19:00.0')");
+    }
+    base::VramDevice device;
+    device.pci_bus_id = req->pci_bus_id();
+    device.index = req->device();
+    base::VramShareInfo info;
+    grpc::Status st = bases_->ShareVram(session.id, req->key(), device, &info);
+    if (!st.ok()) return st;
+    resp->set_ipc_handle(info.ipc_handle);
+    resp->set_bytes(info.bytes);
+    resp->set_device(info.device);
+    resp->set_pci_bus_id(info.pci_bus_id);
+    resp->set_cached(info.cached);
+    resp->set_copy_seconds(info.copy_seconds);
+    resp->set_holders(info.holders);
+    return grpc::Status::OK;
+  });
 }
 
 }  // namespace trainstream::daemon
