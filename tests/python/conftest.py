@@ -35,6 +35,19 @@ def _build_dir() -> Path:
     return Path(os.environ.get("TRAINSTREAM_BUILD_DIR", REPO / "build")).resolve()
 
 
+NOBODY = 65534  # the unprivileged uid (and gid) the permission tests run clients as
+
+
+def as_user(uid: int, gid: int | None = None):
+    """A preexec_fn that drops a child to `uid` (and `gid`, default the same number),
+    with no supplementary groups."""
+    def drop():
+        os.setgroups([])
+        os.setgid(uid if gid is None else gid)
+        os.setuid(uid)
+    return drop
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.01, what: str = "condition"):
     """Polls `predicate` until it returns a truthy value; fails after `timeout` s."""
     deadline = time.monotonic() + timeout

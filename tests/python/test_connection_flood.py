@@ -18,19 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until
+from conftest import NOBODY, as_user, wait_until
 
-NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to flood from another uid")
-
-def as_user(uid):
-    def drop():
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    return drop
-
 
 def open_socket(d):
     os.chmod(d.socket, 0o666)

@@ -7,17 +7,9 @@ import subprocess
 
 import pytest
 
-NOBODY = 65534
+from conftest import NOBODY, as_user
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client under another uid")
-
-
-def as_user(uid, gid):
-    def drop():
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-    return drop
 
 
 def open_socket(d):

@@ -23,12 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until
+from conftest import NOBODY, as_user, wait_until
 from safetensors_writer import write_safetensors
 
 HERE = Path(__file__).resolve().parent
 STEPS = 12
-NOBODY = 65534
 MIB = 1 << 20
 # The bounds each attack must stay under.
 MAX_RSS_GROWTH = 64 * MIB
@@ -292,10 +291,7 @@ def test_another_sockets_segments_are_left_alone(daemon_factory, tmp_path):
 # ------------------------------------------------------------- as an unprivileged member
 
 
-def as_nobody():
-    os.setgroups([])
-    os.setgid(NOBODY)
-    os.setuid(NOBODY)
+as_nobody = as_user(NOBODY)
 
 
 @pytest.fixture

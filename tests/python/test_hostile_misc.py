@@ -17,18 +17,9 @@ import torch
 
 import trainstream
 import trainstream._control as control
-from conftest import wait_until
+from conftest import NOBODY, as_user, wait_until
 
-NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
-
-
-def as_user(uid, gid):
-    def drop():
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-    return drop
 
 
 def ctl_as(d, uid, *args):
