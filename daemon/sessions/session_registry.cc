@@ -25,16 +25,9 @@ grpc::Status Invalid(const std::string& msg) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
 }
 
-uint64_t RingOffsetAfter(uint64_t offset, uint64_t bytes) { return AlignUp(offset + bytes, 64); }
-
 }  // namespace
 
-uint64_t MinControlBytes() {
-  const uint64_t cmd = wire::RingBytes(kRingCapacity, sizeof(wire::CommandRecord));
-  const uint64_t cpl = wire::RingBytes(kRingCapacity, sizeof(wire::CompletionRecord));
-  return AlignUp(RingOffsetAfter(RingOffsetAfter(sizeof(wire::SessionControlHeader), cmd), cpl),
-                 kPage);
-}
+uint64_t MinControlBytes() { return wire::ControlLayoutFor(kRingCapacity).bytes; }
 
 bool Session::Send(const v1::SessionEvent& event) {
   std::lock_guard<std::mutex> lock(stream_mu);
@@ -243,24 +236,12 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
                     "the session control region", &seg);
   if (!st.ok()) return st;
   // SessionControlHeader, then the command ring, then the completion ring.
-  char* base = seg->base() + wire::kSegmentHeaderBytes;
   // Note [Rings a client can write]: the layout is kept here and never read back.
-  s->rings.control = base;
-  s->rings.command_offset = AlignUp(sizeof(wire::SessionControlHeader), 64);
-  s->rings.completion_offset = RingOffsetAfter(
-      s->rings.command_offset, wire::RingBytes(kRingCapacity, sizeof(wire::CommandRecord)));
-  s->rings.capacity = kRingCapacity;
-  auto* h = new (base) wire::SessionControlHeader();
-  h->magic = wire::kSessionControlMagic;
-  h->version = wire::kSessionControlVersion;
-  h->session_id = s->id;
-  h->command_ring_offset = s->rings.command_offset;
-  h->completion_ring_offset = s->rings.completion_offset;
-  h->total_bytes = control_bytes;
-  h->closing.store(0);
-  wire::RingView::Initialize(s->rings.command_ring(), kRingCapacity, sizeof(wire::CommandRecord));
-  wire::RingView::Initialize(s->rings.completion_ring(), kRingCapacity,
-                             sizeof(wire::CompletionRecord));
+  char* base = seg->base() + wire::kSegmentHeaderBytes;
+  const wire::ControlLayout layout =
+      wire::InitializeControlRegion(base, s->id, control_bytes, kRingCapacity);
+  s->rings =
+      ControlRings{base, layout.command_ring_offset, layout.completion_ring_offset, kRingCapacity};
 
   {
     std::lock_guard<std::mutex> lock(s->mu);

@@ -32,23 +32,18 @@ constexpr size_t kNumel = 5;
 // One rank's control region (header + both rings), as SessionRegistry lays it out.
 struct FakeRank {
   FakeRank() {
-    const size_t ring = wire::RingBytes(kCapacity, sizeof(CommandRecord));
-    bytes = 64 + 2 * ring;
+    bytes = wire::ControlLayoutFor(kCapacity).bytes;
     memory = static_cast<char*>(std::aligned_alloc(64, bytes));
     std::memset(memory, 0, bytes);
-    auto* h = new (memory) wire::SessionControlHeader();
-    h->magic = wire::kSessionControlMagic;
-    h->version = wire::kSessionControlVersion;
-    h->command_ring_offset = 64;
-    h->completion_ring_offset = 64 + ring;
-    commands = RingView::Initialize(memory + 64, kCapacity, sizeof(CommandRecord));
-    completions = RingView::Initialize(memory + 64 + ring, kCapacity, sizeof(CompletionRecord));
+    layout = wire::InitializeControlRegion(memory, 0, bytes, kCapacity);
+    commands = RingView(memory + layout.command_ring_offset);
+    completions = RingView(memory + layout.completion_ring_offset);
   }
   ~FakeRank() { std::free(memory); }
   // The daemon's copy of the layout (client_rings.h).
   ControlRings rings() const {
-    const size_t ring = wire::RingBytes(kCapacity, sizeof(CommandRecord));
-    return ControlRings{memory, 64, 64 + ring, kCapacity};
+    return ControlRings{memory, layout.command_ring_offset, layout.completion_ring_offset,
+                        kCapacity};
   }
   FakeRank(const FakeRank&) = delete;
   FakeRank& operator=(const FakeRank&) = delete;
@@ -75,6 +70,7 @@ struct FakeRank {
 
   char* memory = nullptr;
   size_t bytes = 0;
+  wire::ControlLayout layout{};
   RingView commands, completions;
 };
 

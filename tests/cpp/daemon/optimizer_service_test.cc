@@ -31,13 +31,13 @@ constexpr uint64_t kSession = 7;
 
 struct Client {
   Client() : service(2) {
-    const size_t ring = wire::RingBytes(kCapacity, sizeof(CommandRecord));
-    memory = static_cast<char*>(std::aligned_alloc(64, 64 + 2 * ring));
-    std::memset(memory, 0, 64 + 2 * ring);
-    rings = ControlRings{memory, 64, 64 + ring, kCapacity};
-    commands = RingView::Initialize(rings.command_ring(), kCapacity, sizeof(CommandRecord));
-    completions =
-        RingView::Initialize(rings.completion_ring(), kCapacity, sizeof(CompletionRecord));
+    const uint64_t bytes = wire::ControlLayoutFor(kCapacity).bytes;
+    memory = static_cast<char*>(std::aligned_alloc(64, bytes));
+    std::memset(memory, 0, bytes);
+    const wire::ControlLayout l = wire::InitializeControlRegion(memory, kSession, bytes, kCapacity);
+    rings = ControlRings{memory, l.command_ring_offset, l.completion_ring_offset, kCapacity};
+    commands = RingView(rings.command_ring());
+    completions = RingView(rings.completion_ring());
     for (auto* v : {&master, &m, &v, &grad, &param}) v->assign(kNumel, 0.f);
     for (size_t i = 0; i < kNumel; ++i) {
       param[i] = static_cast<float>(i + 1);

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <new>
 
 #include "trainstream/wire/ring.h"
 
@@ -113,5 +114,42 @@ struct alignas(64) CompletionRecord {
   char message[80];         // NUL-terminated; empty when status is kOk
 };
 static_assert(sizeof(CompletionRecord) == 128, "wire format");
+
+// Where the parts of a control region with rings of `capacity` records lie,
+// from the start of the region (the SessionControlHeader).
+struct ControlLayout {
+  uint64_t command_ring_offset;
+  uint64_t completion_ring_offset;
+  uint64_t bytes;  // the smallest region that holds it, a whole number of pages
+};
+
+inline ControlLayout ControlLayoutFor(uint64_t capacity) {
+  auto align = [](uint64_t v, uint64_t a) { return (v + a - 1) / a * a; };
+  ControlLayout l{};
+  l.command_ring_offset = align(sizeof(SessionControlHeader), 64);
+  l.completion_ring_offset =
+      align(l.command_ring_offset + RingBytes(capacity, sizeof(CommandRecord)), 64);
+  l.bytes = align(l.completion_ring_offset + RingBytes(capacity, sizeof(CompletionRecord)), 4096);
+  return l;
+}
+
+// Lays out a fresh control region at `base` (the daemon, once, at attach):
+// the header, then both rings, empty. `bytes` is the region's length.
+inline ControlLayout InitializeControlRegion(void* base, uint64_t session_id, uint64_t bytes,
+                                             uint64_t capacity) {
+  const ControlLayout l = ControlLayoutFor(capacity);
+  auto* h = new (base) SessionControlHeader();
+  h->magic = kSessionControlMagic;
+  h->version = kSessionControlVersion;
+  h->session_id = session_id;
+  h->command_ring_offset = l.command_ring_offset;
+  h->completion_ring_offset = l.completion_ring_offset;
+  h->total_bytes = bytes;
+  h->closing.store(0);
+  char* p = static_cast<char*>(base);
+  RingView::Initialize(p + l.command_ring_offset, capacity, sizeof(CommandRecord));
+  RingView::Initialize(p + l.completion_ring_offset, capacity, sizeof(CompletionRecord));
+  return l;
+}
 
 }  // namespace trainstream::wire
