@@ -234,8 +234,9 @@ def test_truncating_staging_under_an_update_ends_only_that_session(daemon):
         # Initialising reads the weights from the param slot, the update reads the
         # gradient slot and writes the weights: all on pages that are gone.
         assert c.send('post {"opcode": 3, "seq": 0, "param_id": 0, "field": 4}')["ok"]
-        assert c.send('post {"opcode": 1, "seq": 1, "param_id": 0, "step": 1, "lr": 0.001}')["ok"]
-        assert c.send('post {"opcode": 2, "seq": 2, "step": 1}')["ok"]
+        # The session may already be over when these go: the client then posts nothing.
+        c.send('post {"opcode": 1, "seq": 1, "param_id": 0, "step": 1, "lr": 0.001}')
+        c.send('post {"opcode": 2, "seq": 2, "step": 1}')
         expect_ended(c, "truncated")
     under_attack(daemon, attack)
 
