@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <deque>
 #include <functional>
 #include <string>
 
@@ -165,5 +166,51 @@ using CompletionProducer = ClientRingProducer<wire::CompletionRecord>;
 // its ring (Note [Completions never block a worker]): 8 MiB. A client that
 // stops draining its ring past this is ended, not buffered for.
 inline constexpr size_t kMaxQueuedCompletions = size_t{1} << 16;
+
+// One session's completion ring with the bounded queue behind it (Note
+// [Completions never block a worker], optimizer_service.cc): a completion goes
+// to the ring when nothing waits before it, else to the queue, which Flush()
+// moves into the ring as the client drains it. Not thread-safe: the plane holds
+// its completion mutex around every call.
+class CompletionQueue {
+ public:
+  CompletionQueue(wire::RingHeader* ring, uint64_t capacity) : ring_(ring, capacity) {}
+
+  // Delivers or queues `rec`. Returns "" or how the client broke the rules (a
+  // corrupt ring, or more than kMaxQueuedCompletions undrained); the caller
+  // then ends the session and calls nothing here again.
+  std::string Push(const wire::CompletionRecord& rec) {
+    if (queued_.empty()) {
+      const RingResult r = ring_.TryPush(rec);
+      if (r == RingResult::kOk) return "";
+      if (r == RingResult::kCorrupt) return ring_.error();
+    }
+    if (queued_.size() >= kMaxQueuedCompletions) {
+      return "the client left " + std::to_string(queued_.size()) +
+             " completions undrained (at most " + std::to_string(kMaxQueuedCompletions) +
+             " wait in the daemon)";
+    }
+    queued_.push_back(rec);
+    return "";
+  }
+
+  // Moves queued completions into the ring while it has room. "" or a fault.
+  std::string Flush() {
+    while (!queued_.empty()) {
+      const RingResult r = ring_.TryPush(queued_.front());
+      if (r == RingResult::kCorrupt) return ring_.error();
+      if (r != RingResult::kOk) break;
+      queued_.pop_front();
+    }
+    return "";
+  }
+
+  // Drops what waits (a faulted session's completions go nowhere).
+  void Clear() { queued_.clear(); }
+
+ private:
+  CompletionProducer ring_;
+  std::deque<wire::CompletionRecord> queued_;
+};
 
 }  // namespace trainstream::daemon

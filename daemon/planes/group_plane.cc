@@ -15,7 +15,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -94,7 +93,6 @@ struct GroupPlane::Impl {
       commands.emplace_back(mem.rings.command_ring(), mem.rings.capacity);
       completions.emplace_back(mem.rings.completion_ring(), mem.rings.capacity);
     }
-    overflow.resize(members.size());
     faulted.resize(members.size(), false);
     optimizer::EngineOptions eo;
     eo.moment_dtype = ToKernelDType(options.optimizer.moment_dtype);
@@ -399,27 +397,13 @@ struct GroupPlane::Impl {
   void Complete(size_t r, const CompletionRecord& rec, bool even_when_stopping = false) {
     std::lock_guard<std::mutex> lock(completion_mu);
     if ((muted && !even_when_stopping) || faulted[r]) return;
-    if (overflow[r].empty()) {
-      const RingResult res = completions[r].TryPush(rec);
-      if (res == RingResult::kOk) return;
-      if (res == RingResult::kCorrupt) return MemberFault(r, completions[r].error());
-    }
-    if (overflow[r].size() >= kMaxQueuedCompletions) {
-      return MemberFault(r, "the client left " + std::to_string(overflow[r].size()) +
-                                " completions undrained (at most " +
-                                std::to_string(kMaxQueuedCompletions) + " wait in the daemon)");
-    }
-    overflow[r].push_back(rec);
+    if (std::string why = completions[r].Push(rec); !why.empty()) MemberFault(r, why);
   }
 
   void FlushOverflow(size_t r) {
     std::lock_guard<std::mutex> lock(completion_mu);
-    while (!overflow[r].empty() && !faulted[r]) {
-      const RingResult res = completions[r].TryPush(overflow[r].front());
-      if (res == RingResult::kCorrupt) return MemberFault(r, completions[r].error());
-      if (res != RingResult::kOk) return;
-      overflow[r].pop_front();
-    }
+    if (faulted[r]) return;
+    if (std::string why = completions[r].Flush(); !why.empty()) MemberFault(r, why);
   }
 
   // Member r broke the wire rules (client_rings.h): its rings are not touched
@@ -428,7 +412,7 @@ struct GroupPlane::Impl {
   void MemberFault(size_t r, const std::string& why) {
     if (faulted[r]) return;
     faulted[r] = true;
-    overflow[r].clear();
+    completions[r].Clear();
     spdlog::warn("group '{}': local rank {}: {}; ending its session", options.name, r, why);
     if (options.on_fault) options.on_fault(members[r].session_id, why);
   }
@@ -472,8 +456,8 @@ struct GroupPlane::Impl {
   const GroupPlaneOptions options;
   const std::vector<GroupMemberRings> members;
   optimizer::WorkerPool* const pool;
-  std::vector<CommandConsumer> commands;        // consumed by `thread` only
-  std::vector<CompletionProducer> completions;  // produced under completion_mu
+  std::vector<CommandConsumer> commands;     // consumed by `thread` only
+  std::vector<CompletionQueue> completions;  // Guarded by completion_mu.
 
   // Group thread only.
   std::vector<std::unique_ptr<Slot>> slots;
@@ -488,8 +472,7 @@ struct GroupPlane::Impl {
   std::mutex step_mu;  // guards step_counters (the manifest's per-param step)
   std::unordered_map<uint64_t, uint64_t*> step_counters;
 
-  std::mutex completion_mu;  // guards overflow and the completion rings' producer side
-  std::vector<std::deque<CompletionRecord>> overflow;
+  std::mutex completion_mu;   // guards completions, faulted and muted
   std::vector<bool> faulted;  // Guarded by completion_mu: member r broke the wire rules
   bool muted = false;         // Guarded by completion_mu: set once stopping
 

@@ -17,7 +17,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -273,35 +272,21 @@ class AdamWSessionPlane {
   void Complete(const CompletionRecord& rec) {
     std::lock_guard<std::mutex> lock(completion_mu_);
     if (faulted_.load(std::memory_order_acquire)) return;
-    if (overflow_.empty()) {
-      const RingResult r = completions_.TryPush(rec);
-      if (r == RingResult::kOk) return;
-      if (r == RingResult::kCorrupt) return Fault(completions_.error());
-    }
-    if (overflow_.size() >= kMaxQueuedCompletions) {
-      return Fault("the client left " + std::to_string(overflow_.size()) +
-                   " completions undrained (at most " + std::to_string(kMaxQueuedCompletions) +
-                   " wait in the daemon)");
-    }
-    overflow_.push_back(rec);
+    if (std::string why = completions_.Push(rec); !why.empty()) Fault(why);
   }
 
   void FlushOverflow() {
     std::lock_guard<std::mutex> lock(completion_mu_);
-    while (!overflow_.empty()) {
-      const RingResult r = completions_.TryPush(overflow_.front());
-      if (r == RingResult::kCorrupt) return Fault(completions_.error());
-      if (r != RingResult::kOk) return;
-      overflow_.pop_front();
-    }
+    if (faulted_.load(std::memory_order_acquire)) return;
+    if (std::string why = completions_.Flush(); !why.empty()) Fault(why);
   }
 
   const uint64_t session_id_;
   const RegionResolver resolver_;
   optimizer::WorkerPool* const pool_;
   const SessionFaultFn on_fault_;
-  CommandConsumer commands_;        // consumed by thread_ only
-  CompletionProducer completions_;  // produced under completion_mu_
+  CommandConsumer commands_;     // consumed by thread_ only
+  CompletionQueue completions_;  // Guarded by completion_mu_.
   std::atomic<bool> stop_{false};
   std::atomic<bool> faulted_{false};  // set once, by Fault
   LogLimiter log_limit_;
@@ -318,8 +303,7 @@ class AdamWSessionPlane {
   std::mutex step_mu_;  // guards step_counters_ (the manifest's per-param step)
   std::unordered_map<uint64_t, uint64_t*> step_counters_;
 
-  std::mutex completion_mu_;  // guards overflow_ and the completion ring's producer side
-  std::deque<CompletionRecord> overflow_;
+  std::mutex completion_mu_;  // guards completions_
 
   std::thread thread_;  // last: started after every member above exists
 };
