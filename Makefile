@@ -10,7 +10,7 @@ JOBS ?= $(shell nproc)
 VENV_PY := $(abspath $(VENV))/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all deps venv configure build test test-cpp test-python demo clean format gpu-check
+.PHONY: all deps venv configure build test test-cpp test-python lint demo clean format gpu-check
 
 all: build
 
@@ -41,6 +41,13 @@ test-cpp:
 test-python:
 	PYTHONPATH=$(abspath $(BUILD))/python TRAINSTREAM_BUILD_DIR=$(abspath $(BUILD)) \
 	  $(VENV_PY) -m pytest -q tests/python $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml; installed into the venv on first use (pinned).
+RUFF_VERSION ?= 0.17.6
+lint: venv
+	@$(VENV_PY) -m ruff --version 2>/dev/null | grep -q " $(RUFF_VERSION)$$" || \
+	  $(VENV_PY) -m pip install -q --disable-pip-version-check ruff==$(RUFF_VERSION)
+	$(VENV_PY) -m ruff check python tests benchmarks examples scripts
 
 demo: build
 	PYTHONPATH=$(abspath $(BUILD))/python TRAINSTREAM_BUILD_DIR=$(abspath $(BUILD)) \

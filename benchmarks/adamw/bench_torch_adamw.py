@@ -88,7 +88,8 @@ def main():
                    "--isa", args.isa, "--json"]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             ours = json.loads(out.strip().splitlines()[-1])
-            rows.append(dict(config=label, threads=threads, torch_kind=kind, check=check, torch_gparams_per_s=round(torch_gps, 4),
+            rows.append(dict(config=label, threads=threads, torch_kind=kind, check=check,
+                             torch_gparams_per_s=round(torch_gps, 4),
                              grad_dtype=grad, moment_dtype=moments, param_dtype=weight, isa=ours["isa"],
                              gparams_per_s=ours["gparams_per_s"], gb_per_s=ours["gb_per_s"],
                              bytes_per_param=ours["bytes_per_param"],

@@ -273,7 +273,7 @@ def main():
                 break
             except control.Unavailable:
                 if time.time() > deadline or daemon.poll() is not None:
-                    raise SystemExit(f"trainstreamd did not start: {open(log.name).read()}")
+                    raise SystemExit(f"trainstreamd did not start: {open(log.name).read()}") from None
                 time.sleep(0.1)
         before = proc_status(daemon.pid)
         last = [0.0]
@@ -332,7 +332,7 @@ def main():
                 p.stdin.write("\n")
                 p.stdin.flush()
                 p.wait(timeout=60)
-            except Exception:
+            except Exception:  # noqa: BLE001 (a client that does not exit is killed)
                 p.kill()
         daemon.terminate()
         daemon.wait(timeout=60)

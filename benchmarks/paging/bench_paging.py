@@ -355,7 +355,8 @@ def run_case(args) -> dict:
     status = json.loads(trainstream._daemon.connect(args.socket).status_json())
     result.update(
         step_s=round(step_s, 4), warmup_steps=warmup,
-        step_times=[round(t, 4) for t in measured], allocator=alloc, losses=losses, loss_decreased=losses[-1] < losses[0],
+        step_times=[round(t, 4) for t in measured], allocator=alloc, losses=losses,
+        loss_decreased=losses[-1] < losses[0],
         peak_vram_gib=_gib(peak), within_cap=(cap is None or peak <= cap),
         host_rss_gib=_gib(_rss()), daemon_shm_gib=_gib(status["budget"]["used"]),
         pcie_bytes_per_step=int(per_step), pcie_gb_s=round(per_step / step_s / 1e9, 2),
@@ -396,7 +397,7 @@ def start_daemon(budget: str):
             break
         except Exception:  # noqa: BLE001 (not up yet)
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"trainstreamd did not start; log in {tmp}")
+                raise RuntimeError(f"trainstreamd did not start; log in {tmp}") from None
             time.sleep(0.1)
     return proc, sock, [tmp, shm]
 

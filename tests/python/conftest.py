@@ -149,7 +149,7 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"trainstreamd ignored SIGTERM for {timeout} s:\n{self.log()}")
+            raise AssertionError(f"trainstreamd ignored SIGTERM for {timeout} s:\n{self.log()}") from None
 
     def cleanup(self):
         for c in self.clients:

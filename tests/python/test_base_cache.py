@@ -364,7 +364,7 @@ def test_eviction_takes_unreferenced_lru_bases_never_referenced_ones(daemon_fact
     c.load_base(str(paths[1]))                                 # k1 is now more recent than k2
     k3 = c.load_base(str(paths[3]))["key"]                     # needs room: evicts k2 (LRU)
     keys = {b["key"] for b in c.list_bases()}
-    assert keys == {held.key, k1, k3}, keys
+    assert keys == {held.key, k1, k3} and k2 not in keys, keys
     # A session allocation evicts unreferenced bases too, never the held one.
     s = c.attach("alloc")
     s.allocate_region(25 << 20, "activations")
@@ -442,7 +442,7 @@ def test_concurrent_loads_of_one_base_load_it_once(daemon, tmp_path):
     def load():
         try:
             results.append(load_base(str(tmp_path), "nf4", socket=daemon.socket))
-        except Exception as e:  # reported below
+        except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)
 
     threads = [threading.Thread(target=load) for _ in range(3)]
@@ -514,7 +514,7 @@ def _start_load(load):
     def run():
         try:
             outcome["result"] = load(lambda *progress: first.set())
-        except Exception as e:  # these loads are meant to fail; the tests read it
+        except Exception as e:  # noqa: BLE001 (these loads are meant to fail; the tests read it)
             outcome["error"] = e
         first.set()
 

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -63,7 +62,7 @@ def _finish(proc: subprocess.Popen, what: str) -> str:
     except subprocess.TimeoutExpired:
         proc.kill()
         out, _ = proc.communicate()
-        raise AssertionError(f"{what} did not finish within {LAUNCH_TIMEOUT_S} s:\n{out}")
+        raise AssertionError(f"{what} did not finish within {LAUNCH_TIMEOUT_S} s:\n{out}") from None
     assert proc.returncode == 0, f"{what} exited with {proc.returncode}:\n{out}"
     return out
 
@@ -202,7 +201,7 @@ def test_two_machines_two_daemons(daemon_factory, tmp_path):
     for k, x in enumerate(r):
         assert x["error"] is None, f"rank {k}: {x['error']}"
         _assert_equal_to_reference(ref, x["params"], f"rank {k}")
-    for node, d in enumerate(daemons):
+    for node in range(len(daemons)):
         status = r[2 * node]["status"]
         g = [g for g in status["groups"] if g["state"] == "running"]
         assert len(g) == 1 and g[0]["nnodes"] == 2 and g[0]["node_rank"] == node, status
@@ -227,7 +226,7 @@ def _plain_ranks(daemon, out: Path, world: int, per_rank_args, timeout_s=20):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError("a rank hung")
+            raise AssertionError("a rank hung") from None
     return procs, outputs
 
 

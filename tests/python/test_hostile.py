@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -106,7 +105,7 @@ def under_attack(daemon, attack):
     def run():
         try:
             attack()
-        except BaseException as e:  # re-raised on the test's thread
+        except BaseException as e:  # noqa: BLE001 (re-raised on the test's thread)
             errors.append(e)
 
     t = threading.Thread(target=run)

@@ -2,12 +2,10 @@
 a tiny Qwen2 written by the test itself, loaded without allocating weights, gives
 the same logits as the original (bf16) or as quantize_model on it (quantized)."""
 import copy
-import json
 import os
 
 import pytest
 import torch
-from torch import nn
 
 from safetensors_writer import write_safetensors
 

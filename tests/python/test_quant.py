@@ -177,7 +177,7 @@ def test_quantize_model_forward_backward_match_dequantized_model(fmt):
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) == 12 and isinstance(model.head, torch.nn.Linear)
     # The reference: the same model with each weight replaced by its bf16 dequantization.
-    for (name, m), ref in zip(model.blocks.named_modules(), reference.blocks.modules()):
+    for m, ref in zip(model.blocks.modules(), reference.blocks.modules()):
         if isinstance(m, QuantLinear):
             ref.weight.copy_(m.qweight.dequantize(torch.bfloat16).float())
     tokens = torch.randint(0, 100, (2, 12))
