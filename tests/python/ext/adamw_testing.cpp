@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "check.h"
-#include "kernel_dtype.h"
+#include "torch_dtype.h"
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/kernels/cpu_features.h"
 #include "trainstream/optimizer/adamw_engine.h"
@@ -39,7 +39,7 @@ tk::Isa IsaOrThrow(const std::string& name) {
 tk::DType DTypeOf(const torch::Tensor& t, const char* what) {
   TS_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
   TS_CHECK(t.is_contiguous(), what, " must be contiguous");
-  return KernelDType(t.scalar_type(), what);
+  return ToDType(t.scalar_type(), what);
 }
 
 // One AdamW step on whole tensors, single-threaded. `step` is torch's
