@@ -1,6 +1,6 @@
 """AdamW kernel and engine (the test-only trainstream_testing) against torch.optim.AdamW.
 
-Run: PYTHONPATH=<build>/python python -m pytest tests/python/test_adamw*.py
+Run: PYTHONPATH=<build>/python TRAINSTREAM_BUILD_DIR=<build> python -m pytest tests/python/test_adamw*.py
 Every dispatch path is forced in turn; paths this CPU lacks are skipped with the
 reason. docs/adamw.md states the guarantees tested here.
 """
