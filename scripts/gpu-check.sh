@@ -37,10 +37,11 @@ if [[ $STAGES == *build* ]]; then
   make build PYTHON=python3 BUILD=build-gpu CMAKE_ARGS="$CMAKE_ARGS" > "$OUT/build.log" 2>&1 || { rc=1; tail -40 "$OUT/build.log"; }
 fi
 # "lean": only what the Python tests and benchmarks load (no C++ tests or benches;
-# the scriptable test client is one of those: the daemon tests drive it).
+# the scriptable test client and the test-only extension trainstream_testing are
+# among those: the daemon and AdamW tests load them).
 if [[ $STAGES == *lean* ]]; then
   build_targets ON OFF trainstreamd trainstreamctl trainstream_C trainstream_control \
-    trainstream_python_files trainstream-test-client
+    trainstream_python_files trainstream-test-client trainstream_testing
 fi
 # "pytest": just the Python tests in $PYTEST_FILES (default: all of tests/python).
 if [[ $STAGES == *pytest* ]]; then

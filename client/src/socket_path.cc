@@ -155,15 +155,4 @@ std::string DefaultSocketPath() {
   return EmbeddedSocketPath();
 }
 
-size_t DTypeSize(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kBFloat16:
-    case DType::kFloat16:
-      return 2;
-  }
-  return 0;
-}
-
 }  // namespace trainstream

@@ -95,7 +95,7 @@ struct GroupPlane::Impl {
     }
     faulted.resize(members.size(), false);
     optimizer::EngineOptions eo;
-    eo.moment_dtype = ToKernelDType(options.optimizer.moment_dtype);
+    eo.moment_dtype = options.optimizer.moment_dtype;
     eo.max_grad_norm = options.optimizer.max_grad_norm;
     eo.seed = options.optimizer.seed;
     engine = std::make_unique<optimizer::AdamWEngine>(pool, eo);
@@ -108,7 +108,7 @@ struct GroupPlane::Impl {
       optimizer::ParamBinding eb;
       eb.param_id = b.param.param_id;
       eb.numel = b.param.numel;
-      eb.param_dtype = ToKernelDType(b.param.param_dtype);
+      eb.param_dtype = b.param.param_dtype;
       eb.grad_dtype = kernels::DType::kFloat32;  // the engine reads the fp32 sum slot
       eb.master = b.param.master;
       eb.exp_avg = b.param.exp_avg;
@@ -119,7 +119,7 @@ struct GroupPlane::Impl {
       if (!err.empty()) Fail("param " + std::to_string(b.param.param_id) + ": " + err);
       step_counters[b.param.param_id] = b.param.step_counter;
       auto slot = std::make_unique<Slot>();
-      slot->grad_dtype = ToKernelDType(b.param.grad_dtype);
+      slot->grad_dtype = b.param.grad_dtype;
       slot->binding = std::move(b);
       by_id[slot->binding.param.param_id] = slot.get();
       slots.push_back(std::move(slot));

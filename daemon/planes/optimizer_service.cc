@@ -112,7 +112,7 @@ class AdamWSessionPlane {
       adds.swap(pending_);
       if (!engine_ && have_options_) {
         optimizer::EngineOptions eo;
-        eo.moment_dtype = ToKernelDType(options_.moment_dtype);
+        eo.moment_dtype = options_.moment_dtype;
         eo.max_grad_norm = options_.max_grad_norm;
         eo.seed = options_.seed;
         if (options_.threads != 0 && options_.threads < pool_->size()) {
@@ -134,8 +134,8 @@ class AdamWSessionPlane {
       optimizer::ParamBinding eb;
       eb.param_id = b.param_id;
       eb.numel = b.numel;
-      eb.param_dtype = ToKernelDType(b.param_dtype);
-      eb.grad_dtype = ToKernelDType(b.grad_dtype);
+      eb.param_dtype = b.param_dtype;
+      eb.grad_dtype = b.grad_dtype;
       eb.master = b.master;
       eb.exp_avg = b.exp_avg;
       eb.exp_avg_sq = b.exp_avg_sq;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "planes/client_rings.h"
+#include "trainstream/wire/dtype.h"
 #include "trainstream/wire/session_control.h"
 
 namespace trainstream::optimizer {
@@ -25,8 +26,6 @@ namespace trainstream::daemon {
 
 class AdamWSessionPlane;  // optimizer_service.cc
 
-enum class WireDType : uint32_t { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
-
 // One registered parameter, with every pointer it needs (all owned by the
 // session layer, valid until EndSession returns).
 struct ParamBinding {
@@ -34,8 +33,8 @@ struct ParamBinding {
   std::string name;
   uint64_t numel = 0;
   uint32_t group = 0;
-  WireDType param_dtype = WireDType::kFloat32;
-  WireDType grad_dtype = WireDType::kFloat32;
+  wire::DType param_dtype = wire::DType::kFloat32;  // checked by ValidateRegistration
+  wire::DType grad_dtype = wire::DType::kFloat32;
   float* master = nullptr;           // fp32[numel], state segment
   void* exp_avg = nullptr;           // moment dtype[numel], state segment
   void* exp_avg_sq = nullptr;        // moment dtype[numel], state segment
@@ -45,7 +44,7 @@ struct ParamBinding {
 };
 
 struct SessionOptimizerOptions {
-  WireDType moment_dtype = WireDType::kFloat32;
+  wire::DType moment_dtype = wire::DType::kFloat32;
   double max_grad_norm = 0;  // 0: no clipping
   uint64_t seed = 0;
   uint32_t threads = 0;  // worker threads for this session (0: the whole pool)

@@ -8,18 +8,6 @@ namespace trainstream::daemon {
 using wire::Opcode;
 using wire::StateField;
 
-kernels::DType ToKernelDType(WireDType d) {
-  switch (d) {
-    case WireDType::kBFloat16:
-      return kernels::DType::kBFloat16;
-    case WireDType::kFloat16:
-      return kernels::DType::kFloat16;
-    case WireDType::kFloat32:
-      break;
-  }
-  return kernels::DType::kFloat32;
-}
-
 void SetCompletionMessage(wire::CompletionRecord* rec, const std::string& message) {
   std::strncpy(rec->message, message.c_str(), sizeof(rec->message) - 1);
   rec->message[sizeof(rec->message) - 1] = '\0';

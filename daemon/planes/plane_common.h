@@ -1,6 +1,6 @@
 // What the per-session optimizer plane (optimizer_service.cc) and the
-// data-parallel group plane (group_plane.cc) share: dtype mapping, completion
-// messages, and moving one field of a parameter's optimizer state between the
+// data-parallel group plane (group_plane.cc) share: completion messages, and
+// moving one field of a parameter's optimizer state between the
 // AdamW engine and a client region (kLoadState / kExportState).
 #pragma once
 
@@ -12,8 +12,6 @@
 #include "trainstream/wire/session_control.h"
 
 namespace trainstream::daemon {
-
-kernels::DType ToKernelDType(WireDType d);
 
 // Copies `message` into rec->message, truncated and NUL-terminated.
 void SetCompletionMessage(wire::CompletionRecord* rec, const std::string& message);

@@ -351,8 +351,8 @@ grpc::Status GroupRegistry::Form(Group& g) {
     b.param.name = p.name();
     b.param.numel = pl.numel;
     b.param.group = p.group();
-    b.param.param_dtype = static_cast<WireDType>(p.dtype());
-    b.param.grad_dtype = static_cast<WireDType>(
+    b.param.param_dtype = static_cast<wire::DType>(p.dtype());
+    b.param.grad_dtype = static_cast<wire::DType>(
         p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype() : p.grad_dtype());
     b.param.master = reinterpret_cast<float*>(state + pl.master_offset);
     b.param.exp_avg = state + pl.exp_avg_offset;
@@ -372,7 +372,7 @@ grpc::Status GroupRegistry::Form(Group& g) {
   options.world_size = static_cast<uint32_t>(g.membership.world_size());
   options.cross_node = g.membership.nnodes() > 1;
   options.on_fault = on_fault_;
-  options.optimizer.moment_dtype = static_cast<WireDType>(
+  options.optimizer.moment_dtype = static_cast<wire::DType>(
       req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype());
   options.optimizer.max_grad_norm = req.max_grad_norm();
   options.optimizer.seed = req.seed();

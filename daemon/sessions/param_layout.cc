@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "trainstream/wire/dtype.h"
 #include "trainstream/wire/segment_header.h"
 
 namespace trainstream::daemon {
@@ -31,16 +32,14 @@ int GradDType(const v1::ParameterSpec& p) {
 
 }  // namespace
 
+// The request's trainstream.v1.DType is the wire's DType, number for number
+// (Note [DType numbers are the wire's]): it is cast, never mapped.
+static_assert(static_cast<int>(wire::DType::kFloat32) == v1::DTYPE_FLOAT32, "wire format");
+static_assert(static_cast<int>(wire::DType::kBFloat16) == v1::DTYPE_BFLOAT16, "wire format");
+static_assert(static_cast<int>(wire::DType::kFloat16) == v1::DTYPE_FLOAT16, "wire format");
+
 size_t DTypeBytes(int dtype) {
-  switch (dtype) {
-    case v1::DTYPE_FLOAT32:
-      return 4;
-    case v1::DTYPE_BFLOAT16:
-    case v1::DTYPE_FLOAT16:
-      return 2;
-    default:
-      return 0;
-  }
+  return wire::DTypeSize(static_cast<wire::DType>(static_cast<uint32_t>(dtype)));
 }
 
 grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,

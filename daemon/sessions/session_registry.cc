@@ -474,8 +474,8 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
     b.name = p.name();
     b.numel = pl.numel;
     b.group = p.group();
-    b.param_dtype = static_cast<WireDType>(p.dtype());
-    b.grad_dtype = static_cast<WireDType>(p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype()
+    b.param_dtype = static_cast<wire::DType>(p.dtype());
+    b.grad_dtype = static_cast<wire::DType>(p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype()
                                                                                   : p.grad_dtype());
     b.master = reinterpret_cast<float*>(state->base() + pl.master_offset);
     b.exp_avg = state->base() + pl.exp_avg_offset;
@@ -487,7 +487,7 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
   }
 
   SessionOptimizerOptions options;
-  options.moment_dtype = static_cast<WireDType>(moment);
+  options.moment_dtype = static_cast<wire::DType>(moment);
   options.max_grad_norm = req.max_grad_norm();
   options.seed = req.seed();
   options.threads = req.threads();

@@ -10,8 +10,6 @@
 
 namespace trainstream::kernels {
 
-size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-
 const char* DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:

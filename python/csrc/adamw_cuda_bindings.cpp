@@ -9,7 +9,7 @@
 #include <string>
 
 #include "check.h"
-#include "kernel_dtype.h"
+#include "torch_dtype.h"
 #include "trainstream/kernels/adamw.h"
 
 #ifdef TRAINSTREAM_WITH_CUDA
@@ -53,8 +53,8 @@ void AdamWCudaStep(const at::Tensor& param, const at::Tensor& grad, uintptr_t ma
   tk::AdamWCudaTensors t;
   t.param = param.data_ptr();
   t.grad = grad.data_ptr();
-  t.param_dtype = KernelDType(param.scalar_type(), "adamw_cuda_step: param");
-  t.grad_dtype = KernelDType(grad.scalar_type(), "adamw_cuda_step: grad");
+  t.param_dtype = ToDType(param.scalar_type(), "adamw_cuda_step: param");
+  t.grad_dtype = ToDType(grad.scalar_type(), "adamw_cuda_step: grad");
   TS_CHECK((t.param_dtype == tk::DType::kFloat32) == (master == 0),
            "adamw_cuda_step: a float32 parameter is its own master (pass master=0); any other "
            "dtype needs an fp32 master");
@@ -90,7 +90,7 @@ void FlagNonFinite(const at::Tensor& grad, const at::Tensor& flag) {
            "flag_nonfinite: flag must be one int32 on the gradient's device");
   const c10::cuda::CUDAGuard guard(grad.device());
   const cudaError_t err = tk::FlagNonFiniteCuda(
-      grad.data_ptr(), KernelDType(grad.scalar_type(), "flag_nonfinite: grad"),
+      grad.data_ptr(), ToDType(grad.scalar_type(), "flag_nonfinite: grad"),
       static_cast<size_t>(grad.numel()), flag.data_ptr<int32_t>(),
       c10::cuda::getCurrentCUDAStream(grad.device().index()).stream());
   TS_CHECK(err == cudaSuccess, "flag_nonfinite: launch failed: ", cudaGetErrorString(err));

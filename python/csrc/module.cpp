@@ -1,11 +1,12 @@
 // trainstream._C: the torch extension. Data-plane copies and hooks, the CPU
 // kernels on tensors, and (with CUDA) the CUDA kernels. No gRPC or protobuf here
-// (DESIGN.md): control-plane values arrive from Python as plain integers.
+// (DESIGN.md): control-plane values arrive from Python as plain integers. No
+// daemon code either: the AdamW engine's bindings, which only tests use, are the
+// test-only module trainstream_testing (tests/python/ext).
 #include <torch/extension.h>
 
 namespace trainstream::python {
 void RegisterDataPlaneBindings(pybind11::module_& m);  // dataplane_bindings.cpp
-void RegisterAdamWBindings(pybind11::module_& m);      // adamw_bindings.cpp
 void RegisterQuantBindings(pybind11::module_& m);      // quant_bindings.cpp
 void RegisterAdamWCudaBindings(pybind11::module_& m);  // adamw_cuda_bindings.cpp
 void RegisterVramBindings(pybind11::module_& m);       // vram_bindings.cpp
@@ -20,7 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = false;
 #endif
   trainstream::python::RegisterDataPlaneBindings(m);
-  trainstream::python::RegisterAdamWBindings(m);
   trainstream::python::RegisterQuantBindings(m);
   trainstream::python::RegisterAdamWCudaBindings(m);
   trainstream::python::RegisterVramBindings(m);

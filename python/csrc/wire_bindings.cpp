@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "trainstream/wire/base_manifest.h"
+#include "trainstream/wire/dtype.h"
 #include "trainstream/wire/segment_header.h"
 #include "trainstream/wire/session_control.h"
 
@@ -16,6 +17,7 @@ namespace trainstream::python {
 
 void RegisterWireBindings(pybind11::module_& m) {
   using wire::CompletionStatus;
+  using wire::DType;
   using wire::Opcode;
   using wire::StateField;
   auto w = m.def_submodule("wire", "shared-memory wire constants (proto/include/trainstream/wire)");
@@ -43,6 +45,9 @@ void RegisterWireBindings(pybind11::module_& m) {
       {"FIELD_EXP_AVG_SQ", u(StateField::kExpAvgSq)},
       {"FIELD_STEP", u(StateField::kStep)},
       {"FIELD_PARAM_FROM_SLOT", u(StateField::kParamFromSlot)},
+      {"DTYPE_FLOAT32", u(DType::kFloat32)},
+      {"DTYPE_BFLOAT16", u(DType::kBFloat16)},
+      {"DTYPE_FLOAT16", u(DType::kFloat16)},
       {"SEGMENT_MAGIC", u(wire::kSegmentMagic)},
       {"SEGMENT_HEADER_BYTES", u(wire::kSegmentHeaderBytes)},
       {"SEGMENT_MANIFEST_OFFSET_FIELD", u(offsetof(wire::SegmentHeader, manifest_offset))},

@@ -28,6 +28,12 @@ FIELD_EXP_AVG_SQ = 2
 FIELD_STEP = 3
 FIELD_PARAM_FROM_SLOT = 4
 
+# Element types (dtype.h, DType): state manifests and trainstream.v1.DType carry
+# these numbers (Note [DType numbers are the wire's]).
+DTYPE_FLOAT32 = 1
+DTYPE_BFLOAT16 = 2
+DTYPE_FLOAT16 = 3
+
 # Segment header and base manifest (segment_header.h, base_manifest.h).
 SEGMENT_MAGIC = 0x54535347
 SEGMENT_HEADER_BYTES = 4096

@@ -12,6 +12,11 @@ Fixtures (usable from any test in tests/python):
                    like `daemon`.
   build_dir        Path of $TRAINSTREAM_BUILD_DIR (default: <repo>/build).
 
+The test-only torch extension `trainstream_testing` (tests/python/ext: the CPU
+AdamW kernel and the daemon's engine on tensors) is built into <build>/testing,
+outside the trainstream package; this file puts that directory on sys.path, so
+tests `import trainstream_testing` and fail, never skip, when it is missing.
+
 Readiness is detected by polling `trainstreamctl ping`, never by sleeping.
 """
 from __future__ import annotations
@@ -22,6 +27,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +39,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _build_dir() -> Path:
     return Path(os.environ.get("TRAINSTREAM_BUILD_DIR", REPO / "build")).resolve()
+
+
+sys.path.insert(0, str(_build_dir() / "testing"))  # trainstream_testing (see above)
 
 
 NOBODY = 65534  # the unprivileged uid (and gid) the permission tests run clients as

@@ -1,6 +1,6 @@
-"""AdamW kernel and engine (trainstream._C) against torch.optim.AdamW.
+"""AdamW kernel and engine (the test-only trainstream_testing) against torch.optim.AdamW.
 
-Run: PYTHONPATH=<build>/python python -m pytest tests/python/test_adamw*.py
+Run: PYTHONPATH=<build>/python TRAINSTREAM_BUILD_DIR=<build> python -m pytest tests/python/test_adamw*.py
 Every dispatch path is forced in turn; paths this CPU lacks are skipped with the
 reason. docs/adamw.md states the guarantees tested here.
 """
@@ -8,7 +8,9 @@ reason. docs/adamw.md states the guarantees tested here.
 import pytest
 import torch
 
-from trainstream import _C  # a missing extension is a failure, not a skip
+# The test-only extension (tests/python/ext, on sys.path through conftest.py); a
+# missing module is a failure, not a skip.
+import trainstream_testing as ext
 
 ISAS = ["scalar", "avx2", "avx512"]
 SIZES = [1, 7, 4097, 2**20 + 3]
@@ -26,7 +28,7 @@ def isa_param(name):
     return pytest.param(
         name,
         marks=pytest.mark.skipif(
-            not _C.adamw_isa_supported(name),
+            not ext.adamw_isa_supported(name),
             reason=f"this CPU cannot run the {name} path (needs {'AVX-512 F/BW/VL/DQ' if name == 'avx512' else 'AVX2+FMA+F16C'})",
         ),
     )
@@ -101,7 +103,7 @@ def test_kernel_matches_torch_adamw(isa, grad_dtype):
     outs = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in init]
     for step in range(1, STEPS + 1):
         for i, g in enumerate(make_grads(step, grad_dtype)):
-            _C.adamw_step(masters[i], ms[i], vs[i], g, outs[i], step=step, isa=isa, **hyper(i, step))
+            ext.adamw_step(masters[i], ms[i], vs[i], g, outs[i], step=step, isa=isa, **hyper(i, step))
     for i, p in enumerate(params):
         st = opt.state[p]
         assert_close(masters[i], p.detach(), f"param {SIZES[i]}")
@@ -116,7 +118,7 @@ def test_kernel_matches_torch_adamw(isa, grad_dtype):
 def test_weight_output_dtypes(isa, out_dtype):
     master = torch.randn(4099) * 10
     out = torch.empty(4099, dtype=out_dtype)
-    _C.adamw_step(master, torch.zeros(4099), torch.zeros(4099), torch.randn(4099), out,
+    ext.adamw_step(master, torch.zeros(4099), torch.zeros(4099), torch.randn(4099), out,
                   step=1, isa=isa, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
     assert torch.equal(out, master.to(out_dtype))
 
@@ -130,7 +132,7 @@ def test_paths_bit_identical_with_bf16_moments(isa):
         v = torch.zeros(10007, dtype=torch.bfloat16)
         for step in range(1, 6):
             grad = torch.randn(10007, generator=g).to(torch.bfloat16)
-            _C.adamw_step(master, m, v, grad, None, step=step, lr=1e-2, beta1=0.9, beta2=0.999,
+            ext.adamw_step(master, m, v, grad, None, step=step, lr=1e-2, beta1=0.9, beta2=0.999,
                           eps=1e-8, weight_decay=0.1, seed=11, param_key=5, isa=which)
         return master, m, v
 
@@ -143,5 +145,5 @@ def test_paths_bit_identical_with_bf16_moments(isa):
 def test_rejects_unknown_or_unsupported_isa():
     x = torch.zeros(4)
     with pytest.raises(ValueError, match="unknown isa"):
-        _C.adamw_step(x, x.clone(), x.clone(), x.clone(), None, step=1, lr=1e-3, beta1=0.9,
+        ext.adamw_step(x, x.clone(), x.clone(), x.clone(), None, step=1, lr=1e-3, beta1=0.9,
                       beta2=0.999, eps=1e-8, weight_decay=0.0, isa="sse9")

@@ -4,11 +4,13 @@ reproducible, and the documented end-to-end bound holds (docs/adamw.md,
 import pytest
 import torch
 
-from trainstream import _C  # a missing extension is a failure, not a skip
+# The test-only extension (tests/python/ext, on sys.path through conftest.py); a
+# missing module is a failure, not a skip.
+import trainstream_testing as ext
 
 ISAS = [
     pytest.param(
-        i, marks=pytest.mark.skipif(not _C.adamw_isa_supported(i), reason=f"this CPU cannot run the {i} path")
+        i, marks=pytest.mark.skipif(not ext.adamw_isa_supported(i), reason=f"this CPU cannot run the {i} path")
     )
     for i in ["scalar", "avx2", "avx512"]
 ]
@@ -30,9 +32,9 @@ def test_each_stored_moment_is_a_neighbour_of_the_fp32_value(isa):
     master = torch.randn(n, generator=g)
     grad = torch.randn(n, generator=g)
     mf, vf, pf = m0.float(), v0.float(), master.clone()
-    _C.adamw_step(pf, mf, vf, grad, None, step=3, isa=isa, **HP)
+    ext.adamw_step(pf, mf, vf, grad, None, step=3, isa=isa, **HP)
     mb, vb, pb = m0.clone(), v0.clone(), master.clone()
-    _C.adamw_step(pb, mb, vb, grad, None, step=3, isa=isa, seed=1, **HP)
+    ext.adamw_step(pb, mb, vb, grad, None, step=3, isa=isa, seed=1, **HP)
     assert torch.equal(pf, pb)  # the update itself uses the unrounded fp32 moments
     for fp32, stored in ((mf, mb), (vf, vb)):
         u = fp32.view(torch.int32)
@@ -52,9 +54,9 @@ def test_stochastic_rounding_is_unbiased(isa):
     m = torch.zeros(n, dtype=torch.bfloat16)
     v = torch.zeros(n, dtype=torch.bfloat16)
     mf, vf = torch.zeros(n), torch.zeros(n)
-    _C.adamw_step(torch.zeros(n), mf, vf, grad, None, step=1, lr=1e-3, beta1=beta1, beta2=0.999,
+    ext.adamw_step(torch.zeros(n), mf, vf, grad, None, step=1, lr=1e-3, beta1=beta1, beta2=0.999,
                   eps=1e-8, weight_decay=0.0, isa=isa)
-    _C.adamw_step(torch.zeros(n), m, v, grad, None, step=1, lr=1e-3, beta1=beta1, beta2=0.999,
+    ext.adamw_step(torch.zeros(n), m, v, grad, None, step=1, lr=1e-3, beta1=beta1, beta2=0.999,
                   eps=1e-8, weight_decay=0.0, seed=7, isa=isa)
     for exact, stored in ((mf, m), (vf, v)):
         err = stored.double() - exact.double()
@@ -67,7 +69,7 @@ def test_stochastic_rounding_helper_is_unbiased_across_values():
     g = torch.Generator().manual_seed(1)
     x = torch.rand(1 << 20, generator=g) * 3 + 0.5
     for high in (False, True):
-        r = _C.adamw_stochastic_round_bf16(x, seed=3, param_key=1, step=1, high_bits=high)
+        r = ext.adamw_stochastic_round_bf16(x, seed=3, param_key=1, step=1, high_bits=high)
         rel = (r.double() - x.double()) / x.double()
         assert abs(rel.mean().item()) < 3 * rel.std().item() / x.numel() ** 0.5
         assert rel.abs().max().item() < 2**-7
@@ -81,7 +83,7 @@ def test_same_seed_same_bits_other_seed_other_bits(isa):
         m = torch.zeros(5000, dtype=torch.bfloat16)
         v = torch.zeros(5000, dtype=torch.bfloat16)
         for step in range(1, 4):
-            _C.adamw_step(master, m, v, torch.randn(5000, generator=g), None, step=step, seed=seed,
+            ext.adamw_step(master, m, v, torch.randn(5000, generator=g), None, step=step, seed=seed,
                           param_key=9, isa=isa, **HP)
         return master, bits16(m), bits16(v)
 
@@ -109,7 +111,7 @@ def test_bf16_moment_trajectory_bound(isa):
     v16 = torch.zeros(n, dtype=torch.bfloat16)
     hp = dict(HP, lr=lr)
     for step, grad in enumerate(grads, start=1):
-        _C.adamw_step(p32, m32, v32, grad, None, step=step, isa=isa, **hp)
-        _C.adamw_step(p16, m16, v16, grad, None, step=step, seed=4, isa=isa, **hp)
+        ext.adamw_step(p32, m32, v32, grad, None, step=step, isa=isa, **hp)
+        ext.adamw_step(p16, m16, v16, grad, None, step=step, seed=4, isa=isa, **hp)
     worst = (p16 - p32).abs().max().item()
     assert worst <= steps * lr * BF16_MOMENT_BOUND_PER_STEP, worst

@@ -25,3 +25,11 @@ def test_every_cpp_constant_the_client_receives_is_known_to_python():
                 "OP_GRAD_REDUCED"}
     missing = sorted(set(cpp) - set(_upper(_wire)) - outbound)
     assert not missing, f"C++ wire constants with no Python copy: {missing}"
+
+
+def test_dtype_numbers_never_change():
+    # Note [DType numbers are the wire's]: state manifests written by one daemon are
+    # read by the next, and trainstream.v1.DType (DTYPE_UNSPECIFIED = 0) carries the
+    # same numbers, so these are pinned to literals, not only to each other.
+    assert (C.wire.DTYPE_FLOAT32, C.wire.DTYPE_BFLOAT16, C.wire.DTYPE_FLOAT16) == (1, 2, 3)
+    assert (_wire.DTYPE_FLOAT32, _wire.DTYPE_BFLOAT16, _wire.DTYPE_FLOAT16) == (1, 2, 3)

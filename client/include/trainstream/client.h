@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "trainstream/status.h"
+#include "trainstream/wire/dtype.h"
 
 namespace trainstream {
 
@@ -29,10 +30,11 @@ std::string DefaultSocketPath();
 // The per-user embedded socket path (see above), whether or not it exists.
 std::string EmbeddedSocketPath();
 
-enum class DType { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+// Element types: the wire's one DType (Note [DType numbers are the wire's]);
+// DTypeSize(d) is its bytes per element.
+using wire::DType;
+using wire::DTypeSize;
 enum class SegmentKind { kBase = 1, kSession = 2, kState = 3 };
-
-size_t DTypeSize(DType dtype);
 
 // A byte range of a daemon segment, as the daemon described it.
 struct RegionInfo {

@@ -9,12 +9,14 @@
 #include <cstdint>
 
 #include "trainstream/kernels/cpu_features.h"
+#include "trainstream/wire/dtype.h"
 
 namespace trainstream::kernels {
 
-enum class DType : uint8_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// The kernels take the wire's DType as it arrives (Note [DType numbers are the wire's]).
+using wire::DType;
+using wire::DTypeSize;
 
-size_t DTypeSize(DType dtype);
 const char* DTypeName(DType dtype);
 bool ParseDType(const char* name, DType* out);  // "fp32"/"float32", "bf16", "fp16"
 

@@ -35,7 +35,7 @@ static_assert(sizeof(SegmentHeader) == kSegmentHeaderBytes, "wire format");
 struct StateManifest {
   uint32_t magic;  // kSegmentMagic
   uint32_t entries;
-  uint32_t moment_dtype;  // trainstream.v1.DType
+  uint32_t moment_dtype;  // DType (dtype.h; the same numbers as trainstream.v1.DType)
   uint32_t reserved0;
   uint64_t step;  // last completed optimizer step (kept current by the daemon)
   uint64_t seed;
@@ -44,7 +44,7 @@ struct StateManifest {
 struct StateManifestEntry {
   uint64_t param_id;
   uint64_t numel;
-  uint32_t dtype;  // training dtype (trainstream.v1.DType)
+  uint32_t dtype;  // training dtype: DType (dtype.h)
   uint32_t group;
   uint64_t master_offset;      // fp32[numel], from the segment start
   uint64_t exp_avg_offset;     // moment_dtype[numel]

@@ -1,8 +1,9 @@
+// trainstream_testing: a test-only torch extension (tests/python/ext/CMakeLists.txt).
 // AdamW on torch CPU tensors: the kernel (kernels/adamw.h) for one contiguous
-// tensor, and, when the build links the daemon's engine into this module
-// (TRAINSTREAM_C_HAS_ENGINE, wired in benchmarks/adamw/CMakeLists.txt), the
-// multi-threaded AdamWEngine, so Python tests can compare both with
-// torch.optim.AdamW. Every entry point takes isa="auto"|"scalar"|"avx2"|"avx512".
+// tensor, and the daemon's multi-threaded AdamWEngine (daemon/optimizer), so the
+// Python tests can compare both with torch.optim.AdamW. Every entry point takes
+// isa="auto"|"scalar"|"avx2"|"avx512". Users never load this module: trainstream._C
+// carries no daemon code (python/CMakeLists.txt).
 #include <torch/extension.h>
 
 #include <memory>
@@ -11,14 +12,11 @@
 #include <vector>
 
 #include "check.h"
-#include "kernel_dtype.h"
+#include "torch_dtype.h"
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/kernels/cpu_features.h"
-
-#ifdef TRAINSTREAM_C_HAS_ENGINE
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/optimizer/worker_pool.h"
-#endif
 
 namespace trainstream::python {
 namespace {
@@ -41,7 +39,7 @@ tk::Isa IsaOrThrow(const std::string& name) {
 tk::DType DTypeOf(const torch::Tensor& t, const char* what) {
   TS_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
   TS_CHECK(t.is_contiguous(), what, " must be contiguous");
-  return KernelDType(t.scalar_type(), what);
+  return ToDType(t.scalar_type(), what);
 }
 
 // One AdamW step on whole tensors, single-threaded. `step` is torch's
@@ -101,7 +99,6 @@ torch::Tensor StochasticRoundBf16(torch::Tensor x, int64_t seed, int64_t param_k
   return out;
 }
 
-#ifdef TRAINSTREAM_C_HAS_ENGINE
 namespace to = trainstream::optimizer;
 
 // Owns a pool and an engine, keeps the bound tensors alive, and collects step
@@ -231,7 +228,6 @@ class PyAdamWEngine {
   std::mutex mu_;
   std::vector<to::StepResult> results_;  // Guarded by mu_
 };
-#endif  // TRAINSTREAM_C_HAS_ENGINE
 
 }  // namespace
 
@@ -252,7 +248,6 @@ void RegisterAdamWBindings(pybind11::module_& m) {
   });
   m.def("adamw_best_isa", [] { return std::string(tk::IsaName(tk::BestIsa())); });
   m.def("adamw_cpu_has_avx512_bf16", &tk::CpuHasAvx512Bf16);
-#ifdef TRAINSTREAM_C_HAS_ENGINE
   py::class_<PyAdamWEngine>(m, "AdamWEngine")
       .def(py::init<unsigned, const std::string&, double, int64_t, bool, const std::string&,
                     int64_t>(),
@@ -271,7 +266,11 @@ void RegisterAdamWBindings(pybind11::module_& m) {
            py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"))
       .def_property_readonly("threads", &PyAdamWEngine::threads)
       .def_property_readonly("deferred", &PyAdamWEngine::deferred);
-#endif
 }
 
 }  // namespace trainstream::python
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "TrainStream test-only bindings: the CPU AdamW kernel and the daemon's AdamWEngine";
+  trainstream::python::RegisterAdamWBindings(m);
+}
