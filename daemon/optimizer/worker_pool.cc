@@ -86,6 +86,11 @@ int WorkerPool::CurrentWorker() { return current_worker; }
 
 void WorkerPool::Run(unsigned index, int cpu) {
   current_worker = static_cast<int>(index);
+  // "ts-adamw-<i>" in top -H, gdb and /proc/<pid>/task/*/comm (tests count
+  // which workers a session's updates ran on by it).
+  char name[16];
+  std::snprintf(name, sizeof(name), "ts-adamw-%u", index);
+  pthread_setname_np(pthread_self(), name);
   if (cpu >= 0) {
     cpu_set_t set;
     CPU_ZERO(&set);

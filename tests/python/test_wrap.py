@@ -558,10 +558,54 @@ def test_unwrap_removes_the_gradient_hooks(daemon):
     assert opt.stats()["grads_posted"] == 0
 
 
-def test_threads_option_limits_the_session_and_still_matches(daemon):
+def _adamw_worker_cpu(pid: int) -> dict[str, int]:
+    """CPU ticks (utime + stime) of each of the daemon's AdamW workers ("ts-adamw-<i>")."""
+    ticks = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        if name.startswith("ts-adamw-"):
+            ticks[name] = int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
+    return ticks
+
+
+def _workers_used(daemon, threads: int) -> int:
+    """How many AdamW workers grew busier while a session limited to `threads` stepped
+    a 4 M-element parameter (chunks of it go to every worker unless the limit holds)."""
+    model = torch.nn.Linear(2048, 2048, bias=False)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  socket=daemon.socket, threads=threads)
+    x = torch.randn(4, 2048)
+    model(x).sum().backward()
+    opt.step()  # first step: registration and first touch, outside the window
+    opt.zero_grad()
+    before = _adamw_worker_cpu(daemon.proc.pid)
+    for _ in range(30):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    after = _adamw_worker_cpu(daemon.proc.pid)
+    trainstream.unwrap(model)
+    opt.detach()
+    return sum(1 for name, t in after.items() if t > before.get(name, 0))
+
+
+def test_threads_option_limits_the_session_and_still_matches(daemon_factory):
+    daemon = daemon_factory("--threads", "2")
     cfg, ref, ours = _models(seed=8)
     batches = text_batches(corpus(), cfg, batch=2, steps=4, seed=8)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
                                  socket=daemon.socket, threads=1)
     _assert_same(ref, ours, _train(ref, ref_opt, batches), _train(ours, opt, batches))
+    opt.detach()
+    # The limit holds: with threads=1 the updates run on one of the daemon's two
+    # workers; without a limit the same parameter's chunks keep both busy (which
+    # shows the count can see more than one).
+    assert _workers_used(daemon, threads=1) == 1
+    assert _workers_used(daemon, threads=None) == 2
