@@ -116,8 +116,7 @@ int ShmFile::Create(const std::string& dir, const std::string& name, ShmFile* ou
   return 0;
 }
 
-int ShmFile::Open(const std::string& dir, const std::string& name, ShmAccess access,
-                  ShmFile* out) {
+int ShmFile::Open(const std::string& dir, const std::string& name, ShmAccess access, ShmFile* out) {
   auto impl = std::make_unique<Impl>();
   if (IsSharedMemoryDir(dir)) {
     if (int err = CallBoost([&] {
@@ -183,8 +182,8 @@ int ShmMapping::Map(const ShmFile& file, ShmAccess access, uint64_t bytes, bool 
           region = bip::mapped_region(DescriptorMappable{file.impl_->fd}, BoostMode(access), 0,
                                       size, nullptr, options);
         } else {
-          region = bip::mapped_region(file.impl_->shm, BoostMode(access), 0, size, nullptr,
-                                      options);
+          region =
+              bip::mapped_region(file.impl_->shm, BoostMode(access), 0, size, nullptr, options);
         }
       })) {
     return err;

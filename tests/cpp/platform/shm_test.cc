@@ -1,6 +1,8 @@
 // The rules segments keep through the platform seam (Note [Segments through
 // Boost.Interprocess]): each case runs in /dev/shm itself (Boost's
 // shared_memory_object) and in a directory below it (a descriptor by path).
+#include "trainstream/platform/shm.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,7 +16,6 @@
 #include <string>
 
 #include "catch_compat.h"
-#include "trainstream/platform/shm.h"
 
 using namespace trainstream::platform;
 namespace fs = std::filesystem;
@@ -35,8 +36,7 @@ struct TestName {
   std::string dir, name;
   explicit TestName(std::string d) : dir(std::move(d)) {
     static std::atomic<int> counter{0};
-    name = "trainstream-platformtest-" + std::to_string(getpid()) + "-" +
-           std::to_string(counter++);
+    name = "trainstream-platformtest-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
   }
   ~TestName() { unlink(path().c_str()); }
   std::string path() const { return dir + "/" + name; }
@@ -95,7 +95,10 @@ TEST_CASE("Create is exclusive: an existing name or a symlink is EEXIST and unto
   // A planted symlink is never followed into its target.
   TestName link(dir);
   const std::string target = sub.path + "/target";
-  { std::FILE* f = std::fopen(target.c_str(), "w"); std::fclose(f); }
+  {
+    std::FILE* f = std::fopen(target.c_str(), "w");
+    std::fclose(f);
+  }
   REQUIRE(symlink(target.c_str(), link.path().c_str()) == 0);
   ShmFile through_link;
   CHECK(ShmFile::Create(dir, link.name, &through_link) == EEXIST);

@@ -14,14 +14,22 @@
 //   map, unmap (mapped_region; MAP_POPULATE   the base ACL, chmod (ShareReadOnly:
 //     through its map options)                Boost knows no owners or ACLs)
 //   remove (shared_memory_object::remove)   mlock, the guard's MAP_FIXED remap
-//                                           reclaim: readdir, lstat, pread
+//                                             (in a signal handler: system
+//                                             calls only)
+//                                           reclaim: readdir, lstat, pread (no
+//                                             mapping of a file a client may
+//                                             have truncated)
+// The daemon registers each mapping with its ClientMemoryGuard right after Map
+// and unregisters it before the mapping is destroyed (Note [Client pages can
+// vanish]); mapped_region's munmap covers the same range, so it also removes
+// the zero pages the guard may have put there.
 // Which Boost class opens the file depends on the directory:
 //   /dev/shm   shared_memory_object, the portable named shared memory (glibc's
 //              shm_open is open(2) in /dev/shm with O_NOFOLLOW | O_CLOEXEC, so the
 //              file and its rules are the same as before). This is the default
 //              and production directory; windows_shared_memory is its swap.
 //   any other  (a test's subdirectory, a hugetlbfs mount; --shm-dir) shm_open
-//              takes no directory, and Boost's file_mapping cannot create a file
+//              takes no directory, and Boost's file_mapping (1.74) cannot create a file
 //              and opens without O_NOFOLLOW or O_CLOEXEC. So the file is opened
 //              with open(2) (O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600) and
 //              its descriptor handed to mapped_region, which maps any object with
@@ -66,8 +74,7 @@ class ShmFile {
   static int Create(const std::string& dir, const std::string& name, ShmFile* out);
 
   // Opens the existing `dir`/`name` (never through a symlink). 0 or errno.
-  static int Open(const std::string& dir, const std::string& name, ShmAccess access,
-                  ShmFile* out);
+  static int Open(const std::string& dir, const std::string& name, ShmAccess access, ShmFile* out);
 
   // Removes `dir`/`name`; mappings of it stay valid. 0 or errno.
   static int Remove(const std::string& dir, const std::string& name);
