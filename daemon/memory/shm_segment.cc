@@ -18,6 +18,7 @@
 #include "memory/budget.h"
 #include "memory/client_memory_guard.h"
 #include "token.h"
+#include "trainstream/platform/shm.h"
 #include "trainstream/v1/control.pb.h"
 
 namespace trainstream::daemon {

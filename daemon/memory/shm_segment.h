@@ -34,8 +34,11 @@
 #include <memory>
 #include <string>
 
-#include "trainstream/platform/shm.h"
 #include "trainstream/wire/segment_header.h"
+
+namespace trainstream::platform {
+class ShmMapping;  // trainstream/platform/shm.h
+}  // namespace trainstream::platform
 
 namespace trainstream::daemon {
 
