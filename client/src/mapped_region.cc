@@ -1,16 +1,14 @@
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 
 #include "trainstream/client.h"
+#include "trainstream/platform/shm.h"
 
 namespace trainstream {
 
+// Opening and mapping go through the platform seam, Boost.Interprocess on the
+// daemon's shm directory (Note [Segments through Boost.Interprocess]).
 Status MappedRegion::Map(const std::string& shm_dir, const RegionInfo& info,
                          std::unique_ptr<MappedRegion>* out) {
   if (info.segment_name.empty() || info.segment_name.find('/') != std::string::npos) {
@@ -24,30 +22,32 @@ Status MappedRegion::Map(const std::string& shm_dir, const RegionInfo& info,
                                                     std::to_string(info.segment_size) + " bytes");
   }
   const std::string path = shm_dir + "/" + info.segment_name;
-  int fd = open(path.c_str(), (info.read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) {
-    const int err = errno;
+  const auto access =
+      info.read_only ? platform::ShmAccess::kReadOnly : platform::ShmAccess::kReadWrite;
+  platform::ShmFile file;
+  if (int err = platform::ShmFile::Open(shm_dir, info.segment_name, access, &file); err != 0) {
     return Status(
         err == EACCES || err == EPERM ? StatusCode::kPermissionDenied : StatusCode::kNotFound,
         "cannot open segment " + path + ": " + std::strerror(err));
   }
-  struct stat st {};
-  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < info.segment_size) {
-    close(fd);
+  uint64_t file_size = 0;
+  if (file.GetSize(&file_size) != 0 || file_size < info.segment_size) {
     return Status(StatusCode::kInternal, "segment " + path + " is smaller than the daemon said");
   }
-  const int prot = info.read_only ? PROT_READ : PROT_READ | PROT_WRITE;
-  void* base = mmap(nullptr, info.segment_size, prot, MAP_SHARED, fd, 0);
-  const int err = errno;
-  close(fd);
-  if (base == MAP_FAILED)
+  // The mapping outlives `file`, whose handle closes on return.
+  std::unique_ptr<platform::ShmMapping> mapping;
+  if (int err =
+          platform::ShmMapping::Map(file, access, info.segment_size, /*populate=*/false, &mapping);
+      err != 0) {
     return Status(StatusCode::kInternal, "mmap " + path + ": " + std::strerror(err));
-  out->reset(new MappedRegion(info, base, info.segment_size));
+  }
+  out->reset(new MappedRegion(info, std::move(mapping)));
   return Status::Ok();
 }
 
-MappedRegion::~MappedRegion() {
-  if (base_ != nullptr) munmap(base_, mapped_);
-}
+MappedRegion::MappedRegion(RegionInfo info, std::unique_ptr<platform::ShmMapping> mapping)
+    : info_(std::move(info)), mapping_(std::move(mapping)), base_(mapping_->data()) {}
+
+MappedRegion::~MappedRegion() = default;
 
 }  // namespace trainstream

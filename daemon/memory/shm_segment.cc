@@ -18,6 +18,7 @@
 #include "memory/budget.h"
 #include "memory/client_memory_guard.h"
 #include "token.h"
+#include "trainstream/platform/shm.h"
 #include "trainstream/v1/control.pb.h"
 
 namespace trainstream::daemon {
@@ -71,6 +72,8 @@ ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag) {
     const std::string name = e->d_name;
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
     const std::string path = dir + "/" + name;
+    // POSIX, not the seam: a listing, an lstat and a pread are no mapping (Note
+    // [Segments through Boost.Interprocess]).
     // lstat, not the file: the systemd unit's root lacks CAP_DAC_OVERRIDE, so a
     // client's 0600 session segment may not open, but it still unlinks
     // (CAP_FOWNER in the sticky /dev/shm).
@@ -115,21 +118,20 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
   seg->size_ = total_bytes;
   seg->kind_ = kind;
 
-  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    const int err = errno;
+  // Note [Segments through Boost.Interprocess]: the seam creates it O_EXCL,
+  // 0600. `file` closes the handle when it goes out of scope; on a failure that
+  // is before `seg` unlinks and unmaps, as it always was.
+  platform::ShmFile file;
+  if (int err = platform::ShmFile::Create(dir, seg->name_, &file); err != 0) {
     auto code = err == EACCES || err == EPERM ? grpc::StatusCode::PERMISSION_DENIED
                                               : grpc::StatusCode::INTERNAL;
     return grpc::Status(code, "cannot create segment " + path + ": " + std::strerror(err));
   }
   // The file is ours now: from here on, destroying `seg` unlinks it.
+  seg->dir_ = dir;
   seg->path_ = path;
   seg->share_uid_ = owner.uid;
-  auto fail = [&](grpc::Status s) {
-    close(fd);
-    return s;
-  };
-  int rc = posix_fallocate(fd, 0, static_cast<off_t>(total_bytes));
+  int rc = file.Allocate(total_bytes);
   if (rc != 0) {
     uint64_t free_bytes = 0, fs_total = 0;
     FilesystemSpace(dir, &free_bytes, &fs_total);
@@ -141,22 +143,24 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
     if (rc == ENOSPC) {
       msg += "; enlarge it (e.g. `mount -o remount,size=<bytes> " + dir +
              "`) or lower the daemon's --budget";
-      return fail(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, msg));
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, msg);
     }
-    return fail(grpc::Status(grpc::StatusCode::INTERNAL, msg));
+    return grpc::Status(grpc::StatusCode::INTERNAL, msg);
   }
-  void* base = mmap(nullptr, total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  if (base == MAP_FAILED) {
-    return fail(grpc::Status(grpc::StatusCode::INTERNAL,
-                             "mmap " + seg->path_ + ": " + std::strerror(errno)));
+  if (int err = platform::ShmMapping::Map(file, platform::ShmAccess::kReadWrite, total_bytes,
+                                          /*populate=*/true, &seg->mapping_);
+      err != 0) {
+    return grpc::Status(grpc::StatusCode::INTERNAL,
+                        "mmap " + seg->path_ + ": " + std::strerror(err));
   }
+  void* base = seg->mapping_->data();
   seg->base_ = base;
   // Before the first access, and before any client can open the file.
   seg->guard_ = ClientMemoryGuard::Register(base, total_bytes, owner.session_id);
   if (seg->guard_ < 0) {
-    return fail(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                             "the daemon holds " + std::to_string(ClientMemoryGuard::kMaxRanges) +
-                                 " segments, its limit; free regions or end sessions"));
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        "the daemon holds " + std::to_string(ClientMemoryGuard::kMaxRanges) +
+                            " segments, its limit; free regions or end sessions");
   }
   if (lock) seg->locked_ = mlock(base, total_bytes) == 0;
 
@@ -175,19 +179,20 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
   h->rank = owner.rank;
   h->local_rank = owner.local_rank;
   // Note [Who may open a segment]: only session segments become the client's.
+  // fchown is POSIX on the seam's handle (Boost knows no owners).
   if (kind == v1::SEGMENT_KIND_SESSION && geteuid() == 0 && owner.uid != 0 &&
-      fchown(fd, owner.uid, static_cast<gid_t>(-1)) != 0) {
-    return fail(grpc::Status(grpc::StatusCode::INTERNAL, "fchown " + seg->path_ + " to uid " +
-                                                             std::to_string(owner.uid) + ": " +
-                                                             std::strerror(errno)));
+      fchown(file.native_handle(), owner.uid, static_cast<gid_t>(-1)) != 0) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, "fchown " + seg->path_ + " to uid " +
+                                                        std::to_string(owner.uid) + ": " +
+                                                        std::strerror(errno));
   }
-  close(fd);
   *out = std::move(seg);
   return grpc::Status::OK;
 }
 
 std::string ShmSegment::ShareReadOnly() {
-  // Note [Why base segments are read-only] (wire/base_manifest.h).
+  // Note [Why base segments are read-only] (wire/base_manifest.h). Ownership
+  // and ACLs are POSIX, by path (Note [Segments through Boost.Interprocess]).
   if (geteuid() == 0 && share_uid_ != 0) {
     const std::string acl = ReadOnlyAclFor(share_uid_);
     if (chmod(path_.c_str(), 0440) == 0 &&
@@ -206,17 +211,18 @@ bool ShmSegment::faulted() const { return ClientMemoryGuard::Faulted(guard_); }
 
 void ShmSegment::Unlink() {
   if (unlinked_ || path_.empty()) return;
-  unlink(path_.c_str());
+  platform::ShmFile::Remove(dir_, name_);
   unlinked_ = true;
 }
 
 ShmSegment::~ShmSegment() {
   // A segment whose creation failed before mmap still has a file to remove.
   Unlink();
-  if (base_ != nullptr) {
+  if (mapping_ != nullptr) {
+    // Note [Client pages can vanish]: out of the guard before the unmap.
     ClientMemoryGuard::Unregister(guard_);
     if (locked_) munlock(base_, size_);
-    munmap(base_, size_);
+    mapping_.reset();
   }
 }
 

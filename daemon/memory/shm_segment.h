@@ -5,7 +5,9 @@
 // SegmentHeader at offset 0 and data after kSegmentHeaderBytes. The daemon maps
 // it MAP_SHARED (prefaulted) for its whole life, registered with
 // ClientMemoryGuard from before its first access to after its last (Note [Client
-// pages can vanish]).
+// pages can vanish]). The file and the mapping are made through the platform
+// seam, Boost.Interprocess where it has the call and POSIX on its handle where it
+// has not (Note [Segments through Boost.Interprocess], trainstream/platform/shm.h).
 //
 // Note [Who may open a segment]. With a daemon running as root and a client of
 // another uid, only the kinds a client must map are opened to it:
@@ -33,6 +35,10 @@
 #include <string>
 
 #include "trainstream/wire/segment_header.h"
+
+namespace trainstream::platform {
+class ShmMapping;  // trainstream/platform/shm.h
+}  // namespace trainstream::platform
 
 namespace trainstream::daemon {
 
@@ -81,10 +87,12 @@ class ShmSegment {
  private:
   ShmSegment() = default;
   std::string name_;
-  std::string path_;
+  std::string dir_;
+  std::string path_;  // dir_ + "/" + name_
   uint64_t size_ = 0;
   uint32_t kind_ = 0;
-  void* base_ = nullptr;
+  std::unique_ptr<platform::ShmMapping> mapping_;
+  void* base_ = nullptr;  // mapping_->data()
   bool locked_ = false;
   bool unlinked_ = false;
   int guard_ = -1;  // ClientMemoryGuard handle of the mapping

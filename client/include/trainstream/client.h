@@ -47,6 +47,10 @@ struct RegionInfo {
   bool read_only = false;
 };
 
+namespace platform {
+class ShmMapping;  // the platform seam's mapping (not part of this API)
+}  // namespace platform
+
 // A region mapped into this process. Unmaps on destruction. Non-copyable.
 class MappedRegion {
  public:
@@ -64,11 +68,10 @@ class MappedRegion {
                     std::unique_ptr<MappedRegion>* out);
 
  private:
-  MappedRegion(RegionInfo info, void* base, size_t mapped)
-      : info_(std::move(info)), base_(base), mapped_(mapped) {}
+  MappedRegion(RegionInfo info, std::unique_ptr<platform::ShmMapping> mapping);
   RegionInfo info_;
-  void* base_ = nullptr;
-  size_t mapped_ = 0;
+  std::unique_ptr<platform::ShmMapping> mapping_;  // the whole segment
+  void* base_ = nullptr;                           // mapping_'s first byte
 };
 
 struct PingResult {

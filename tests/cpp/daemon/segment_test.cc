@@ -69,6 +69,37 @@ TEST_CASE("Segments are created O_EXCL 0600 with a header and unlinked on destru
   other->Unlink();  // idempotent
 }
 
+// The production directory, where the platform seam opens segments as Boost
+// shared_memory_objects (Note [Segments through Boost.Interprocess]): the same
+// rules as in any other directory.
+TEST_CASE("Segments in /dev/shm itself keep every rule and are unlinked", "[segment]") {
+  SegmentOwner owner;
+  owner.session_id = 7;
+  owner.uid = getuid();
+  std::unique_ptr<ShmSegment> seg;
+  REQUIRE(ShmSegment::Create("/dev/shm", 2, 2 * 4096, owner, false, &seg).ok());
+  REQUIRE(seg);
+  CHECK(seg->path() == "/dev/shm/" + seg->name());
+  struct stat st {};
+  REQUIRE(lstat(seg->path().c_str(), &st) == 0);
+  CHECK(S_ISREG(st.st_mode));
+  CHECK((st.st_mode & 07777) == 0600);
+  CHECK(static_cast<uint64_t>(st.st_size) == 2 * 4096);
+  CHECK(st.st_blocks * 512 >= 2 * 4096);  // really allocated, not sparse
+  CHECK(seg->header()->magic == trainstream::wire::kSegmentMagic);
+  CHECK(seg->header()->session_id == 7);
+  seg->base()[4096] = 7;
+  CHECK_FALSE(seg->faulted());
+  // ShareReadOnly works by path, as in any directory (owner.uid is ours: 0400).
+  CHECK(seg->ShareReadOnly().empty());
+  REQUIRE(stat(seg->path().c_str(), &st) == 0);
+  CHECK((st.st_mode & 07777) == 0400);
+  seg->base()[4097] = 8;  // the daemon's own mapping stays writable
+  const std::string path = seg->path();
+  seg.reset();
+  CHECK_FALSE(fs::exists(path));
+}
+
 TEST_CASE("A failing posix_fallocate is a clear error and leaves no file", "[segment]") {
   TempShmDir dir;
   // RLIMIT_FSIZE makes fallocate fail (EFBIG) deterministically, as a full
