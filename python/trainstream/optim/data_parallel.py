@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 _MAX_KEY_BYTES = 200
-from ._wire import OP_REDUCE_READY as _OP_REDUCE_READY
+from .._native.wire import OP_REDUCE_READY as _OP_REDUCE_READY
 
 
 def _dist():

@@ -163,6 +163,11 @@ OPTIONS: Dict[str, tuple] = {
 }
 
 
+def default(name: str) -> Any:
+    """Option ``name``'s default, as the table has it (the one place defaults are written)."""
+    return OPTIONS[name][0]
+
+
 def check_value(name: str, value: Any) -> None:
     """Raises ValueError unless ``value`` is accepted for option ``name``."""
     _, accepted, check = OPTIONS[name]
