@@ -219,3 +219,50 @@ def test_adapter_does_not_move_blocks_back_in_after_a_step_went_over():
     assert pager.policy == [OFFLOAD] * 4 + [KEEP] * 4
     assert not [e for e in session.events if e.get("what") == "loosen"]
     assert adapter.settled
+
+
+# ---------------------------------------------------------------- offload="auto"
+class _FakeCudaParam:
+    """What decide_offload reads of a parameter, on a CUDA device this machine lacks."""
+    device = torch.device("cuda", 0)
+    requires_grad = True
+
+    def __init__(self, numel):
+        self._numel = numel
+
+    def numel(self):
+        return self._numel
+
+    def element_size(self):
+        return 2
+
+
+def _fake_device(monkeypatch, total, peak):
+    class Props:
+        total_memory = total
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (total, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peak)
+
+
+def test_going_local_keeps_vram_headroom_free(monkeypatch):
+    """offload="auto"'s decision (memory controller) needs the second step's peak plus
+    torch's two moments to fit in the capacity less vram_headroom (it hard-coded 0.10,
+    the option's default)."""
+    from trainstream.memory.controller import decide_offload
+    from trainstream.options import default
+    _fake_device(monkeypatch, total=1000 << 20, peak=700 << 20)
+    params = [_FakeCudaParam(50 << 20)]  # bf16: 2 x 100 MiB of moments
+    fits = decide_offload(params, data_parallel=False, extra_grads=False,
+                          headroom=default("vram_headroom"))
+    assert default("vram_headroom") == 0.10
+    assert fits["offload"] is False and fits["headroom"] == 0.10
+    assert fits["needed_bytes"] == 900 << 20 and fits["capacity_bytes"] == 1000 << 20
+    tight = decide_offload(params, data_parallel=False, extra_grads=False, headroom=0.2)
+    assert tight["offload"] is True and "keeps offloading" in tight["reason"]
+    grads = decide_offload(params, data_parallel=False, extra_grads=True, headroom=0.10)
+    assert grads["offload"] is True and grads["extra_grad_bytes"] == 100 << 20
+    dp = decide_offload(params, data_parallel=True, extra_grads=False, headroom=0.10)
+    assert dp["offload"] is True and "data parallel" in dp["reason"]
