@@ -28,6 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from .._native import C
+from .._native.wire import BASE_MANIFEST_HEADER_BYTES as _MANIFEST_HEADER_BYTES
+from .._native.wire import BASE_MANIFEST_MAGIC as _MANIFEST_MAGIC
+from .._native.wire import SEGMENT_MAGIC as _SEGMENT_MAGIC
+from .._native.wire import SEGMENT_MANIFEST_OFFSET_FIELD as _MANIFEST_OFFSET_FIELD
 from ..errors import DaemonError
 
 __all__ = ["SharedBase", "load_base", "FORMATS"]
@@ -40,10 +44,6 @@ _TORCH_DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-from .._native.wire import BASE_MANIFEST_HEADER_BYTES as _MANIFEST_HEADER_BYTES
-from .._native.wire import BASE_MANIFEST_MAGIC as _MANIFEST_MAGIC
-from .._native.wire import SEGMENT_MAGIC as _SEGMENT_MAGIC
-from .._native.wire import SEGMENT_MANIFEST_OFFSET_FIELD as _MANIFEST_OFFSET_FIELD
 
 
 def _cuda_device(device: Any) -> torch.device:
@@ -255,7 +255,7 @@ class SharedBase:
         # The mapping goes away with this object: drop its CUDA registration first.
         try:
             self._unregister_cuda()
-        except Exception:  # interpreter shutdown
+        except Exception:  # noqa: BLE001 (interpreter shutdown: nothing left to report to)
             pass
 
     def __repr__(self) -> str:

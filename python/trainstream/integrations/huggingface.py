@@ -101,7 +101,7 @@ def _resolve_path(name_or_path: str, random_weights: bool) -> Tuple[str, str]:
     patterns = ["*.json"] if random_weights else ["*.json", "*.safetensors"]
     try:
         folder = huggingface_hub.snapshot_download(name_or_path, allow_patterns=patterns)
-    except Exception as e:  # offline, unknown repo, no access: say which
+    except Exception as e:  # noqa: BLE001 (offline, unknown repo, no access: say which)
         raise ValueError(f"cannot download {name_or_path!r} from the Hugging Face hub "
                          f"({type(e).__name__}: {e}); pass a local folder instead") from None
     return folder, folder

@@ -115,7 +115,7 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
 def _move_except(model: nn.Module, exclude: set, device: torch.device) -> None:
     with torch.no_grad():
         for m in model.modules():
-            for name, p in m._parameters.items():
+            for p in m._parameters.values():
                 if p is not None and id(p) not in exclude and p.device != device:
                     p.data = p.data.to(device)
             for name, b in m._buffers.items():

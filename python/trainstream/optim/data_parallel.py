@@ -29,8 +29,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-_MAX_KEY_BYTES = 200
 from .._native.wire import OP_REDUCE_READY as _OP_REDUCE_READY
+
+_MAX_KEY_BYTES = 200
 
 
 def _dist():

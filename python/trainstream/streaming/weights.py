@@ -177,7 +177,7 @@ class BlockPager:
 
     def remove(self) -> None:
         """Gives each block its own forward back."""
-        for i, block in enumerate(self.blocks):
+        for block in self.blocks:
             if "forward" in block.__dict__:
                 del block.forward
         self._fetches.clear()
