@@ -141,7 +141,7 @@ def proc_status(pid):
 
 CLIENT = textwrap.dedent("""
     import json, sys, torch
-    from trainstream.base import load_base
+    from trainstream.frozen.shared_base import load_base
     def st():
         d = {}
         for line in open('/proc/self/status'):
@@ -163,7 +163,7 @@ CLIENT = textwrap.dedent("""
 
 VRAM_CLIENT = textwrap.dedent("""
     import json, sys, time, torch
-    from trainstream.base import load_base
+    from trainstream.frozen.shared_base import load_base
     torch.cuda.init()
     torch.empty(1, device="cuda")        # this process's context exists before measuring
     free0, total = torch.cuda.mem_get_info()

@@ -52,7 +52,7 @@ def worker(args) -> int:
 
     import trainstream
     from tiny_gpt import GPTConfig, TinyGPT
-    from trainstream import _daemon
+    from trainstream._native import daemon as _daemon
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -127,7 +127,7 @@ class Daemon:
     """A trainstreamd on a temporary socket and shm directory (one per simulated machine)."""
 
     def __init__(self, budget: str):
-        from trainstream import _daemon
+        from trainstream._native import daemon as _daemon
         binary = _daemon.daemon_binary()
         if binary is None:
             sys.exit("trainstreamd not found: build first or set TRAINSTREAM_DAEMON")

@@ -106,7 +106,7 @@ def build(size: str, *, tiny: bool, dtype, mode: str, init_device: str, vocab: i
     import torch
     from torch import nn
     from transformers import Qwen2ForCausalLM
-    from trainstream.quantization import QuantLinear
+    from trainstream.frozen.quantization import QuantLinear
     cfg = qwen_config(size, tiny, vocab)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
@@ -352,7 +352,7 @@ def run_case(args) -> dict:
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     rep = trainstream.memory_report(model)
-    status = json.loads(trainstream._daemon.connect(args.socket).status_json())
+    status = json.loads(trainstream._native.daemon.connect(args.socket).status_json())
     result.update(
         step_s=round(step_s, 4), warmup_steps=warmup,
         step_times=[round(t, 4) for t in measured], allocator=alloc, losses=losses,
@@ -382,7 +382,7 @@ def run_case(args) -> dict:
 
 def start_daemon(budget: str):
     """A private trainstreamd (the cases need a large shared-memory budget)."""
-    from trainstream import _daemon
+    from trainstream._native import daemon as _daemon
     binary = _daemon.daemon_binary() or os.path.join(REPO, "build", "bin", "trainstreamd")
     tmp = tempfile.mkdtemp(prefix="ts-bench-")
     shm = tempfile.mkdtemp(prefix="ts-bench-", dir="/dev/shm")

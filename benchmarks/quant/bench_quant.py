@@ -25,7 +25,7 @@ import sys
 import torch
 
 from trainstream import _C
-from trainstream.quantization import QuantLinear, quantize_tensor
+from trainstream.frozen.quantization import QuantLinear, quantize_tensor
 
 FORMATS = ("int8", "nf4", "fp8", "nvfp4")
 
@@ -115,7 +115,7 @@ def bench_linear(m=512, k=5120, n=13824):
 def fp8_breakdown(ql, x):
     """The FP8 forward's parts, each alone: activation quantization (fused kernel, and the
     eager PyTorch it replaced) and torch._scaled_mm."""
-    from trainstream.quantization import _quantize_rows_e4m3_eager
+    from trainstream.frozen.quantization import _quantize_rows_e4m3_eager
     xd = x.detach()
     with torch.no_grad():
         xq, xs = ql._rows_e4m3(xd)

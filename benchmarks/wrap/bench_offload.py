@@ -120,10 +120,10 @@ def large_tensor_transfer(opt) -> dict:
     """GB/s of the data plane's copies on the largest parameter: H2D through
     DataPlane.copy_param from its registered staging slot, and D2H into its slot."""
     import torch
-    e = max(opt._entries.values(), key=lambda e: e.param.numel())
+    e = max(opt._table.entries.values(), key=lambda e: e.param.numel())
     nbytes = e.param.numel() * e.param.element_size()
     out = {"transfer_tensor_mib": nbytes / 2**20}
-    for name, fn in (("h2d", lambda: opt._plane.copy_param(e.param, e.param_slot)),
+    for name, fn in (("h2d", lambda: opt._session.plane.copy_param(e.param, e.param_slot)),
                      ("d2h", lambda: e.grad_slot.copy_(e.param.detach().reshape(-1),
                                                        non_blocking=True))):
         fn()

@@ -5,12 +5,26 @@
 
 The optimizer's master weights, moments and AdamW update then live in the
 ``trainstreamd`` daemon's shared memory (one per machine; started on demand).
+
+The package follows wrap()'s flow (docs/package-layout.md):
+
+* ``api``: ``wrap``, ``unwrap``, ``memory_report``; ``options``: every option, checked
+  in one table; ``errors``; ``blocks``: the block stack;
+* ``memory/``: measure (capacity), plan (the pure planner), adapt (the controller) and
+  the install steps wrap() runs;
+* ``streaming/``: weight paging, activation paging, the attention choice;
+* ``optim/``: ``OffloadAdamW`` and its backends (daemon ring, zero-copy GPU, local),
+  data parallel;
+* ``frozen/``: quantized frozen weights and shared frozen bases;
+* ``integrations/``: Hugging Face;
+* ``_native/``: the compiled modules' loaders, the wire constants, pinning, copy streams.
 """
 from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
-from .activations import ActivationOffloader
+from .api import (TrainStreamSession, memory_report, pinned_stats, transfer_stats, unwrap,
+                  wrap)
+from .blocks import find_blocks
 from .optim import OffloadAdamW
-from .wrap import (TrainStreamSession, find_blocks, memory_report, pinned_stats, transfer_stats,
-                   unwrap, wrap)
+from .streaming.activations import ActivationOffloader
 
 __version__ = "0.1.0"
 
@@ -24,9 +38,9 @@ __all__ = [
 def __getattr__(name):
     # Quantization and hardware profiling load on first use (they pull in _C's kernels).
     if name in ("quantize_tensor", "quantize_model", "QuantizedTensor"):
-        from . import quantization
+        from .frozen import quantization
         return getattr(quantization, name)
     if name == "profile_hardware":
-        from .hardware import profile_hardware
+        from .memory.capacity import profile_hardware
         return profile_hardware
     raise AttributeError(f"module 'trainstream' has no attribute {name!r}")

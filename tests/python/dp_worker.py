@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches  # noqa: E402
 
 import trainstream  # noqa: E402
-from trainstream import _daemon  # noqa: E402
+from trainstream._native import daemon as _daemon  # noqa: E402
 
 
 def param_groups(model):

@@ -18,8 +18,8 @@ from conftest import wait_until
 from safetensors_writer import read_safetensors, write_raw, write_safetensors, write_sharded
 
 import trainstream._control as control
-from trainstream.base import load_base
-from trainstream.quantization import quantize_tensor
+from trainstream.frozen.shared_base import load_base
+from trainstream.frozen.quantization import quantize_tensor
 
 NOBODY = 65534
 
@@ -264,7 +264,7 @@ def _child_script(socket, path, fmt, out):
     return textwrap.dedent(f"""
         import json, sys, time
         import torch
-        from trainstream.base import load_base
+        from trainstream.frozen.shared_base import load_base
         import trainstream._C, trainstream._control  # loaded before the first measurement
         def status():
             d = {{}}
@@ -405,7 +405,7 @@ def test_base_segment_is_read_only_for_clients(daemon, tmp_path):
         assert (os.stat(path).st_mode & 0o777) == 0o400
         # A write through the view faults (PROT_READ): check it in a child.
         code = textwrap.dedent(f"""
-            from trainstream.base import load_base
+            from trainstream.frozen.shared_base import load_base
             b = load_base({str(tmp_path)!r}, socket={daemon.socket!r})
             b.tensor("model.norm.weight").fill_(0)
         """)

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_base_mapping_registers_read_only_and_copies_to_gpu(daemon, tmp_path):
-    from trainstream.base import load_base
+    from trainstream.frozen.shared_base import load_base
     g = torch.Generator().manual_seed(0)
     tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(2048, 1024, generator=g).bfloat16()
                for i in range(4)}

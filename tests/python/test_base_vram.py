@@ -17,7 +17,7 @@ from conftest import wait_until
 from safetensors_writer import write_qwen_folder, write_safetensors
 
 import trainstream._control as control
-from trainstream.base import load_base
+from trainstream.frozen.shared_base import load_base
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -98,7 +98,7 @@ def _vram_child(socket, path, out):
     return textwrap.dedent(f"""
         import json, sys
         import torch
-        from trainstream.base import load_base
+        from trainstream.frozen.shared_base import load_base
         torch.cuda.init()
         torch.empty(1, device="cuda")          # the context exists before the first reading
         free0, total = torch.cuda.mem_get_info()
@@ -165,7 +165,7 @@ def test_two_processes_share_one_vram_copy(daemon, tmp_path):
 def test_share_vram_bad_device_and_model_on_gpu(daemon, tmp_path):
     pytest.importorskip("transformers")
     from trainstream.integrations.huggingface import load_model
-    from trainstream.quantization import QuantLinear
+    from trainstream.frozen.quantization import QuantLinear
     client = control.Client.connect(daemon.socket)
     _write_base(tmp_path / "m.safetensors", 1)
     s = client.attach(job="vram")

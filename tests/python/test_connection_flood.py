@@ -186,7 +186,8 @@ def test_a_uid_over_its_cap_is_told_and_starts_no_daemon(daemon_factory, build_d
             pkg = types.ModuleType("trainstream")  # no torch needed for this
             pkg.__path__ = [sys.argv[1]]
             sys.modules["trainstream"] = pkg
-            from trainstream import _daemon, _control
+            from trainstream import _control
+            from trainstream._native import daemon as _daemon
             try:
                 _daemon.connect()
             except _control.ResourceExhausted as e:

@@ -284,7 +284,7 @@ def test_distributed_true_without_launcher_names_what_is_missing(daemon, monkeyp
 
 
 def test_cross_machine_reduce_backend_choice():
-    from trainstream.distributed import choose_reduce_backend as choose
+    from trainstream.optim.data_parallel import choose_reduce_backend as choose
     assert choose("auto", "nccl", cuda=True) == "nccl"
     assert choose("auto", "cpu:gloo,cuda:nccl", cuda=True) == "nccl"
     assert choose("auto", "gloo", cuda=True) == "gloo"      # the job chose gloo

@@ -32,7 +32,7 @@ def embedded_env(tmp_path, build_dir):
 def test_first_client_starts_a_daemon_and_the_next_reuses_it(embedded_env, tmp_path):
     code = """
         import torch, trainstream
-        from trainstream import _daemon
+        from trainstream._native import daemon as _daemon
         from tiny_gpt import GPTConfig, TinyGPT
         model, opt = trainstream.wrap(TinyGPT(GPTConfig()))
         print(_daemon.connect().ping()["pid"])

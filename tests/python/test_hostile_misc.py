@@ -37,7 +37,8 @@ import os, sys, types
 pkg = types.ModuleType("trainstream")
 pkg.__path__ = [{pkg!r}]
 sys.modules["trainstream"] = pkg
-from trainstream import _daemon, _control, errors
+from trainstream import _control, errors
+from trainstream._native import daemon as _daemon
 uid = {uid!r}
 if uid is not None:
     os.setgroups([])

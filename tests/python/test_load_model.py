@@ -12,7 +12,7 @@ from safetensors_writer import write_safetensors
 transformers = pytest.importorskip("transformers")
 
 from trainstream.integrations.huggingface import load_model, resolve_quantize  # noqa: E402
-from trainstream.quantization import QuantLinear, quantize_model  # noqa: E402
+from trainstream.frozen.quantization import QuantLinear, quantize_model  # noqa: E402
 
 
 def tiny_config(tie=False):

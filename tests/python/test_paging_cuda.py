@@ -10,8 +10,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import trainstream
 from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches
-from trainstream.activations import ActivationOffloader
-from trainstream.paging import OFFLOAD, RECOMPUTE, BlockPager
+from trainstream.streaming.activations import ActivationOffloader
+from trainstream.streaming.weights import OFFLOAD, RECOMPUTE, BlockPager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run scripts/gpu-check.sh on the GPU host)")

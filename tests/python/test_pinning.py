@@ -1,4 +1,4 @@
-"""Host-memory registration that cannot outlive its memory (trainstream._pinning).
+"""Host-memory registration that cannot outlive its memory (trainstream._native.pinning).
 CUDA's register/unregister calls are replaced by recorders, so this runs anywhere;
 the CUDA behaviour itself is exercised by the GPU tests (paging, optimizer_mode="gpu")."""
 import gc
@@ -6,7 +6,8 @@ import gc
 import pytest
 import torch
 
-from trainstream import _C, _pinning
+from trainstream import _C
+from trainstream._native import pinning as _pinning
 
 
 @pytest.fixture

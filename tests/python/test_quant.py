@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from quant_helpers import (FORMATS, NF4_TABLE, TinyTransformer, adversarial, documented_errors,
                            gaussian, mean_relative_error, on_grid)
 from trainstream import _C
-from trainstream.quantization import QuantizedTensor, QuantLinear, quant_report, quantize_model, \
+from trainstream.frozen.quantization import QuantizedTensor, QuantLinear, quant_report, quantize_model, \
     quantize_tensor
 
 

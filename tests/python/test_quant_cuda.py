@@ -13,7 +13,7 @@ import torch
 
 from quant_helpers import FORMATS, TinyTransformer, adversarial, gaussian, on_grid
 from trainstream import _C
-from trainstream.quantization import QuantLinear, quant_report, quantize_model, quantize_tensor
+from trainstream.frozen.quantization import QuantLinear, quant_report, quantize_model, quantize_tensor
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and getattr(_C, "with_cuda", False)),

@@ -1,7 +1,7 @@
-"""The Python copy of the wire format (trainstream/_wire.py) against the C++ headers,
+"""The Python copy of the wire format (trainstream/_native/wire.py) against the C++ headers,
 as the extension reads them (trainstream._C.wire): every value, in both directions."""
 import trainstream._C as C
-from trainstream import _wire
+from trainstream._native import wire as _wire
 
 
 def _upper(module):
@@ -11,7 +11,7 @@ def _upper(module):
 def test_every_python_wire_constant_equals_the_cpp_one():
     cpp = _upper(C.wire)
     py = _upper(_wire)
-    assert py, "trainstream._wire defines no constants"
+    assert py, "trainstream._native.wire defines no constants"
     for name, value in py.items():
         assert name in cpp, f"_wire.{name} has no C++ counterpart in _C.wire"
         assert value == cpp[name], f"_wire.{name} = {value}, the C++ header says {cpp[name]}"

@@ -254,7 +254,7 @@ def test_a_gradient_the_daemon_rejects_ends_its_step(daemon, monkeypatch):
     is over, the other group's parameters are updated, and the next iteration trains.
     (The client's own check is switched off so that lr=-1 reaches the daemon, standing
     in for any rejection.)"""
-    from trainstream import optim as optim_module
+    from trainstream.optim import backend as optim_module  # where the client checks hyperparameters
     cfg, _, ours = _models()
     batches = text_batches(corpus(), cfg, batch=2, steps=3)
     groups = _param_groups(ours, 1e-3)
@@ -294,7 +294,7 @@ def _rejected_then_synchronized(daemon, monkeypatch):
     """A wrapped model after a backward whose gradients the daemon rejected (lr=-1 with
     the client's own check off) and a synchronize() that read the rejections; the lr is
     good again and the check back on."""
-    from trainstream import optim as optim_module
+    from trainstream.optim import backend as optim_module  # where the client checks hyperparameters
     cfg, _, ours = _models()
     batches = text_batches(corpus(), cfg, batch=2, steps=2)
     ours, opt = trainstream.wrap(ours, socket=daemon.socket, timeout_s=20)
@@ -340,7 +340,7 @@ def test_an_interrupted_step_is_finished_by_the_next_call(daemon, recover):
     opt = trainstream.OffloadAdamW([w0, w1], lr=1e-2, socket=daemon.socket, timeout_s=20,
                                    grad_post="step", names={id(w0): "w0", id(w1): "w1"})
     ref = [w0.detach().clone(), w1.detach().clone()]
-    real_wait = opt._wait
+    real_wait = opt._session.wait
     interrupted = []
 
     def wait(want, keep=(), on_error=None):
@@ -348,7 +348,7 @@ def test_an_interrupted_step_is_finished_by_the_next_call(daemon, recover):
             interrupted.append(True)
             raise KeyboardInterrupt
         return real_wait(want, keep, on_error)
-    opt._wait = wait
+    opt._session.wait = wait
     for it in range(3):
         (w0.sum() * 1e-3 + (w1 ** 2).sum()).backward()
         if it == 0:
@@ -359,7 +359,7 @@ def test_an_interrupted_step_is_finished_by_the_next_call(daemon, recover):
         else:
             opt.step()
         opt.zero_grad()
-    assert opt._backlog == [] and opt.stats()["steps"] == 3 - (recover == "zero_grad")
+    assert opt._session.backlog == [] and opt.stats()["steps"] == 3 - (recover == "zero_grad")
     # Against torch, three steps on the same gradients.
     q0, q1 = (torch.nn.Parameter(t) for t in ref)
     ref_opt = torch.optim.AdamW([q0, q1], lr=1e-2, foreach=False)
@@ -379,7 +379,7 @@ def test_last_grad_norm_is_reported_each_step_after_going_local(daemon):
     batches = text_batches(corpus(), cfg, batch=2, steps=3)
     ours, opt = trainstream.wrap(ours, socket=daemon.socket)
     _train(ours, opt, batches[:1])
-    opt._go_local()
+    opt.go_local()
     for x, y in batches[1:]:
         ours(x, y).backward()
         grads = [p.grad.detach().clone() for p in ours.parameters() if p.grad is not None]
@@ -548,9 +548,9 @@ def test_unwrap_removes_the_gradient_hooks(daemon):
     cfg, ref, ours = _models(seed=7)
     (x, y), = text_batches(corpus(), cfg, batch=2, steps=1, seed=7)
     ours, opt = trainstream.wrap(ours, socket=daemon.socket)
-    assert all(e.hook is not None for e in opt._entries.values())
+    assert all(e.hook is not None for e in opt._table.entries.values())
     trainstream.unwrap(ours)
-    assert all(e.hook is None for e in opt._entries.values())
+    assert all(e.hook is None for e in opt._table.entries.values())
     # The model trains with a plain optimizer afterwards; nothing is posted anywhere.
     plain = torch.optim.AdamW(ours.parameters(), lr=1e-3)
     ours(x, y).backward()

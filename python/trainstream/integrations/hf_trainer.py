@@ -18,7 +18,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..optim import OffloadAdamW
-from ..wrap import wrap
+from ..api import wrap
 
 __all__ = ["TrainStreamTrainer"]
 

@@ -18,9 +18,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..base import SharedBase, load_base
-from ..planner import ram_available
-from ..quantization import QuantLinear, _check_block_size, _find_block_stack
+from ..blocks import find_block_stack
+from ..frozen.quantization import QuantLinear, _check_block_size
+from ..frozen.shared_base import SharedBase, load_base
+from ..memory.capacity import ram_available
 
 __all__ = ["load_model", "resolve_quantize"]  # and TrainStreamTrainer, below
 
@@ -100,7 +101,7 @@ def _resolve_path(name_or_path: str, random_weights: bool) -> Tuple[str, str]:
     patterns = ["*.json"] if random_weights else ["*.json", "*.safetensors"]
     try:
         folder = huggingface_hub.snapshot_download(name_or_path, allow_patterns=patterns)
-    except Exception as e:  # offline, unknown repo, no access: say which
+    except Exception as e:  # noqa: BLE001 (offline, unknown repo, no access: say which)
         raise ValueError(f"cannot download {name_or_path!r} from the Hugging Face hub "
                          f"({type(e).__name__}: {e}); pass a local folder instead") from None
     return folder, folder
@@ -123,7 +124,7 @@ def _build_on_meta(config, dtype: torch.dtype, trust_remote_code: bool) -> nn.Mo
 
 def _block_linears(model: nn.Module):
     """(parent, child name, Linear, full name) of every Linear in the block stack."""
-    prefix, blocks = _find_block_stack(model)
+    prefix, blocks = find_block_stack(model)
     if not blocks:
         return []
     out = []
@@ -253,7 +254,7 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
     """
     vram_device = None
     if share_vram is not False and share_vram is not None:
-        from ..base import _cuda_device
+        from ..frozen.shared_base import _cuda_device
         vram_device = _cuda_device(share_vram)
         if random_weights:
             raise ValueError("share_vram needs a checkpoint: random_weights=True builds a "
@@ -286,7 +287,7 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
         for lin in frozen:
             lin.weight.requires_grad_(False)
         if fmt != "none":
-            from ..quantization import quantize_model
+            from ..frozen.quantization import quantize_model
             quantize_model(model, fmt, block_size=quant_block_size)
         model.trainstream_load = {"format": fmt, "random_weights": True}
         return model.eval()

@@ -20,7 +20,7 @@ Device memory model (bytes that are live at the peak of a step):
   small resident tensors (and their gradients);
   activations: unknown until a step has run, so ``ACTIVATION_RESERVE`` of the
   usable memory is set aside for them at wrap(); the first steps then measure
-  (``Adapter`` in wrap.py's session) and move blocks. Paged activations hold device
+  (the memory controller, controller.py) and move blocks. Paged activations hold device
   memory until their copy ends: copies in flight each way are bounded by half the
   reserve (``Plan.max_inflight_bytes``), else a fast forward runs ahead of its D2H
   copies and holds every paged block's activations at once.
@@ -30,14 +30,13 @@ pinned copies of paged frozen tensors.
 """
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from torch import nn
 
-from ._pinning import registered_host
+from .._native.pinning import registered_host
+from .capacity import Capacity, format_bytes as _fmt
 
 ACTIVATION_RESERVE = 0.25
 # The smallest bound on activation copies in flight: one copy of a few MiB must go.
@@ -45,7 +44,6 @@ MIN_INFLIGHT = 4 << 20
 # On CUDA the plan leaves at least this much free whatever vram_headroom says: the
 # caching allocator rounds blocks up and fragments, which at small caps outgrows 10%.
 CUDA_MIN_HEADROOM = 128 << 20
-GiB = float(1 << 30)
 
 
 @dataclass
@@ -80,16 +78,6 @@ class ModelSummary:
 
 
 @dataclass
-class Capacity:
-    device: str
-    vram_bytes: Optional[int]     # usable device memory before headroom; None: unlimited
-    ram_available: int
-    daemon_free: Optional[int]    # None: not known (no daemon asked)
-    h2d_gb_s: float = 0.0
-    source: str = ""
-
-
-@dataclass
 class Plan:
     paged: List[int]
     moment_dtype: str
@@ -121,7 +109,7 @@ def _nbytes(t) -> int:
 def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: int,
               quant_format: Optional[str] = "nf4", quant_block_size: int = 64) -> ModelSummary:
     """Reads the sizes the planner needs from the model's tensors (no data touched)."""
-    from .quantization import _quantized_bytes
+    from ..frozen.quantization import _quantized_bytes
     in_blocks = set()
     out: List[BlockSummary] = []
     for block in blocks:
@@ -186,13 +174,6 @@ def _chosen(option, n: int) -> Optional[List[int]]:
     return list(range(int(round(option * n))))
 
 
-def _fmt(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
-        if abs(n) >= size or unit == "KiB":
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 def _by_category(d: Dict[str, int]) -> str:
     return ", ".join(f"{k} {_fmt(v)}" for k, v in d.items() if v)
 
@@ -202,8 +183,8 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
     (with the numbers, by category) when nothing fits and ``check_memory`` is on."""
     n = len(summary.blocks)
     decisions: List[str] = []
-    check = config.get("check_memory", True)
-    depth = config.get("prefetch_depth", 2)
+    check = config["check_memory"]
+    depth = config["prefetch_depth"]
 
     # ---- host side: moments, slots, pinned frozen weights
     def host_need(moment_bytes: int, quantize: bool, paged: Sequence[int]) -> Dict[str, int]:
@@ -220,15 +201,15 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
                 "staging slots (gradient + weight)": 2 * summary.trained_bytes,
                 "pinned frozen weights of paged blocks": frozen}
 
-    quant_opt = config.get("quantize", "auto")
-    prefer = config.get("prefer", "exact")
+    quant_opt = config["quantize"]
+    prefer = config["prefer"]
     frozen_quantizable = sum(b.quantizable_bytes for b in summary.blocks)
     quantize: Optional[str] = quant_opt if quant_opt not in ("auto", None) else None
 
     # ---- device side
     usable = None
     if capacity.vram_bytes is not None:
-        usable = int(capacity.vram_bytes * (1.0 - config.get("vram_headroom", 0.10)))
+        usable = int(capacity.vram_bytes * (1.0 - config["vram_headroom"]))
         if capacity.device.startswith("cuda"):
             usable = max(0, min(usable, capacity.vram_bytes - CUDA_MIN_HEADROOM))
 
@@ -250,7 +231,7 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
             "paged weights in flight": transient,
         }
 
-    wanted = _chosen(config.get("param_offload", "auto"), n)
+    wanted = _chosen(config["param_offload"], n)
     q_now = quantize is not None
     if usable is None:
         paged = wanted or []
@@ -284,7 +265,7 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
                 f"trainstream: the model does not fit on {capacity.device}: needs "
                 f"{_fmt(sum(need.values()))} with {len(paged)} of {n} blocks paged "
                 f"({_by_category(need)}), usable {_fmt(usable)} ({capacity.source}, "
-                f"vram_headroom={config.get('vram_headroom', 0.10)}"
+                f"vram_headroom={config['vram_headroom']}"
                 + (f", at least {_fmt(CUDA_MIN_HEADROOM)} on CUDA"
                    if capacity.device.startswith("cuda") else "") + "). Options: a larger "
                 "vram_limit, "
@@ -294,7 +275,7 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
                 + "a smaller model; check_memory=False skips this check")
 
     # ---- moments and host memory
-    moment_opt = config.get("moment_dtype", "float32")
+    moment_opt = config["moment_dtype"]
     host_limit = capacity.ram_available
     if capacity.daemon_free is not None:
         host_limit = min(host_limit, capacity.daemon_free)
@@ -336,57 +317,14 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
         pcie += 2 * b.paged_bytes(q_now) + b.trained_bytes  # H2D fwd + bwd, grads D2H
     inflight = None
     if usable is not None:
-        inflight = min(config.get("max_inflight_bytes", 1 << 30),
+        inflight = min(config["max_inflight_bytes"],
                        max(MIN_INFLIGHT, int(usable * ACTIVATION_RESERVE) // 2))
-        if inflight < config.get("max_inflight_bytes", 1 << 30):
+        if inflight < config["max_inflight_bytes"]:
             decisions.append(f"max_inflight_bytes: {_fmt(inflight)} (half the activation "
                              "reserve: paged activations hold device memory until copied)")
     return Plan(paged=list(paged), moment_dtype="bfloat16" if moment_bytes == 2 else "float32",
-                quantize=quantize, activation_offload=config.get("activation_offload", "auto"),
-                recompute=config.get("recompute", "auto"),
+                quantize=quantize, activation_offload=config["activation_offload"],
+                recompute=config["recompute"],
                 device_bytes=device_need(paged, q_now) if usable is not None else {},
                 host_bytes=need_host, usable_vram=usable, decisions=decisions,
                 pcie_bytes_per_step=pcie, max_inflight_bytes=inflight)
-
-
-def ram_available() -> int:
-    """MemAvailable from /proc/meminfo (bytes); available physical pages elsewhere."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def measure_capacity(device, vram_limit: Optional[int], daemon_free: Optional[int],
-                     model_device_bytes: int = 0) -> Capacity:
-    """Capacity of ``device`` now. With CUDA, ``vram_limit`` also caps this process's
-    allocator (``torch.cuda.set_per_process_memory_fraction``)."""
-    import torch
-    device = torch.device(device)
-    ram = ram_available()
-    if device.type != "cuda":
-        return Capacity(str(device), vram_limit, ram, daemon_free,
-                        source="declared vram_limit" if vram_limit else "")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    free, _ = torch.cuda.mem_get_info(index)
-    reserved = torch.cuda.memory_reserved(index)
-    allocated = torch.cuda.memory_allocated(index)
-    from .hardware import profile_hardware
-    h2d = profile_hardware().get("h2d_gb_s", 0.0)  # before the cap: it copies 256 MiB
-    cap = total
-    source = f"{_fmt(total)} device"
-    if vram_limit is not None:
-        cap = min(vram_limit, total)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
-        source = f"vram_limit {_fmt(cap)}"
-    usable = min(cap, free + reserved) - max(0, allocated - model_device_bytes)
-    return Capacity(str(device), max(0, usable), ram, daemon_free, h2d_gb_s=h2d, source=source)
-
-
-def transfer_seconds(nbytes: int, gb_s: float) -> float:
-    return nbytes / (gb_s * 1e9) if gb_s > 0 else math.inf

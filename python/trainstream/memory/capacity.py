@@ -1,12 +1,40 @@
-"""profile_hardware(): the figures the memory planner needs, measured once and cached."""
+"""Measure: what the machine offers the memory planner.
+
+``measure_capacity(device, ...)`` reads the device memory free for this process (and,
+with ``vram_limit``, caps the allocator there), the host RAM available and the PCIe
+H2D bandwidth; ``profile_hardware()`` measures the bandwidths and throughputs once
+and caches them. The planner (planner.py) decides from a ``Capacity`` and touches no
+device itself.
+"""
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Any, Dict
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 import torch
+
+GiB = float(1 << 30)
+
+
+@dataclass
+class Capacity:
+    device: str
+    vram_bytes: Optional[int]     # usable device memory before headroom; None: unlimited
+    ram_available: int
+    daemon_free: Optional[int]    # None: not known (no daemon asked)
+    h2d_gb_s: float = 0.0
+    source: str = ""
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as the planner's messages write them ("1.50 GiB")."""
+    for unit, size in (("GiB", GiB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if abs(n) >= size or unit == "KiB":
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def _cache_path() -> str:
@@ -86,3 +114,40 @@ def _cpu_fused_adamw() -> bool:
         return True
     except (RuntimeError, ValueError):
         return False
+
+
+def ram_available() -> int:
+    """MemAvailable from /proc/meminfo (bytes); available physical pages elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def measure_capacity(device, vram_limit: Optional[int], daemon_free: Optional[int],
+                     model_device_bytes: int = 0) -> Capacity:
+    """Capacity of ``device`` now. With CUDA, ``vram_limit`` also caps this process's
+    allocator (``torch.cuda.set_per_process_memory_fraction``)."""
+    device = torch.device(device)
+    ram = ram_available()
+    if device.type != "cuda":
+        return Capacity(str(device), vram_limit, ram, daemon_free,
+                        source="declared vram_limit" if vram_limit else "")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    free, _ = torch.cuda.mem_get_info(index)
+    reserved = torch.cuda.memory_reserved(index)
+    allocated = torch.cuda.memory_allocated(index)
+    h2d = profile_hardware().get("h2d_gb_s", 0.0)  # before the cap: it copies 256 MiB
+    cap = total
+    source = f"{format_bytes(total)} device"
+    if vram_limit is not None:
+        cap = min(vram_limit, total)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+        source = f"vram_limit {format_bytes(cap)}"
+    usable = min(cap, free + reserved) - max(0, allocated - model_device_bytes)
+    return Capacity(str(device), max(0, usable), ram, daemon_free, h2d_gb_s=h2d, source=source)

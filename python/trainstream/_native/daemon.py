@@ -7,22 +7,20 @@ import subprocess
 import time
 from typing import Optional
 
-from .errors import DaemonError
+from ..errors import DaemonError
+from . import control as _control
 
 _EMBEDDED_IDLE_EXIT_S = 300  # TRAINSTREAM_IDLE_EXIT_S overrides
 
 
-def _control():
-    from . import _control as c  # noqa: PLC0415 (import on first use: it loads gRPC)
-    return c
 
 
 def daemon_binary() -> Optional[str]:
     """The trainstreamd to start: $TRAINSTREAM_DAEMON, the build tree beside this
     package, $TRAINSTREAM_BUILD_DIR/bin, or PATH."""
     candidates = [os.environ.get("TRAINSTREAM_DAEMON")]
-    here = os.path.dirname(os.path.abspath(__file__))
-    candidates.append(os.path.join(here, "..", "..", "bin", "trainstreamd"))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../python/trainstream
+    candidates.append(os.path.join(package, "..", "..", "bin", "trainstreamd"))
     if os.environ.get("TRAINSTREAM_BUILD_DIR"):
         candidates.append(os.path.join(os.environ["TRAINSTREAM_BUILD_DIR"], "bin", "trainstreamd"))
     candidates.append(shutil.which("trainstreamd"))

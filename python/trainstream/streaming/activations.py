@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._streams import CopyEngine
+from .._native.streams import CopyEngine
+from ..options import check_value, default
 
 _ALIGN = 256
 
@@ -135,9 +136,10 @@ class ActivationOffloader:
     ``saved_tensors_hooks``; ``remove()`` releases its host memory."""
 
     def __init__(self, model: Optional[nn.Module] = None, *, device=None,
-                 min_offload_bytes: int = 1 << 20, prefetch_depth: int = 2,
-                 max_inflight_bytes: int = 1 << 30, arena: Optional[HostArena] = None):
-        from ._options import check_value
+                 min_offload_bytes: int = default("min_offload_bytes"),
+                 prefetch_depth: int = default("prefetch_depth"),
+                 max_inflight_bytes: int = default("max_inflight_bytes"),
+                 arena: Optional[HostArena] = None):
         check_value("min_offload_bytes", min_offload_bytes)
         check_value("prefetch_depth", prefetch_depth)
         check_value("max_inflight_bytes", max_inflight_bytes)

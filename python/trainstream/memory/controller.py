@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .paging import KEEP, OFFLOAD, RECOMPUTE, BlockPager, in_backward
+from ..streaming.weights import KEEP, OFFLOAD, RECOMPUTE, BlockPager, in_backward
 from .planner import Plan, _chosen, _fmt
 
 SETTLE_STEPS = 2
@@ -48,7 +48,7 @@ TRIAL_STEPS = 2
 TRIAL_MARGIN = 0.03
 
 
-class Adapter:
+class MemoryController:
     def __init__(self, session, pager: BlockPager, plan: Plan, config: Dict[str, Any],
                  h2d_gb_s: float, between_steps: Optional[Callable[[], bool]] = None):
         self.session = session
@@ -203,7 +203,7 @@ class Adapter:
                     self.pager.set_policy(i, KEEP)
                 moved = f"blocks {paging[len(paging) - count:]} activations: offload -> keep"
                 why = f"; {self.act_per_block / 2**20:.1f} MiB of activations per block"
-        elif (not paging and self.config.get("param_offload", "auto") == "auto"
+        elif (not paging and self.config["param_offload"] == "auto"
               and self._weights_may_move()):
             brought, spent = [], 0
             for i in sorted(self.pager.paged, reverse=True):
@@ -299,3 +299,40 @@ class Adapter:
             self.pager.set_policy(offloaded[0], RECOMPUTE)
             return f"block {offloaded[0]} activations: offload -> recompute"
         return "nothing left to move"
+
+
+# ---------------------------------------------------------------- offload="auto"
+def decide_offload(params: List[torch.Tensor], *, data_parallel: bool, extra_grads: bool,
+                   headroom: float) -> Dict[str, Any]:
+    """offload="auto", after the second step: whether torch's fused AdamW would fit on
+    the GPU next to what the two steps used (their peak, the moments in the parameters'
+    dtype and, with ``extra_grads``, gradients kept that gpu mode with free_grads
+    dropped), keeping ``headroom`` (the vram_headroom option) of the capacity free.
+    Returns the decision (``offload``: keep offloading) with its figures and reason;
+    OffloadAdamW moves the state when it says ``offload=False``."""
+    if data_parallel:
+        # Ranks share (or average into) the daemon's state; a rank-local torch
+        # optimizer would silently stop the averaging.
+        return {"offload": True, "reason": "data parallel: the ranks' gradients are "
+                "combined through the daemon"}
+    devices = {p.device for p in params}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return {"offload": True, "reason": "the parameters are not all on one CUDA device; "
+                "the daemon's AdamW is the host path"}
+    dev = next(iter(devices))
+    total = torch.cuda.get_device_properties(dev).total_memory
+    cap = total * torch.cuda.get_per_process_memory_fraction(dev)
+    free, _ = torch.cuda.mem_get_info(dev)
+    cap = min(cap, torch.cuda.memory_reserved(dev) + free)
+    peak = torch.cuda.max_memory_allocated(dev)
+    trained = [p for p in params if p.requires_grad]
+    state = sum(2 * p.numel() * p.element_size() for p in trained)
+    grads = sum(p.numel() * p.element_size() for p in trained) if extra_grads else 0
+    need = peak + state + grads
+    fits = need <= cap * (1 - headroom)
+    return {
+        "offload": not fits, "peak_bytes": peak, "optimizer_state_bytes": state,
+        "extra_grad_bytes": grads, "needed_bytes": need, "capacity_bytes": int(cap),
+        "headroom": headroom,
+        "reason": ("fits in VRAM: switched to torch.optim.AdamW(fused=True) on the GPU"
+                   if fits else "does not fit in VRAM with torch's AdamW: keeps offloading")}

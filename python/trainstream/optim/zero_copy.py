@@ -21,15 +21,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ._pinning import register_fresh
-from .errors import NonFiniteGradientError, TrainStreamError
+from .._native import C as _C
+from .._native.pinning import register_fresh
+from ..errors import NonFiniteGradientError, TrainStreamError
+from .backend import ParamEntry, ParamTable, pack_groups, unpack_state
+from .daemon_session import DaemonSession
 
 _ALIGN = 256
-
-
-def _C():
-    from . import _C as c  # noqa: PLC0415
-    return c
 
 
 def unavailable_reason(params: List[torch.Tensor]) -> Optional[str]:
@@ -54,13 +52,18 @@ class _State:
         self.step = 0
 
 
-class ZeroCopyAdamW:
-    """The GPU-mode engine behind ``OffloadAdamW`` (one per optimizer)."""
+class ZeroCopyBackend:
+    """The GPU-mode backend of one ``OffloadAdamW``: the state lives in regions of its
+    daemon session, which registers no parameter with the daemon's engine."""
+    mode = "gpu"
 
-    def __init__(self, opt, moment_dtype: str, seed: int):
-        self._opt = opt
+    def __init__(self, table: ParamTable, session: DaemonSession):
+        self._table = table
+        self._session = session
+        opts = table.options
+        moment_dtype = "float32" if opts["moment_dtype"] == "auto" else opts["moment_dtype"]
         self._moment = moment_dtype
-        self._seed = seed
+        self._seed = int(opts["seed"])
         self._moment_torch = torch.bfloat16 if moment_dtype == "bfloat16" else torch.float32
         self._msize = self._moment_torch.itemsize  # bytes per moment element
         self._state: Dict[int, _State] = {}  # param_id -> state
@@ -70,13 +73,15 @@ class ZeroCopyAdamW:
         self._flags: Optional[torch.Tensor] = None
         self._norms: Optional[torch.Tensor] = None
         self._launched: Dict[int, int] = {}  # param_id -> step it was launched for
+        self._last_grad_norm: Optional[float] = None
         self.bytes_pcie = 0
 
     # ---------------------------------------------------------------- setup
-    def register(self, session, entries, verbose: bool) -> None:
+    def register(self, entries: List[ParamEntry]) -> None:
         """Allocates state for `entries` in one daemon region, maps it for the GPU."""
         if not entries:
             return
+        verbose = self._table.options["verbose"]
         c = _C()
         msize = self._msize
         layout = []
@@ -92,7 +97,7 @@ class ZeroCopyAdamW:
                 off_w = offset
                 offset += -(-n * 4 // _ALIGN) * _ALIGN
             layout.append((e, off_m, off_v, off_w))
-        region = session.allocate_region(max(offset, _ALIGN), "gpu-optimizer-state")
+        region = self._session.allocate_region(max(offset, _ALIGN), "gpu-optimizer-state")
         self._regions.append(region)
         ok, why = register_fresh(region.base_address, region.segment_size)
         if ok:
@@ -128,7 +133,7 @@ class ZeroCopyAdamW:
             print(f"trainstream: optimizer_mode='gpu': {offset / 2**20:.1f} MiB of state in "
                   f"daemon memory, mapped for {device}")
 
-    def close(self, session) -> None:
+    def close(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
         c = _C()
@@ -140,9 +145,8 @@ class ZeroCopyAdamW:
 
     # ---------------------------------------------------------------- update
     def _launch(self, e, grad: torch.Tensor, grad_scale: float, eager: bool) -> None:
-        opt = self._opt
         s = self._state[e.param_id]
-        g = opt.param_groups[e.group]
+        g = self._table.param_groups[e.group]
         param = e.param
         if not param.is_contiguous():
             raise TrainStreamError(f"optimizer_mode='gpu' needs contiguous parameters; {e.name} "
@@ -160,10 +164,24 @@ class ZeroCopyAdamW:
         self._launched[e.param_id] = s.step + 1
         self.bytes_pcie += param.numel() * (4 * self._msize + (8 if s.master is not None else 0))
 
-    def on_grad_final(self, e) -> bool:
+    # -------------------------------------------------------------- data plane
+    def check_alive(self, in_backward: bool = False) -> None:
+        self._session.ensure_alive(in_backward)
+
+    def grad_final(self, e: ParamEntry) -> None:
+        self._session.ensure_alive(in_backward=True)
+        if self._table.count_backward(e):
+            self._launch_now(e)
+
+    def accept_grad(self, e: ParamEntry, grad: torch.Tensor) -> bool:
+        raise TrainStreamError(
+            f"optimizer_mode='gpu' updates weights on the device and cannot take the gradient "
+            f"of the paged weight {e.name}; use optimizer_mode='cpu' to page trained weights")
+
+    def _launch_now(self, e) -> bool:
         """Launches the update of `e` now (eager); False when it must wait for step()."""
-        opt = self._opt
-        if opt._options["max_grad_norm"] is not None:
+        opts = self._table.options
+        if opts["max_grad_norm"] is not None:
             return False
         grad = e.param.grad
         main = torch.cuda.current_stream(grad.device)
@@ -171,32 +189,50 @@ class ZeroCopyAdamW:
         with torch.cuda.stream(self._stream):
             self._launch(e, grad, 1.0, eager=True)
         grad.record_stream(self._stream)
-        if opt._options["free_grads"]:
+        if opts["free_grads"]:
             e.param.grad = None
         else:
             e.posted_grad = grad
             e.posted_version = grad._version
         return True
 
-    def step(self, entries) -> Dict[str, Any]:
+    def step(self, closure):
+        t = self._table
+        self._session.require_attached()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = t.step_id + 1
+        t.check_groups(force=True)
+        entries = list(t.entries.values())
+        result = self._update(entries)
+        for e in entries:
+            e.backward_count = 0
+        t.step_id = step
+        self._last_grad_norm = result["grad_norm"]
+        t.stats["bytes_pcie"] = self.bytes_pcie
+        if result["skipped"]:
+            t.stats["skipped_steps"] += 1
+            names = result["skipped"]
+            raise NonFiniteGradientError(
+                f"step {step}: {len(names)} parameter(s) were not updated because their gradient "
+                f"held NaN or Inf (first: {', '.join(names[:5])})")
+        t.stats["steps"] += 1
+        return loss
+
+    def _update(self, entries) -> Dict[str, Any]:
         """Finishes the step: updates what the hooks did not, then orders the next
         use of every parameter after its update. Returns {"grad_norm", "skipped"}."""
-        opt = self._opt
         dev_stream = self._stream
         main = torch.cuda.current_stream(dev_stream.device)
         for e in entries:
             if e.param_id in self._launched and e.posted_grad is not None:
-                g = e.param.grad
-                if g is not e.posted_grad or g._version != e.posted_version:
-                    raise RuntimeError(
-                        f"trainstream: the gradient of {e.name} changed after backward had already "
-                        "applied it (e.g. clip_grad_norm_ or GradScaler.unscale_). Pass "
-                        "max_grad_norm=... to wrap() for clipping, or grad_post='step' to update "
-                        "in step()")
+                self._table.check_unchanged(e)
         pending = [e for e in entries if e.param_id not in self._launched
                    and e.param.grad is not None]
         result: Dict[str, Any] = {"grad_norm": None, "skipped": []}
-        max_norm = opt._options["max_grad_norm"]
+        max_norm = self._table.options["max_grad_norm"]
         if max_norm is not None:
             launched_eagerly = [e for e in entries if e.param_id in self._launched]
             if launched_eagerly:  # cannot happen: hooks defer when clipping
@@ -236,7 +272,7 @@ class ZeroCopyAdamW:
                 result["grad_norm"] = float(sq.sqrt())
                 for pid, bad in zip(ids, flags.tolist()):
                     if bad:
-                        result["skipped"].append(opt._by_id[pid].name)
+                        result["skipped"].append(self._table.by_id[pid].name)
                     else:
                         self._state[pid].step += 1
                 self._flags.zero_()
@@ -246,12 +282,35 @@ class ZeroCopyAdamW:
         main.wait_stream(dev_stream)
         return result
 
+    def before_zero_grad(self) -> None:
+        self._session.ensure_alive()
+
     def synchronize(self) -> None:
+        self._session.require_attached()
         if self._stream is not None:
             self._stream.synchronize()
 
+    def last_grad_norm(self) -> Optional[float]:
+        return self._last_grad_norm
+
     # ------------------------------------------------------------ state dict
-    def export(self, e) -> Optional[Dict[str, torch.Tensor]]:
+    def state_dict(self) -> Dict[str, Any]:
+        self._session.require_attached()
+        groups, order = pack_groups(self._table.param_groups)
+        state = {}
+        for e in self._table.entries.values():
+            exported = self._export(e)
+            if exported is not None:
+                state[order[id(e.param)]] = exported
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        # (Nothing of the state is in the daemon's engine: no sync after.)
+        self._session.require_attached()
+        for e, s in unpack_state(self._table, state_dict):
+            self._load(e, s)
+
+    def _export(self, e) -> Optional[Dict[str, torch.Tensor]]:
         self._stream.synchronize()
         s = self._state[e.param_id]
         if s.step == 0:
@@ -265,7 +324,7 @@ class ZeroCopyAdamW:
                 "exp_avg_sq": s.exp_avg_sq.float().to(dtype, copy=True).view(e.param.shape),
                 "master_weight": master.view(e.param.shape)}
 
-    def load(self, e, state: Dict[str, Any]) -> None:
+    def _load(self, e, state: Dict[str, Any]) -> None:
         self._stream.synchronize()
         s = self._state[e.param_id]
         s.exp_avg.copy_(state["exp_avg"].reshape(-1).to(self._moment_torch))
@@ -281,3 +340,13 @@ class ZeroCopyAdamW:
             s.master.copy_(e.param.detach().reshape(-1).float())
         step = state["step"]
         s.step = int(step.item() if torch.is_tensor(step) else step)
+
+    # ------------------------------------------------------------------ report
+    def regions(self) -> List[Dict[str, Any]]:
+        return self._session.regions() + [
+            {"purpose": "gpu-optimizer-state", "address": r.base_address,
+             "bytes": r.segment_size, "registered": r.base_address in self._registered}
+            for r in self._regions]
+
+    def stats(self) -> Dict[str, Any]:
+        return {}

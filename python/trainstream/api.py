@@ -1,4 +1,5 @@
-"""``trainstream.wrap()``: one line that moves an optimizer's state and update to the daemon."""
+"""``trainstream.wrap()``: one line that moves an optimizer's state and update to the daemon
+(and pages what does not fit); ``unwrap()``; ``memory_report()`` and its parts."""
 from __future__ import annotations
 
 import time
@@ -8,8 +9,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._options import validate
+from . import memory
 from .optim import OffloadAdamW
+from .options import validate
 
 _SESSION_ATTR = "_trainstream_session"
 
@@ -24,16 +26,16 @@ class TrainStreamSession:
     # Paging (docs/paging.md); None when wrap() decided nothing pages.
     plan: Any = None
     pager: Any = None
-    adapter: Any = None
+    controller: Any = None  # the memory controller (memory/controller.py)
     attention: Any = None
     hooks: List[Any] = field(default_factory=list)
     activation_regions: List[Any] = field(default_factory=list)  # keep the mappings alive
     retired_regions: List[Any] = field(default_factory=list)    # ... after the session ended
-    leave_session: Any = None  # moves activation pages out of the daemon session (memory_plan)
+    leave_session: Any = None  # moves activation pages out of the daemon session (memory.stream)
 
     @property
     def steps(self) -> int:
-        return self.optimizer._step_id if self.optimizer is not None else 0
+        return self.optimizer.step_id if self.optimizer is not None else 0
 
     def __deepcopy__(self, memo):
         # A copy of a wrapped model (an EMA copy, a checkpoint clone) is a plain
@@ -55,30 +57,43 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     With ``optimizer=None`` an ``OffloadAdamW`` over the model's trainable
     parameters is made (``lr`` option, default 1e-3). Options: README, "Options";
     an unknown option or value raises ``ValueError`` naming it.
+
+    Four steps (trainstream/memory/install.py): measure what the machine offers, plan
+    what stays, pages and quantizes (MemoryError before anything is copied), stream the
+    paged blocks and activations over the optimizer's staging slots, adapt the plan to
+    the measured peaks of the first steps.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, _SESSION_ATTR, None) is not None:
         raise ValueError("this model is already wrapped; call trainstream.unwrap(model) first")
     config = validate(options)
-    from . import memory_plan
-    prepared = memory_plan.prepare(model, config)   # may raise MemoryError, before any copy
+    measured = memory.measure(model, config)
+    prepared = memory.plan(model, measured, config)
+    opt = _offload_optimizer(model, optimizer, config, prepared.moment_dtype)
+    session = TrainStreamSession(config=config, optimizer=opt)
+    opt.set_event_sink(session.event)
+    stats = opt.stats()
+    session.event("attached", session_id=stats["session_id"], params=stats["params"],
+                  numel=stats["numel"])
+    memory.stream(model, opt, session, prepared)
+    memory.adapt(model, opt, session, prepared)
+    setattr(model, _SESSION_ATTR, session)
+    return model, opt
+
+
+def _offload_optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                       config: Dict[str, Any], moment_dtype: str) -> OffloadAdamW:
+    """The ``OffloadAdamW`` that takes over ``optimizer`` (or the model's trainable
+    parameters), attached to the daemon with the plan's moment precision."""
     names = {id(p): n for n, p in model.named_parameters()}
     opt_options = {k: v for k, v in config.items() if k not in ("device", "lr", "check_memory")}
-    opt_options["moment_dtype"] = prepared.moment_dtype
+    opt_options["moment_dtype"] = moment_dtype
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
         lr = 1e-3 if config["lr"] is None else config["lr"]
-        new = OffloadAdamW(params, lr=lr, names=names, **opt_options)
-    else:
-        new = _convert(optimizer, names, config, opt_options)
-    session = TrainStreamSession(config=config, optimizer=new)
-    new._event_sink = session.event
-    session.event("attached", session_id=new.stats()["session_id"],
-                  params=len(new._entries), numel=new.stats()["numel"])
-    memory_plan.install(model, new, session, prepared)
-    setattr(model, _SESSION_ATTR, session)
-    return model, new
+        return OffloadAdamW(params, lr=lr, names=names, **opt_options)
+    return _convert(optimizer, names, config, opt_options)
 
 
 def _convert(optimizer, names, config, opt_options) -> OffloadAdamW:
@@ -131,24 +146,12 @@ def unwrap(model: nn.Module) -> nn.Module:
         if hasattr(model, _SESSION_ATTR):
             delattr(model, _SESSION_ATTR)
         return model
-    from . import memory_plan
-    memory_plan.uninstall(model, session)
+    memory.uninstall(model, session)
     if session.optimizer is not None:
         session.optimizer.detach()
         session.optimizer.release_hooks()
     delattr(model, _SESSION_ATTR)
     return model
-
-
-def find_blocks(model: nn.Module) -> List[nn.Module]:
-    """The repeated block stack: the largest ``nn.ModuleList`` whose children share one type."""
-    best: List[nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > len(best):
-            kinds = {type(c) for c in m}
-            if len(kinds) == 1:
-                best = list(m)
-    return best
 
 
 def memory_report(model: nn.Module) -> Dict[str, Any]:
@@ -163,9 +166,8 @@ def memory_report(model: nn.Module) -> Dict[str, Any]:
         gpu = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
                "peak_allocated": torch.cuda.max_memory_allocated()}
     params = list(model.parameters())
-    from . import memory_plan
     return {
-        **memory_plan.report_sections(session),
+        **memory.report_sections(session),
         "events": list(session.events),
         "gpu": gpu,
         "pinned": pinned_stats(opt),
@@ -175,7 +177,7 @@ def memory_report(model: nn.Module) -> Dict[str, Any]:
             "numel": stats.get("numel", 0),
             "moment_dtype": stats.get("moment_dtype"),
             "optimizer_mode": stats.get("optimizer_mode"),
-            "state_bytes_in_daemon": _state_bytes(opt),
+            "state_bytes_in_daemon": opt.state_bytes() if opt is not None else 0,
             "steps": stats.get("steps", 0),
             "skipped_steps": stats.get("skipped_steps", 0),
             "last_grad_norm": opt.last_grad_norm if opt is not None else None,
@@ -187,24 +189,13 @@ def memory_report(model: nn.Module) -> Dict[str, Any]:
     }
 
 
-def _state_bytes(opt: Optional[OffloadAdamW]) -> int:
-    if opt is None:
-        return 0
-    moment = 2 if opt._options["moment_dtype"] == "bfloat16" else 4
-    # optimizer_mode="gpu" keeps no fp32 master for an fp32 parameter (it is its own).
-    return sum(e.param.numel() * (2 * moment + (0 if opt.optimizer_mode == "gpu"
-                                                and e.param.dtype == torch.float32 else 4))
-               for e in opt._entries.values())
-
-
 def pinned_stats(opt: Optional[OffloadAdamW] = None) -> Dict[str, Any]:
     """Staging memory this process maps, and how much of it is registered with CUDA."""
     if opt is None:
         return {"mapped_bytes": 0, "registered_bytes": 0}
-    mapped = sum(r.segment_size for r in opt._regions)
-    registered = sum(r.segment_size for r in opt._regions
-                     if r.base_address in opt._registered_host)
-    return {"mapped_bytes": mapped, "registered_bytes": registered}
+    regions = [r for r in opt.regions() if r["purpose"] == "staging"]
+    return {"mapped_bytes": sum(r["bytes"] for r in regions),
+            "registered_bytes": sum(r["bytes"] for r in regions if r["registered"])}
 
 
 def transfer_stats(opt: Optional[OffloadAdamW] = None) -> Dict[str, Any]:

@@ -29,8 +29,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .._native.wire import OP_REDUCE_READY as _OP_REDUCE_READY
+
 _MAX_KEY_BYTES = 200
-from ._wire import OP_REDUCE_READY as _OP_REDUCE_READY
 
 
 def _dist():

@@ -17,6 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import C
+
 
 def registered_host(t: torch.Tensor) -> bool:
     """Whether ``t`` is dense host memory CUDA copies from as it is (pinned or
@@ -33,7 +35,7 @@ def register_fresh(address: int, nbytes: int) -> Tuple[bool, str]:
     """cudaHostRegister (mapped, portable) of memory created just now; returns (ok, why).
     A stale registration found at ``address`` is replaced; one that overlaps the range
     from another start address cannot be, and is reported (ok False)."""
-    from . import _C
+    _C = C()
     if not _C.with_cuda:
         return False, "built without CUDA"
     ok, why = _C.register_host(address, nbytes, False)
@@ -61,7 +63,7 @@ def registered_empty(nbytes: int) -> Optional[torch.Tensor]:
     """A flat uint8 host tensor of exactly ``nbytes`` (no power-of-two rounding, unlike
     torch's pinned allocator), registered with CUDA for as long as any view of it lives;
     None when registration fails (the caller falls back to ``pin_memory()``)."""
-    from . import _C
+    _C = C()
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     # Private: a forked process (a DataLoader worker) gets copy-on-write pages, as with

@@ -163,6 +163,11 @@ OPTIONS: Dict[str, tuple] = {
 }
 
 
+def default(name: str) -> Any:
+    """Option ``name``'s default, as the table has it (the one place defaults are written)."""
+    return OPTIONS[name][0]
+
+
 def check_value(name: str, value: Any) -> None:
     """Raises ValueError unless ``value`` is accepted for option ``name``."""
     _, accepted, check = OPTIONS[name]
@@ -178,8 +183,8 @@ def validate(options: Dict[str, Any]) -> Dict[str, Any]:
             f"unknown option(s) {', '.join(map(repr, unknown))}; accepted options: "
             f"{', '.join(sorted(OPTIONS))}")
     out = {}
-    for name, (default, accepted, check) in OPTIONS.items():
-        value = options.get(name, default)
+    for name, spec in OPTIONS.items():
+        value = options.get(name, spec[0])
         check_value(name, value)
         out[name] = value
     if out["vram_limit"] is None and os.environ.get("TRAINSTREAM_VRAM_LIMIT"):

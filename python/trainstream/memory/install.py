@@ -1,5 +1,15 @@
-"""wrap()'s memory steps: plan before anything is copied, install paging after the
-optimizer has its staging slots, report, and undo on unwrap (docs/paging.md)."""
+"""wrap()'s memory steps, in the order wrap() runs them (docs/paging.md):
+
+1. ``measure``: the device, the block stack and the capacity the machine offers;
+2. ``plan``: what stays on the device, what pages, in which precision (MemoryError when
+   nothing fits, before anything is copied); the frozen linears are quantized and every
+   tensor that does not page moves to the device;
+3. (the optimizer attaches: its staging slots are the paged trained weights' homes)
+4. ``stream``: the weight pager, the activation offloader and the attention choice;
+5. ``adapt``: the memory controller, which moves blocks from measured peaks.
+
+``uninstall`` undoes 4 and 5 (unwrap); ``report_sections`` is memory_report()'s part.
+"""
 from __future__ import annotations
 
 import json
@@ -9,20 +19,34 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from .._native import C
+from .._native.pinning import register_fresh
+from ..blocks import find_blocks
+from ..streaming.activations import ActivationOffloader, HostArena
+from ..streaming.attention import AttentionSelector, selector_report
+from ..streaming.weights import BlockPager, in_backward
 from . import planner
-from ._pinning import register_fresh
-from .activations import ActivationOffloader, HostArena
-from .adapter import Adapter
-from .attention import AttentionSelector, selector_report
-from .paging import BlockPager, in_backward
+from .capacity import Capacity, measure_capacity
+from .controller import MemoryController
+
+
+@dataclass
+class Measured:
+    """What ``measure`` found: where the model trains and what the machine offers there
+    (``capacity`` None: nothing to plan, no block stack)."""
+    device: torch.device
+    blocks: List[nn.Module]
+    meta: bool
+    capacity: Optional[Capacity]
 
 
 @dataclass
 class Prepared:
+    """What ``plan`` decided and did (``plan`` None: nothing to plan)."""
     device: torch.device
     blocks: List[nn.Module]
     plan: Optional[planner.Plan]
-    capacity: Optional[planner.Capacity]
+    capacity: Optional[Capacity]
     moment_dtype: str
     quantized: int = 0
 
@@ -33,7 +57,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _daemon_free(config) -> Optional[int]:
-    from . import _daemon
+    from .._native import daemon as _daemon
     try:
         client = _daemon.connect(config["socket"])
         return int(json.loads(client.status_json())["budget"]["free"])
@@ -41,55 +65,57 @@ def _daemon_free(config) -> Optional[int]:
         return None
 
 
-def prepare(model: nn.Module, config: Dict[str, Any]) -> Prepared:
-    """Plans (raising MemoryError when nothing fits), quantizes what the plan says and
-    moves everything that is not paged to the target device."""
-    from .wrap import find_blocks
+def measure(model: nn.Module, config: Dict[str, Any]) -> Measured:
+    """Finds the block stack and, when there is one (or the model is on the meta
+    device), measures the capacity of the training device: its free memory (capped by
+    ``vram_limit``), host RAM, the daemon's free budget (when anything trains) and the
+    PCIe bandwidth."""
     device = torch.device(config["device"]) if config["device"] is not None \
         else _model_device(model)
     blocks = find_blocks(model)
     meta = any(p.is_meta for p in model.parameters())
-    moment = config["moment_dtype"]
     if not blocks and not meta:
-        if config["device"] is not None:
-            model.to(device)
-        return Prepared(device, [], None, None, "float32" if moment == "auto" else moment)
+        return Measured(device, [], False, None)
     trained = any(p.requires_grad for p in model.parameters())
     on_device = sum(t.numel() * t.element_size() for t in model.parameters()
                     if t.device == device and device.type == "cuda")
-    capacity = planner.measure_capacity(device, config["vram_limit"],
-                                        _daemon_free(config) if trained else None, on_device)
+    capacity = measure_capacity(device, config["vram_limit"],
+                                _daemon_free(config) if trained else None, on_device)
+    return Measured(device, blocks, meta, capacity)
+
+
+def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepared:
+    """Plans (raising MemoryError when nothing fits and ValueError for a meta model),
+    quantizes the frozen linears the plan names and moves everything that is not paged
+    to the training device. Without a block stack only the move is left."""
+    device, blocks = measured.device, measured.blocks
+    if measured.capacity is None:
+        if config["device"] is not None:
+            model.to(device)
+        moment = config["moment_dtype"]
+        return Prepared(device, [], None, None, "float32" if moment == "auto" else moment)
     fmt = config["quantize"] if config["quantize"] not in ("auto", None) else "nf4"
     summary = planner.summarize(model, blocks, config["min_offload_bytes"], fmt)
-    plan = planner.plan(summary, capacity, config)
-    if meta:
+    decided = planner.plan(summary, measured.capacity, config)
+    if measured.meta:
         raise ValueError("the model is on the meta device: wrap() planned it (it would fit: "
-                         f"{plan.decisions}) but cannot train it; materialize it first")
-    quantized = _quantize_frozen(blocks, plan.quantize) if plan.quantize else 0
-    paged_ids = {id(t) for i in plan.paged
+                         f"{decided.decisions}) but cannot train it; materialize it first")
+    quantized = 0
+    if decided.quantize:
+        from ..frozen.quantization import quantize_model
+        # Trained linears (LoRA adapters) stay as they are.
+        quantized = quantize_model(model, decided.quantize, blocks=blocks,
+                                   skip_trained=True)["tensors"]
+    paged_ids = {id(t) for i in decided.paged
                  for t in list(blocks[i].parameters()) + list(blocks[i].buffers())}
     _move_except(model, paged_ids, device)
-    return Prepared(device, blocks, plan, capacity, plan.moment_dtype, quantized)
-
-
-def _quantize_frozen(blocks: List[nn.Module], fmt: str) -> int:
-    """Frozen nn.Linear weights of the blocks become QuantLinear (trained ones, such as
-    LoRA adapters, stay)."""
-    from .quantization import QuantLinear
-    count = 0
-    for block in blocks:
-        for module in list(block.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear) and not child.weight.requires_grad:
-                    setattr(module, name, QuantLinear.from_linear(child, fmt))
-                    count += 1
-    return count
+    return Prepared(device, blocks, decided, measured.capacity, decided.moment_dtype, quantized)
 
 
 def _move_except(model: nn.Module, exclude: set, device: torch.device) -> None:
     with torch.no_grad():
         for m in model.modules():
-            for name, p in m._parameters.items():
+            for p in m._parameters.values():
                 if p is not None and id(p) not in exclude and p.device != device:
                     p.data = p.data.to(device)
             for name, b in m._buffers.items():
@@ -106,27 +132,26 @@ def _wants_pager(prepared: Prepared, config) -> bool:
                 or config["attention"] not in ("auto", None))
 
 
-def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
-    """Installs paging, the adapter and the attention choice on the wrapped model."""
+def stream(model: nn.Module, opt, session, prepared: Prepared) -> Optional[BlockPager]:
+    """Records the plan and, when anything is to page (or the device is a GPU, where the
+    controller may page later), installs the streaming: the activation offloader over
+    pages in the daemon session's memory, the weight pager (a paged trained weight's
+    home is its param slot; its gradient goes to the optimizer's ``accept_grad``) and
+    the attention choice. Returns the pager (None: nothing streams)."""
     plan, config = prepared.plan, session.config
     session.plan = plan
     if plan is None:
-        return
+        return None
     session.event("plan", what="weights", paged_blocks=list(plan.paged),
                   blocks=len(prepared.blocks), moment_dtype=plan.moment_dtype,
                   quantize=plan.quantize, quantized_linears=prepared.quantized,
                   device_bytes=plan.device_bytes, host_bytes=plan.host_bytes,
                   usable_vram=plan.usable_vram, why="; ".join(plan.decisions))
     if not _wants_pager(prepared, config):
-        return
-    from . import _C
+        return None
     cuda = prepared.device.type == "cuda"
-    if cuda and _C.with_cuda:
-        for r in opt._regions:
-            if r.base_address not in opt._registered_host:
-                ok, _ = _C.register_host(r.base_address, r.segment_size, False)
-                if ok:
-                    opt._registered_host.append(r.base_address)
+    if cuda and C().with_cuda:
+        opt.register_regions_with_cuda()
     regions = session.activation_regions
     registered: List[int] = []  # arena chunks registered with CUDA (not the optimizer's)
     chunk_bytes = (256 if cuda else 64) << 20
@@ -138,12 +163,6 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
                                     max_inflight_bytes=plan.max_inflight_bytes
                                     or config["max_inflight_bytes"], arena=arena)
 
-    def host_home(p):
-        e = opt._entries.get(id(p))
-        if e is None or e.param_slot is None or e.param_slot.dtype != p.dtype:
-            return None
-        return e.param_slot.view(p.shape)
-
     def leave_session():
         # The daemon session ends (offload="auto" moved the optimizer to the GPU, or
         # unwrap): activation pages move to pinned process memory. Left in the session's
@@ -152,7 +171,7 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
         in_flight = offloader.replace_arena(HostArena(offloader.engine.host_empty,
                                                       chunk_bytes=chunk_bytes))
         for address in registered:
-            _C.unregister_host(address)
+            C().unregister_host(address)
         registered.clear()
         if in_flight:  # pages of a graph not yet run backward stay mapped
             session.retired_regions.extend(regions)
@@ -164,16 +183,29 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
 
     pager = BlockPager(prepared.blocks, prepared.device, paged=plan.paged,
                        prefetch_depth=config["prefetch_depth"], offloader=offloader,
-                       grad_sink=opt.accept_grad, host_home=host_home,
+                       grad_sink=opt.accept_grad, host_home=opt.host_home,
                        min_paged_bytes=config["min_offload_bytes"])
     attention = AttentionSelector(config["attention"], prepared.device, session.event)
     pager.attention_context = attention.context
     # The daemon's AdamW takes a paged weight's gradient (accept_grad); the GPU and
     # local modes update weights on the device, so resident trained blocks stay there.
     pager.can_page_trained = lambda: opt.optimizer_mode == "cpu"
-    adapter = Adapter(session, pager, plan, config,
-                      prepared.capacity.h2d_gb_s if prepared.capacity else 0.0,
-                      between_steps=opt.between_steps)
+    session.pager, session.attention = pager, attention
+    return pager
+
+
+def adapt(model: nn.Module, opt, session, prepared: Prepared) -> None:
+    """Installs the memory controller (memory/controller.py): a forward pre-hook that,
+    every training step, refreshes the attention choice, reads the last step's peak and
+    moves blocks between keeping, paging and recomputing their activations, and weight
+    blocks between residence and paging. Nothing when nothing streams."""
+    pager, attention = session.pager, session.attention
+    if pager is None:
+        return
+    plan = prepared.plan
+    controller = MemoryController(session, pager, plan, session.config,
+                                  prepared.capacity.h2d_gb_s if prepared.capacity else 0.0,
+                                  between_steps=opt.between_steps)
 
     def before_forward(module, args):
         # A deepcopy of the wrapped model carries this hook; it is not this session's.
@@ -183,11 +215,11 @@ def install(model: nn.Module, opt, session, prepared: Prepared) -> None:
             return
         if torch.is_grad_enabled():
             attention.refresh()
-            adapter.on_forward(module, args)
+            controller.on_forward(module, args)
         # Every forward, evaluation too: a prefetch left by a forward that raised before
         # its first block must not serve a later forward after the weights changed.
         pager.begin_forward()
-    session.pager, session.adapter, session.attention = pager, adapter, attention
+    session.controller = controller
     session.hooks.append(model.register_forward_pre_hook(before_forward))
 
 
@@ -195,9 +227,8 @@ def _session_chunk(opt, nbytes: int, regions: List[Any], registered: List[int],
                    cuda: bool) -> torch.Tensor:
     """Activation pages in a shared-memory region of the daemon session (registered
     with CUDA); pinned process memory when the daemon's budget refuses."""
-    from . import _C
     try:
-        region = opt._session.allocate_region(nbytes, "activations")
+        region = opt.allocate_region(nbytes, "activations")
     except Exception:  # noqa: BLE001 (budget refused: fall back, still pinned)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     regions.append(region)
@@ -205,7 +236,7 @@ def _session_chunk(opt, nbytes: int, regions: List[Any], registered: List[int],
         ok, _ = register_fresh(region.base_address, region.segment_size)  # False without CUDA
         if ok:
             registered.append(region.base_address)
-    return _C.tensor_from_address(region.address, [nbytes], "uint8")
+    return C().tensor_from_address(region.address, [nbytes], "uint8")
 
 
 def uninstall(model: nn.Module, session) -> None:
@@ -233,17 +264,17 @@ def uninstall(model: nn.Module, session) -> None:
 
 def report_sections(session) -> Dict[str, Any]:
     """memory_report()'s "plan", "params", "activations" and "attention" sections."""
-    plan, pager, adapter = session.plan, session.pager, session.adapter
+    plan, pager, controller = session.plan, session.pager, session.controller
     out: Dict[str, Any] = {"plan": dict(plan.as_dict() if plan else {}, adapting=session.adapting)}
     out["params"] = pager.report() if pager is not None else {"paged_blocks": []}
     act: Dict[str, Any] = {}
     if pager is not None:
-        act["policy"] = adapter.policies() if adapter is not None else {}
+        act["policy"] = controller.policies() if controller is not None else {}
         if pager.offloader is not None:
             act.update(pager.offloader.stats)
             act["host_capacity_bytes"] = pager.offloader._arena.capacity
-        if adapter is not None:
-            act["steps"] = list(adapter.history)
+        if controller is not None:
+            act["steps"] = list(controller.history)
     out["activations"] = act
     out["attention"] = selector_report(session.attention)
     return out

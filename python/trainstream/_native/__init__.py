@@ -1,0 +1,26 @@
+"""The compiled halves of the package and what the Python side shares with them.
+
+* ``C()``: the torch extension ``trainstream._C`` (data plane, kernels; no gRPC);
+* ``control()``: ``trainstream._control`` (the gRPC client library; no torch);
+* ``wire``: the shared-memory wire constants (pinned to the C++ headers by
+  tests/python/test_wire_constants.py);
+* ``pinning``: registering host memory with CUDA; ``streams``: the copy streams;
+* ``daemon``: finding the daemon, or starting one for this user.
+
+Both extensions load on first use, never at ``import trainstream`` (DESIGN.md, "Never
+put protobuf/gRPC and libtorch in one shared object": each loads on its own, and a
+process that only asks the daemon for its status needs neither torch's extension nor
+CUDA). The built modules stay at ``trainstream._C`` and ``trainstream._control``.
+"""
+
+
+def C():
+    """``trainstream._C``, imported on first use."""
+    from .. import _C  # noqa: PLC0415 (it loads libtorch's extension and CUDA)
+    return _C
+
+
+def control():
+    """``trainstream._control``, imported on first use."""
+    from .. import _control  # noqa: PLC0415 (it loads gRPC)
+    return _control

@@ -1,0 +1,357 @@
+"""optimizer_mode="cpu": the daemon's AdamW, over the session's command ring.
+
+The flow for one step (DESIGN.md, "Optimizer flow"):
+
+1. As each gradient becomes final during backward (a post-accumulate-grad hook),
+   it is copied into its staging slot in shared memory and GRAD_READY is posted
+   on the session's command ring (``grad_post="backward"``, the default); with
+   ``grad_post="step"`` that happens in ``step()`` instead.
+2. ``step()`` posts STEP_END; the daemon's workers update each parameter (at
+   once for each gradient when no clipping is asked for, else after the global
+   norm is known) and answer PARAM_READY.
+3. The new weights are copied from the param slots back into the parameters.
+
+Hyper-parameters travel with every GRAD_READY, so LR schedulers and edits of
+``param_groups`` take effect on the next step, as with torch's optimizers.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from .._native import C
+from .._native.wire import (FIELD_EXP_AVG, FIELD_EXP_AVG_SQ, FIELD_MASTER,
+                            FIELD_PARAM_FROM_SLOT, FIELD_STEP, OP_PARAM_READY, OP_STATE_DONE,
+                            OP_STEP_DONE, STATUS_OK, STATUS_SKIPPED_NONFINITE)
+from ..errors import NonFiniteGradientError, TrainStreamError
+from . import data_parallel
+from .backend import DTYPE_NAMES, ParamEntry, ParamTable, pack_groups, unpack_state
+from .daemon_session import STEP_REPLIES, DaemonSession
+
+
+@dataclass
+class _Finishing:
+    """A step being ended (_finish_step): what is still awaited, and what came."""
+    step: int
+    pending: Set[int]  # param_ids whose PARAM_READY has not come
+    result: Dict[str, Any] = field(default_factory=dict)  # the STEP_DONE completion
+    rejected: List[Tuple[str, str]] = field(default_factory=list)  # (name, why)
+    end_sent: bool = False
+
+
+class DaemonBackend:
+    """The daemon's AdamW for one ``OffloadAdamW`` (see the module docstring)."""
+    mode = "cpu"
+
+    def __init__(self, table: ParamTable, session: DaemonSession):
+        self._table = table
+        self._session = session
+        self._finishing: Optional[_Finishing] = None  # the step being ended, if interrupted
+        self._last_grad_norm: Optional[float] = None
+        session.rejected_grad = self._rejected_grad
+
+    # ------------------------------------------------------------------ setup
+    def register(self, entries: List[ParamEntry]) -> None:
+        if not entries:
+            return
+        t, session = self._table, self._session
+        opts = t.options
+        groups = [dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
+                       eps=float(g["eps"]), weight_decay=float(g["weight_decay"]))
+                  for g in t.param_groups]
+        specs = [dict(param_id=e.param_id, name=e.name, shape=list(e.param.shape) or [1],
+                      dtype=DTYPE_NAMES[e.param.dtype], grad_dtype=DTYPE_NAMES[e.param.dtype],
+                      group=e.group) for e in entries]
+        moment = "float32" if opts["moment_dtype"] == "auto" else opts["moment_dtype"]
+        checksum = data_parallel.weights_checksum([(e.name, e.param) for e in entries]) \
+            if t.dp is not None else ""
+        if t.dp is not None:
+            t.dp.check_same_weights(checksum)
+        staging, slots = session.register_parameters(
+            groups, specs, moment, float(opts["max_grad_norm"] or 0.0), int(opts["seed"]),
+            checksum, int(opts["threads"] or 0))
+        session.map_staging(staging, any(e.param.is_cuda for e in entries))
+        c = C()
+        for s in slots:
+            e = t.by_id[s["param_id"]]
+            name = DTYPE_NAMES[e.param.dtype]
+            e.grad_slot = c.tensor_from_address(staging.base_address + s["grad_offset"],
+                                                [s["numel"]], name)
+            e.param_slot = c.tensor_from_address(staging.base_address + s["param_offset"],
+                                                 [s["numel"]], name)
+            if t.in_group():
+                e.sum_slot = c.tensor_from_address(staging.base_address + s["sum_offset"],
+                                                   [s["numel"]], "float32")
+        # A group's masters come from local rank 0's weights (the daemon checked
+        # every rank's checksum against them); the param slot is the group's one.
+        writes_slots = not t.in_group() or t.dp.leader
+        if writes_slots:
+            with torch.no_grad():
+                for s in slots:
+                    e = t.by_id[s["param_id"]]
+                    e.param_slot.copy_(e.param.detach().reshape(-1))
+            # Every slot is written before the daemon initialises the masters from them.
+            for s in slots:
+                session.plane.post_state(True, s["param_id"], FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
+        session.sync()
+
+    def close(self) -> None:
+        for e in self._table.entries.values():
+            e.grad_slot = e.param_slot = None
+            e.posted_step = 0
+        self._finishing = None
+
+    # -------------------------------------------------------------- data plane
+    def check_alive(self, in_backward: bool = False) -> None:
+        self._session.ensure_alive(in_backward)
+
+    def grad_final(self, e: ParamEntry) -> None:
+        self._session.ensure_alive(in_backward=True)
+        if self._table.count_backward(e):
+            self._post_grad(e)
+
+    def accept_grad(self, e: ParamEntry, grad: torch.Tensor) -> bool:
+        self._session.ensure_alive(in_backward=True)
+        final = self._table.count_backward(e)
+        e.external = True
+        # The same sum AccumulateGrad computes for p.grad.
+        e.external_grad = grad if e.external_grad is None else e.external_grad + grad
+        if final:
+            self._post_grad(e, e.external_grad)
+            e.external_grad = None
+            # Nothing reads it again (p.grad never held it, so step() has no change to
+            # check) and the copy keeps its memory until done: held here, every paged
+            # block's gradient would stay on the device until step().
+            e.posted_grad = None
+        return True
+
+    def _post_grad(self, e: ParamEntry, grad: Optional[torch.Tensor] = None) -> None:
+        t = self._table
+        g = t.param_groups[e.group]
+        grad = p_grad = e.param.grad if grad is None else grad
+        if grad.is_sparse:
+            raise RuntimeError("OffloadAdamW does not support sparse gradients")
+        if grad.dtype != e.grad_slot.dtype:
+            grad = grad.to(e.grad_slot.dtype)
+        step = t.step_id + 1
+        e.posted_seq = self._session.data_plane(
+            self._session.plane.post_grad, e.param_id, grad, e.grad_slot, step, float(g["lr"]),
+            float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+            float(g["weight_decay"]))
+        e.posted_step = step
+        e.posted_grad = p_grad
+        e.posted_version = p_grad._version
+        t.stats["grads_posted"] += 1
+        t.stats["bytes_d2h"] += grad.numel() * grad.element_size()
+
+    def _rejected_grad(self, c) -> Optional[ParamEntry]:
+        """The parameter whose gradient, posted for the pending step, the ERROR ``c``
+        rejects; None when ``c`` rejects something else (matched by the command's seq:
+        the daemon reports other errors with param_id 0, which is a parameter too)."""
+        e = self._table.by_id.get(c["param_id"])
+        if e is None or e.posted_step != self._table.step_id + 1 or c["step"] != e.posted_step \
+                or c["seq"] != e.posted_seq:
+            return None
+        return e
+
+    # ------------------------------------------------------------------ step
+    def step(self, closure):
+        t = self._table
+        self._session.require_attached()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = t.step_id + 1
+        t.check_groups(force=True)
+        posted = []
+        if t.replicated():
+            # A paged weight's gradient is its external one (p.grad never holds it).
+            grads = (e.external_grad if e.external else e.param.grad
+                     for e in t.entries.values())
+            t.dp.average_gradients([g for g in grads if g is not None])
+        for e in t.entries.values():
+            p = e.param
+            if e.posted_step == step:
+                if not e.external:
+                    t.check_unchanged(e)
+                posted.append(e)
+            elif e.external_grad is not None:
+                self._post_grad(e, e.external_grad)
+                e.external_grad = None
+                posted.append(e)
+            elif p.grad is not None:
+                self._post_grad(e)
+                posted.append(e)
+        t0 = time.monotonic()
+        result = self._finish_step(step, posted, t0)
+        norm = result.get("grad_norm", float("nan"))
+        self._last_grad_norm = norm if norm >= 0 else None
+        if result.get("rejected"):
+            t.stats["steps"] += 1
+            names = [name for name, _ in result["rejected"]]
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise TrainStreamError(
+                f"step {step}: the daemon rejected the gradient of {len(names)} parameter(s) "
+                f"({shown}): {result['rejected'][0][1]}. Those were not updated; the other "
+                f"{len(posted) - len(names)} were. The step is over: training can go on once "
+                "the cause is fixed")
+        if result["status"] == STATUS_SKIPPED_NONFINITE:
+            t.stats["skipped_steps"] += 1
+            raise NonFiniteGradientError(
+                f"step {step} was not applied: {result['message'] or 'a gradient held NaN or Inf'}")
+        if result["status"] != STATUS_OK:
+            raise TrainStreamError(f"step {step} failed in the daemon: {result['message']}")
+        t.stats["steps"] += 1
+        return loss
+
+    # Note [A rejected gradient ends its step]
+    # The daemon's engine leaves a gradient it rejects (a bad hyperparameter, an update
+    # still in flight) out of the step and answers ERROR; the step then completes with
+    # the others when StepEnd arrives. So the client takes the rejected parameter off
+    # the step's pending set, waits for the rest as usual, clears every pending count
+    # and only then raises: the step is over in both places, and the next iteration
+    # starts clean. (Raising at the ERROR left the others' replies queued and the step
+    # half-ended: its StepEnd was sent, so zero_grad() could not end it again.) A
+    # rejection is matched by its command's seq, since the daemon reports other errors
+    # (a second StepEnd) with param_id 0, which is also a parameter's id. The client
+    # checks every group's hyperparameters before the first gradient of a step leaves
+    # and again in step() (ParamTable.check_groups), so a scheduler's bad value raises
+    # ValueError before the daemon sees any of the step; the daemon's own check remains
+    # for the rest. A wait interrupted part way (Ctrl-C) leaves self._finishing, so the
+    # next step() or zero_grad() sends no second StepEnd and waits only for what is
+    # missing.
+    def _finish_step(self, step: int, posted: List[ParamEntry], t0: float) -> Dict[str, Any]:
+        """Ends ``step`` in the daemon with the gradients in ``posted``, copies each new
+        weight in as it is ready, and clears every parameter's pending state. Returns the
+        step's completion (status, grad_norm, message, and "rejected": (name, why) for
+        each gradient the daemon left out). Interrupted (Ctrl-C, a timeout), a later call
+        for the same step goes on where this one stopped: the step end is sent once, and
+        the replies already taken are not waited for again."""
+        t, session = self._table, self._session
+        plane = session.plane
+        f = self._finishing
+        if f is None or f.step != step:
+            f = self._finishing = _Finishing(step, {e.param_id for e in posted})
+
+        def on_completion(c):
+            op = c["opcode"]
+            if op == OP_PARAM_READY and c["step"] == step:
+                e = t.by_id[c["param_id"]]
+                if e.param.data_ptr() != e.param_slot.data_ptr():
+                    # (A paged weight's home is its param slot: nothing to copy.)
+                    plane.copy_param(e.param, e.param_slot)
+                    t.stats["bytes_h2d"] += e.param_slot.numel() * e.param_slot.element_size()
+                f.pending.discard(e.param_id)
+            elif op == OP_STEP_DONE and c["step"] == step:
+                f.result.update(c)
+        if not f.end_sent:
+            if t.in_group() and t.dp.nnodes > 1 and t.dp.leader:
+                session.data_plane(t.dp.reduce_machine_sums, session.wait,
+                                   plane.post_grad_reduced, step, posted, on_completion)
+            session.data_plane(plane.post_step_end, step, len(posted))
+            f.end_sent = True
+
+        def want(c):
+            on_completion(c)
+            return "opcode" in f.result and not f.pending
+
+        def on_error(c):
+            # A gradient the daemon rejected is not part of the step: the step ends with
+            # the others, which step() reports (Note [A rejected gradient ends its step]).
+            e = self._rejected_grad(c)
+            if e is None or e.param_id not in f.pending:
+                return False
+            f.pending.discard(e.param_id)
+            f.rejected.append((e.name, c["message"]))
+            return True
+        session.wait(want, on_error=on_error)
+        self._finishing = None
+        t.stats["step_wait_s"] += time.monotonic() - t0
+        t.clear_pending()
+        t.step_id = step
+        result = f.result
+        if f.rejected:
+            result["rejected"] = f.rejected
+        return result
+
+    def before_zero_grad(self) -> None:
+        """Called with a step pending that will not come (a backward or step() raised
+        part way), it ends that step first: the daemon holds the gradients already
+        handed to it (and, without clipping, has applied them: an eager update cannot
+        be undone), so the step is ended with those, their new weights copied back, and
+        every pending count cleared, so that the next iteration starts clean."""
+        t = self._table
+        self._session.ensure_alive()
+        if t.dp is not None or t.between_steps():
+            return
+        step = t.step_id + 1
+        posted = [e for e in t.entries.values() if e.posted_step == step]
+        if not posted:
+            t.clear_pending()
+            return
+        result = self._finish_step(step, posted, time.monotonic())
+        rejected = [name for name, _ in result.get("rejected", [])]
+        t.event("abandoned step", step=step, params_applied=len(posted) - len(rejected),
+                rejected=rejected)
+
+    def synchronize(self) -> None:
+        self._session.sync()
+
+    def last_grad_norm(self) -> Optional[float]:
+        return self._last_grad_norm
+
+    # ------------------------------------------------------------- state dict
+    def _export_step(self, e: ParamEntry) -> int:
+        seq_box = {}
+        self._session.plane.post_state(False, e.param_id, FIELD_STEP, 0, 0, 0, 0)
+
+        def want(c):
+            if c["opcode"] == OP_STATE_DONE and c["param_id"] == e.param_id:
+                if c["status"] != STATUS_OK:
+                    raise TrainStreamError(f"exporting the step of {e.name}: {c['message']}")
+                seq_box["step"] = c["step"]
+                return True
+            return False
+        self._session.wait(want, keep=STEP_REPLIES)
+        return int(seq_box["step"])
+
+    def state_dict(self) -> Dict[str, Any]:
+        self._session.require_attached()
+        groups, order = pack_groups(self._table.param_groups)
+        state = {}
+        for e in self._table.entries.values():
+            step = self._export_step(e)
+            if step == 0:
+                continue
+            dtype = e.param.dtype
+            m, v, w = self._session.move_fields(False, e, [FIELD_EXP_AVG, FIELD_EXP_AVG_SQ,
+                                                           FIELD_MASTER])
+            state[order[id(e.param)]] = {
+                "step": torch.tensor(float(step), dtype=torch.float32),
+                "exp_avg": m.to(dtype),
+                "exp_avg_sq": v.to(dtype),
+                "master_weight": w,
+            }
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._session.require_attached()
+        for e, s in unpack_state(self._table, state_dict):
+            master = s.get("master_weight", e.param.detach())
+            self._session.move_fields(True, e, [FIELD_MASTER, FIELD_EXP_AVG, FIELD_EXP_AVG_SQ],
+                                      [master, s["exp_avg"], s["exp_avg_sq"]])
+            step = s["step"]
+            step = int(step.item() if torch.is_tensor(step) else step)
+            self._session.plane.post_state(True, e.param_id, FIELD_STEP, 0, 0, 0, step)
+        self._session.sync()
+
+    # ------------------------------------------------------------------ report
+    def regions(self) -> List[Dict[str, Any]]:
+        return self._session.regions()
+
+    def stats(self) -> Dict[str, Any]:
+        return {}

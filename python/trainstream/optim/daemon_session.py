@@ -1,0 +1,283 @@
+"""One attach to the daemon: the control-plane session, the data plane over its rings,
+the regions it maps and the waits on its completions.
+
+Both offloading backends run over one (daemon_backend.py posts gradients on its
+command ring; zero_copy.py keeps the moments in its regions). A ``DaemonSession``
+turns every way the daemon can go away into the same ``DaemonError`` (Note [After
+the daemon is gone]).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .._native import C, control
+from .._native import daemon as _daemon
+from .._native.pinning import register_fresh
+from .._native.wire import OP_ERROR, OP_GROUP_BROKEN, OP_PARAM_READY, OP_STATE_DONE
+from .._native.wire import OP_STEP_DONE, OP_SYNC_DONE, STATUS_OK
+from ..errors import DaemonError, TrainStreamError
+from .backend import ParamEntry, ParamTable
+
+STEP_REPLIES = (OP_PARAM_READY, OP_STEP_DONE)  # what a step() waits for
+
+
+class DaemonSession:
+    """Caller owns it; ``close()`` ends the session (the daemon frees its memory). The
+    slot tensors of a registration view its regions: they must not outlive it."""
+
+    def __init__(self, table: ParamTable):
+        self._table = table
+        self._client = None
+        self._session = None
+        self.plane = None  # _C.DataPlane over the session's control segment
+        self._regions: List[Any] = []  # mappings the slot tensors view; kept alive
+        self._registered: List[int] = []  # their base addresses registered with CUDA
+        self._scratch = None
+        self._backlog: List[Dict[str, Any]] = []  # completions kept for a later wait
+        # Note [After the daemon is gone]: why, once it is; None while it answers.
+        self._daemon_gone: Optional[str] = None
+        self._probed_step = 0  # the step whose backward last asked the session if it lives
+        # The parameter whose pending gradient an ERROR rejects (daemon_backend.py).
+        self.rejected_grad: Callable[[Dict[str, Any]], Optional[ParamEntry]] = lambda c: None
+
+    # ------------------------------------------------------------ lifetime
+    def open(self) -> None:
+        """Connects to the daemon (starting one if needed) and attaches."""
+        opts = self._table.options
+        self._client = _daemon.connect(opts["socket"])
+        rank = int(os.environ.get("RANK", -1))
+        local_rank = int(os.environ.get("LOCAL_RANK", -1))
+        job = opts["job"] or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+        group = self._table.dp.membership() if self._table.in_group() else None
+        self._session = self.call(self._client.attach, job, rank, local_rank, group)
+        control_region = self._session.control
+        self.plane = C().DataPlane(control_region.address, control_region.size,
+                                   int(opts["timeout_s"] * 1000))
+
+    def close(self) -> None:
+        for addr in self._registered:
+            C().unregister_host(addr)
+        self._registered.clear()
+        self._backlog = []  # the old session's replies
+        self._daemon_gone = None
+        self._probed_step = 0
+        self.plane = None
+        self._scratch = None
+        self._regions.clear()
+        if self._session is not None:
+            self._session.detach()
+        self._session = None
+        self._client = None
+
+    @property
+    def id(self) -> Optional[int]:
+        return self._session.id if self._session is not None else None
+
+    @property
+    def backlog(self) -> List[Dict[str, Any]]:
+        """Completions read while waiting for others, kept for a later wait."""
+        return list(self._backlog)
+
+    def alive(self):
+        """(alive, why) as the daemon's session stream last said."""
+        return self._session.alive()
+
+    # ------------------------------------------------------------ regions
+    def allocate_region(self, nbytes: int, purpose: str):
+        """A shared-memory region of ``nbytes`` in the session (the daemon's budget)."""
+        return self.call(self._session.allocate_region, nbytes, purpose)
+
+    def register_parameters(self, *args):
+        """RegisterParameters; the staging region it returns is mapped for this session's
+        lifetime (``map_staging``)."""
+        return self.call(self._session.register_parameters, *args)
+
+    def map_staging(self, staging, cuda: bool) -> None:
+        """Keeps a staging region mapped and, for CUDA parameters, registers it."""
+        self._regions.append(staging)
+        if cuda and C().with_cuda:
+            ok, why = register_fresh(staging.base_address, staging.segment_size)
+            if ok:
+                self._registered.append(staging.base_address)
+            elif self._table.options["verbose"]:
+                print(f"trainstream: cudaHostRegister of the staging segment failed ({why}); "
+                      "copies will be pageable and slower")
+
+    def register_regions_with_cuda(self) -> None:
+        """Registers every staging region not yet registered (weight paging copies from
+        the param slots on a CUDA device even when the parameters were on the host)."""
+        for r in self._regions:
+            if r.base_address not in self._registered:
+                ok, _ = C().register_host(r.base_address, r.segment_size, False)
+                if ok:
+                    self._registered.append(r.base_address)
+
+    def regions(self) -> List[Dict[str, Any]]:
+        return [{"purpose": "staging", "address": r.base_address, "bytes": r.segment_size,
+                 "registered": r.base_address in self._registered} for r in self._regions]
+
+    def scratch_region(self, numel: int):
+        """A region of at least ``4 * numel`` bytes for moving state (reused)."""
+        need = max(4 * numel, 4096)
+        if self._scratch is None or self._scratch.size < need:
+            if self._scratch is not None:
+                self.call(self._session.free_region, self._scratch.region_id)
+            self._scratch = self.allocate_region(need, "state-transfer")
+        return self._scratch
+
+    # ------------------------------------------------------------ the daemon's answer
+    def call(self, fn, *args):
+        """Runs a control-plane call, turning an unreachable daemon into DaemonError."""
+        c = control()
+        try:
+            return fn(*args)
+        except c.Unavailable as e:
+            if self._session is not None:  # it answered this session before
+                raise self.gone(str(e)) from None
+            raise DaemonError(f"the TrainStream daemon is unreachable: {e}") from None
+
+    def data_plane(self, fn, *args):
+        """Runs a data-plane call, turning a closed ring into DaemonError."""
+        try:
+            return fn(*args)
+        except C().DaemonGone as e:
+            raise self.gone(str(e)) from None
+
+    # Note [After the daemon is gone]
+    # Once the daemon has died (or ended the session), nothing this optimizer holds
+    # there comes back, so every later call raises the same DaemonError, saying so and
+    # what to do: the gradient hook (which would otherwise count a second backward of
+    # the step that never ended and raise "backward() reached ... 2 times", issue 16),
+    # step(), zero_grad(), synchronize(), state_dict() and load_state_dict(). Each of
+    # those asks the session whether it lives (a pybind call; the hook only at the
+    # first gradient of a step), so once the client has seen the session's stream end
+    # (milliseconds after a death) even the first backward raises, before a gradient
+    # is posted into a ring nobody reads. A backward that runs before that posts as
+    # usual, and the step() after it raises. detach() clears the state: attach() then
+    # starts a fresh session.
+    def gone(self, why: str) -> DaemonError:
+        """Records that the daemon is gone and returns the DaemonError to raise."""
+        if self._daemon_gone is None:
+            self._daemon_gone = (
+                f"this optimizer's session with the TrainStream daemon is over: the daemon is "
+                f"gone or ended it ({why}), and the optimizer state it held (master weights, "
+                "moments) is lost. Start a daemon again if none runs (trainstreamd, or let "
+                "trainstream.wrap() start one), then build a new optimizer and load_state_dict() "
+                "from your last checkpoint, or call detach() and attach() to go on from the "
+                "current weights with fresh moments")
+        return DaemonError(self._daemon_gone)
+
+    def ensure_alive(self, in_backward: bool = False) -> None:
+        """Raises DaemonError when the daemon is known to be gone, asking the session
+        first (in backward, only at the first gradient of a step: Note [After the
+        daemon is gone])."""
+        if self._daemon_gone is not None:
+            raise DaemonError(self._daemon_gone)
+        if self._session is None:
+            return
+        if in_backward:
+            step = self._table.step_id + 1
+            if self._probed_step == step:
+                return
+            self._probed_step = step
+        alive, why = self._session.alive()
+        if alive and not (self.plane is not None and self.plane.closing):
+            return
+        # What the daemon said last (a data-parallel group's end, say) goes first:
+        # wait reads what is left on the ring, then finds the session over.
+        if self.plane is not None:
+            self.wait(lambda c: False, keep=STEP_REPLIES)
+        raise self.gone(why or "the session is closed")
+
+    def require_attached(self) -> None:
+        if self.plane is None:
+            raise TrainStreamError("OffloadAdamW is detached; call attach() first")
+        self.ensure_alive()
+
+    def _check_alive(self, waited_s: float) -> None:
+        alive, why = self._session.alive()
+        if not alive or self.plane.closing:
+            raise self.gone(f"it ended this session: {why or 'closed'}")
+        timeout = self._table.options["timeout_s"]
+        if waited_s > timeout:
+            raise DaemonError(f"no answer from the TrainStream daemon for {waited_s:.0f} s "
+                              f"(timeout_s={timeout})")
+
+    def wait(self, want, keep=(), on_error=None) -> None:
+        """Polls completions, handing each to ``want(c)`` until it returns True. One that
+        ``want`` passes over with an opcode in ``keep`` is kept for a later wait (a step's
+        PARAM_READY arriving while synchronize() or state_dict() waits for its own);
+        kept ones are offered first. A rejected command (ERROR) goes to ``on_error(c)``;
+        unless that returns True (the caller takes it), it raises, except that a rejected
+        gradient of the pending step is kept for step() when ``keep`` holds step replies."""
+        def offer(c) -> bool:
+            op = c["opcode"]
+            if op == OP_ERROR:
+                if on_error is not None and on_error(c):
+                    return False
+                if OP_PARAM_READY in keep and self.rejected_grad(c) is not None:
+                    self._backlog.append(c)
+                    return False
+                raise TrainStreamError(f"the daemon rejected a command: {c['message']}")
+            if op == OP_GROUP_BROKEN:
+                dp = self._table.dp
+                who = dp.describe() if dp is not None else "data-parallel group"
+                raise DaemonError(f"{who} cannot continue: {c['message']}; the daemon has ended "
+                                  "the group (restart every rank of the job)")
+            if want(c):
+                return True
+            if op in keep:
+                self._backlog.append(c)
+            return False
+
+        kept, self._backlog = self._backlog, []
+        for i, c in enumerate(kept):
+            try:
+                done = offer(c)
+            except BaseException:
+                self._backlog += kept[i + 1:]
+                raise
+            if done:
+                self._backlog += kept[i + 1:]
+                return
+        start = time.monotonic()
+        while True:
+            c = self.data_plane(self.plane.poll, 100)
+            if c is None:
+                self._check_alive(time.monotonic() - start)
+                continue
+            if offer(c):
+                return
+
+    def sync(self) -> None:
+        """Waits until the daemon has done every command posted so far."""
+        self.require_attached()
+        seq = self.data_plane(self.plane.post_sync)
+        errors = []
+
+        def want(c):
+            if c["opcode"] == OP_STATE_DONE and c["status"] != STATUS_OK:
+                errors.append(c["message"])
+            return c["opcode"] == OP_SYNC_DONE and c["seq"] == seq
+        self.wait(want, keep=STEP_REPLIES)
+        if errors:
+            raise TrainStreamError("the daemon could not apply optimizer state: " + "; ".join(errors))
+
+    def move_fields(self, load: bool, e: ParamEntry, fields: List[int],
+                    data: Optional[List[torch.Tensor]] = None) -> Optional[List[torch.Tensor]]:
+        """Moves whole fp32 state arrays of ``e`` through the scratch region: all of
+        ``fields`` in one round trip to the daemon."""
+        n = e.param.numel()
+        region = self.scratch_region(n * len(fields))
+        view = C().tensor_from_address(region.address, [len(fields), n], "float32")
+        if load:
+            for i, t in enumerate(data):
+                view[i].copy_(t.reshape(-1).to(torch.float32))
+        for i, field_id in enumerate(fields):
+            self.plane.post_state(load, e.param_id, field_id, region.region_id, 4 * n * i, 4 * n, 0)
+        self.sync()
+        return None if load else [view[i].clone().view(e.param.shape) for i in range(len(fields))]

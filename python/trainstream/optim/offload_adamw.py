@@ -1,0 +1,337 @@
+"""OffloadAdamW: an AdamW whose master weights, moments and update live in the daemon.
+
+A facade (backend.py says how the parts share the work): this module keeps what any
+``torch.optim.Optimizer`` keeps (parameter groups, their hyperparameters, a gradient
+hook per parameter) and chooses the backend that updates them, at ``attach()``:
+
+* ``optimizer_mode="cpu"``: ``DaemonBackend``, the daemon's AdamW over the session's
+  command ring (daemon_backend.py);
+* ``optimizer_mode="gpu"``: ``ZeroCopyBackend``, a CUDA kernel over moments in the
+  daemon's pinned memory (zero_copy.py);
+* after ``offload="auto"`` found that torch's AdamW fits on the GPU (the memory
+  controller's decision, memory/controller.py): ``LocalBackend`` (local.py).
+
+Data-parallel ranks (data_parallel.py) always take the daemon's AdamW.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+
+from ..errors import TrainStreamError
+from ..options import check_adamw_hyper, validate
+from . import data_parallel
+from .backend import DTYPE_NAMES, Backend, ParamEntry, ParamTable
+from .daemon_backend import DaemonBackend
+from .daemon_session import DaemonSession
+from .local import LocalBackend
+from .zero_copy import ZeroCopyBackend, unavailable_reason
+
+
+def _weak_hook(opt: "OffloadAdamW") -> Callable[[torch.Tensor], None]:
+    """The gradient hook, holding its optimizer weakly: the parameters must not keep a
+    discarded optimizer (and its daemon session) alive, nor let it take the gradients
+    of the optimizer that replaced it."""
+    ref = weakref.ref(opt)
+
+    def hook(p: torch.Tensor) -> None:
+        o = ref()
+        if o is not None:
+            o._on_grad_final(p)
+    return hook
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` with its state and update in the TrainStream daemon.
+
+    Same hyper-parameters and ``state_dict`` format as ``torch.optim.AdamW`` (plus
+    each parameter's fp32 ``master_weight``). Extra keyword options are those of
+    ``trainstream.wrap`` (README, "Options"), validated once, here.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
+                 names: Optional[Dict[int, str]] = None, attach: bool = True, **options):
+        if amsgrad or maximize:
+            raise ValueError("OffloadAdamW supports amsgrad=False and maximize=False only")
+        check_adamw_hyper(lr, betas, eps, weight_decay)
+        self._options = validate(options)
+        self._names = names or {}
+        self._table = ParamTable(self, self._options)
+        self._next_param_id = 0
+        self._session: Optional[DaemonSession] = None  # while attached to the daemon
+        self._backend: Optional[Backend] = None
+        # Called before the daemon session ends (offload="auto" going local, unwrap):
+        # users of the session's memory outside the optimizer (activation pages) move out.
+        self.before_detach: List[Callable[[], None]] = []
+        self.optimizer_mode: Optional[str] = None  # resolved at attach()
+        # offload="auto": after two steps, the memory controller's decision.
+        self.offload_decision: Optional[Dict[str, Any]] = None
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        if attach:
+            self.attach()
+
+    # ------------------------------------------------------------------ setup
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group_index = len(self.param_groups) - 1
+        g = self.param_groups[group_index]
+        check_adamw_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        new = []
+        t = self._table
+        for p in g["params"]:
+            if p.dtype not in DTYPE_NAMES:
+                raise ValueError(f"parameter dtype {p.dtype} is not supported; accepted: "
+                                 f"{', '.join(str(d) for d in DTYPE_NAMES)}")
+            e = ParamEntry(self._next_param_id, p,
+                           self._names.get(id(p), f"param{self._next_param_id}"), group_index)
+            self._next_param_id += 1
+            t.entries[id(p)] = e
+            t.by_id[e.param_id] = e
+            if p.requires_grad:
+                e.hook = p.register_post_accumulate_grad_hook(_weak_hook(self))
+            new.append(e)
+        if self._session is not None:
+            self._backend.register(new)
+
+    def _resolve_mode(self) -> str:
+        mode = self._options["optimizer_mode"]
+        if mode == "cpu":
+            return "cpu"
+        if self._table.dp is not None:
+            if mode == "gpu":
+                raise ValueError("option optimizer_mode='gpu' cannot run with data parallel "
+                                 "(the ranks share the daemon's one optimizer state); accepted "
+                                 "here: 'cpu' or 'auto'")
+            return "cpu"
+        params = [e.param for e in self._table.entries.values()]
+        why = unavailable_reason(params)
+        if mode == "gpu":
+            if why is not None:
+                raise ValueError(f"option optimizer_mode='gpu' cannot run here: {why}; "
+                                 "accepted here: 'cpu' or 'auto'")
+            return "gpu"
+        # "auto": the zero-copy CUDA update when it can run (it beat the daemon's host
+        # AdamW on the 1.5B benchmark, docs/offload.md); the daemon's AdamW otherwise,
+        # and always for data-parallel ranks, which share the daemon's one state.
+        if why is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return "cpu"
+        if any(not p.is_contiguous() for p in params if p.requires_grad):
+            return "cpu"
+        return "gpu"
+
+    def attach(self) -> None:
+        """Connects to the daemon (starting one if needed) and registers every parameter."""
+        if self._session is not None:
+            return
+        t = self._table
+        t.dp = data_parallel.plan(self._options)
+        if t.dp is not None:
+            t.dp.setup_collectives()
+        session = DaemonSession(t)
+        session.open()
+        self._session = session
+        for e in t.entries.values():  # hooks removed by release_hooks()
+            if e.hook is None and e.param.requires_grad:
+                e.hook = e.param.register_post_accumulate_grad_hook(_weak_hook(self))
+        try:
+            self.optimizer_mode = self._resolve_mode()
+            backend = ZeroCopyBackend if self.optimizer_mode == "gpu" else DaemonBackend
+            self._backend = backend(t, session)
+            self._backend.register(list(t.entries.values()))
+        except BaseException:
+            self.detach()
+            raise
+
+    def detach(self) -> None:
+        """Ends the daemon session (its memory is freed). ``attach()`` starts a new one
+        with the current weights as masters and fresh moments."""
+        try:
+            for leave in self.before_detach:
+                leave()
+        finally:
+            self._end_session()
+
+    def _end_session(self) -> None:
+        if self._session is None:
+            return
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        self._table.clear_pending()  # a step of the old session never completes
+        self._session.close()
+        self._session = None
+
+    def release_hooks(self) -> None:
+        """Removes the gradient hooks from the parameters (``unwrap()`` does this after
+        ``detach()``; ``attach()`` puts them back)."""
+        for e in self._table.entries.values():
+            if e.hook is not None:
+                e.hook.remove()
+                e.hook = None
+
+    def __del__(self):
+        try:
+            self.detach()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+    def set_event_sink(self, sink: Callable[..., None]) -> None:
+        """Where this optimizer's events go (``wrap()``: the session's event log)."""
+        self._table.event = sink
+
+    # -------------------------------------------------------------- data plane
+    def _on_grad_final(self, p: torch.Tensor) -> None:
+        e = self._table.entries.get(id(p))
+        if e is None or self._session is None or p.grad is None:
+            # (None: a paged weight, whose gradient went to accept_grad; autograd still
+            # runs the hook with nothing accumulated.)
+            return
+        self._backend.grad_final(e)
+
+    def accept_grad(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Takes a gradient of ``p`` computed where ``p.grad`` never holds it (weight
+        paging: the weight's device copy is gone once its block's backward ran).
+        Counted like the post-accumulate-grad hook and posted when final. Returns
+        False when ``p`` is not this optimizer's (the caller then keeps the gradient)."""
+        e = self._table.entries.get(id(p))
+        if e is None or self._session is None:
+            return False
+        return self._backend.accept_grad(e, grad)
+
+    def between_steps(self) -> bool:
+        """True when no backward has run since the last step() (no gradient pending:
+        not between the micro-batches of an accumulated step)."""
+        return self._table.between_steps()
+
+    def _require_backend(self) -> Backend:
+        if self._backend is None:
+            raise TrainStreamError("OffloadAdamW is detached; call attach() first")
+        return self._backend
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._require_backend().step(closure)
+        self._after_step()
+        return loss
+
+    def _after_step(self) -> None:
+        """offload="auto": after the second step, the memory controller decides whether
+        torch's fused AdamW fits on the GPU; if so, the state moves there."""
+        if (self._options["offload"] != "auto" or self._table.step_id != 2
+                or self.optimizer_mode == "local"):
+            return
+        from ..memory.controller import decide_offload  # (the memory layer's decision)
+        self.offload_decision = decide_offload(
+            [e.param for e in self._table.entries.values()],
+            data_parallel=self._table.dp is not None,
+            extra_grads=self.optimizer_mode == "gpu" and self._options["free_grads"],
+            headroom=self._options["vram_headroom"])
+        self._table.event("offload", **self.offload_decision)
+        if not self.offload_decision["offload"]:
+            self.go_local()
+
+    def go_local(self) -> None:
+        """Moves the state to torch's fused AdamW beside the parameters and ends the
+        daemon session (``offload="auto"`` does this when it fits)."""
+        local = LocalBackend(self._table, self.state_dict(),
+                             self._require_backend().last_grad_norm())
+        self.detach()
+        self.release_hooks()
+        for e in self._table.entries.values():
+            e.backward_count = 0
+        self._backend = local
+        self.optimizer_mode = "local"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``. Called with a step pending that will not
+        come (a backward or step() raised part way), it ends that step first (what the
+        daemon holds is applied: ``DaemonBackend.before_zero_grad``)."""
+        if self._backend is not None:
+            self._backend.before_zero_grad()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Waits until every update posted so far is finished (the daemon's, or with
+        optimizer_mode="gpu" the side stream's)."""
+        self._require_backend().synchronize()
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """Global L2 norm of the gradients of the last step, before clipping."""
+        norm = self._backend.last_grad_norm() if self._backend is not None else None
+        return float(norm) if torch.is_tensor(norm) else norm
+
+    @property
+    def step_id(self) -> int:
+        """The last step ended (applied, skipped for a non-finite gradient, or rejected)."""
+        return self._table.step_id
+
+    # ------------------------------------------------------------------ report
+    def stats(self) -> Dict[str, Any]:
+        t = self._table
+        s = dict(t.stats)
+        s["params"] = len(t.entries)
+        s["numel"] = sum(e.param.numel() for e in t.entries.values())
+        s["attached"] = self._session is not None
+        s["session_id"] = self._session.id if self._session is not None else None
+        s["moment_dtype"] = self._options["moment_dtype"]
+        s["optimizer_mode"] = self.optimizer_mode
+        s["offloaded"] = self.optimizer_mode != "local"
+        dp = t.dp
+        s["data_parallel"] = None if dp is None else {
+            "mode": dp.mode, "group": dp.key, "local_rank": dp.local_rank,
+            "local_world_size": dp.local_world_size, "nnodes": dp.nnodes, **dp.stats}
+        if self._backend is not None:
+            s.update(self._backend.stats())
+        return s
+
+    def regions(self) -> List[Dict[str, Any]]:
+        """The shared-memory regions the optimizer maps (``purpose``: "staging" or
+        "gpu-optimizer-state"; ``address``, ``bytes``, ``registered`` with CUDA)."""
+        return self._backend.regions() if self._backend is not None else []
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state the daemon holds for this optimizer's parameters:
+        the two moments and the fp32 master (none for an fp32 parameter with
+        optimizer_mode="gpu", which is its own)."""
+        moment = 2 if self._options["moment_dtype"] == "bfloat16" else 4
+        return sum(e.param.numel() * (2 * moment + (0 if self.optimizer_mode == "gpu"
+                                                    and e.param.dtype == torch.float32 else 4))
+                   for e in self._table.entries.values())
+
+    # --------------------------------------------- what the memory layer asks for
+    def register_regions_with_cuda(self) -> None:
+        """Registers the staging regions with CUDA (weight paging to a CUDA device copies
+        from the param slots even when the parameters were on the host)."""
+        if self._session is not None:
+            self._session.register_regions_with_cuda()
+
+    def allocate_region(self, nbytes: int, purpose: str):
+        """A region of the daemon session (activation pages); raises when the budget
+        refuses or no session is attached."""
+        if self._session is None:
+            raise TrainStreamError("OffloadAdamW is detached; call attach() first")
+        return self._session.allocate_region(nbytes, purpose)
+
+    def host_home(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where a paged trained weight lives in host memory: its param slot, which the
+        daemon rewrites after each update (None: it has none in this dtype)."""
+        e = self._table.entries.get(id(p))
+        if e is None or e.param_slot is None or e.param_slot.dtype != p.dtype:
+            return None
+        return e.param_slot.view(p.shape)
+
+    # ------------------------------------------------------------- state dict
+    def state_dict(self) -> Dict[str, Any]:
+        """``torch.optim.AdamW``'s format, plus ``master_weight`` (fp32) per parameter
+        (without it once ``offload="auto"`` has moved the optimizer to the GPU)."""
+        return self._require_backend().state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a ``torch.optim.AdamW`` (or ``OffloadAdamW``) state dict."""
+        self._require_backend().load_state_dict(state_dict)
