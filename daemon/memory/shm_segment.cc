@@ -102,11 +102,10 @@ bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* tot
   return true;
 }
 
-grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
-                                const SegmentOwner& owner, bool lock,
-                                std::unique_ptr<ShmSegment>* out) {
+Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
+                          const SegmentOwner& owner, bool lock, std::unique_ptr<ShmSegment>* out) {
   if (total_bytes < wire::kSegmentHeaderBytes) {
-    return grpc::Status(grpc::StatusCode::INTERNAL, "segment smaller than its header");
+    return Status(StatusCode::kInternal, "segment smaller than its header");
   }
   std::unique_ptr<ShmSegment> seg(new ShmSegment());
   // Note [Segments outlive a crashed daemon].
@@ -118,14 +117,14 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
   int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) {
     const int err = errno;
-    auto code = err == EACCES || err == EPERM ? grpc::StatusCode::PERMISSION_DENIED
-                                              : grpc::StatusCode::INTERNAL;
-    return grpc::Status(code, "cannot create segment " + path + ": " + std::strerror(err));
+    auto code =
+        err == EACCES || err == EPERM ? StatusCode::kPermissionDenied : StatusCode::kInternal;
+    return Status(code, "cannot create segment " + path + ": " + std::strerror(err));
   }
   // The file is ours now: from here on, destroying `seg` unlinks it.
   seg->path_ = path;
   seg->share_uid_ = owner.uid;
-  auto fail = [&](grpc::Status s) {
+  auto fail = [&](Status s) {
     close(fd);
     return s;
   };
@@ -141,22 +140,21 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
     if (rc == ENOSPC) {
       msg += "; enlarge it (e.g. `mount -o remount,size=<bytes> " + dir +
              "`) or lower the daemon's --budget";
-      return fail(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, msg));
+      return fail(Status(StatusCode::kResourceExhausted, msg));
     }
-    return fail(grpc::Status(grpc::StatusCode::INTERNAL, msg));
+    return fail(Status(StatusCode::kInternal, msg));
   }
   void* base = mmap(nullptr, total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (base == MAP_FAILED) {
-    return fail(grpc::Status(grpc::StatusCode::INTERNAL,
-                             "mmap " + seg->path_ + ": " + std::strerror(errno)));
+    return fail(Status(StatusCode::kInternal, "mmap " + seg->path_ + ": " + std::strerror(errno)));
   }
   seg->base_ = base;
   // Before the first access, and before any client can open the file.
   seg->guard_ = ClientMemoryGuard::Register(base, total_bytes, owner.session_id);
   if (seg->guard_ < 0) {
-    return fail(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                             "the daemon holds " + std::to_string(ClientMemoryGuard::kMaxRanges) +
-                                 " segments, its limit; free regions or end sessions"));
+    return fail(Status(StatusCode::kResourceExhausted,
+                       "the daemon holds " + std::to_string(ClientMemoryGuard::kMaxRanges) +
+                           " segments, its limit; free regions or end sessions"));
   }
   if (lock) seg->locked_ = mlock(base, total_bytes) == 0;
 
@@ -177,13 +175,13 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
   // Note [Who may open a segment]: only session segments become the client's.
   if (kind == v1::SEGMENT_KIND_SESSION && geteuid() == 0 && owner.uid != 0 &&
       fchown(fd, owner.uid, static_cast<gid_t>(-1)) != 0) {
-    return fail(grpc::Status(grpc::StatusCode::INTERNAL, "fchown " + seg->path_ + " to uid " +
-                                                             std::to_string(owner.uid) + ": " +
-                                                             std::strerror(errno)));
+    return fail(Status(StatusCode::kInternal, "fchown " + seg->path_ + " to uid " +
+                                                  std::to_string(owner.uid) + ": " +
+                                                  std::strerror(errno)));
   }
   close(fd);
   *out = std::move(seg);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 std::string ShmSegment::ShareReadOnly() {

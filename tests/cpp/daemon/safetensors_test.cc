@@ -272,12 +272,12 @@ TEST_CASE("PlanBase refuses more than the tensor cap over all shards", "[base_lo
   AddShard(ManyTensors(kMaxTensors / 2), &sources);
   BasePlan plan;
   REQUIRE(ParseBaseFormat("none", 0, &plan).ok());
-  grpc::Status st = PlanBase(sources, &plan);
+  trainstream::Status st = PlanBase(sources, &plan);
   // Each shard alone is under the cap; together they are not. (The second
   // repeats the first's names: the cap is checked before the names are.)
-  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  CHECK(Has(st.error_message(), "/models/m: the shards list more than " +
-                                    std::to_string(kMaxTensors) + " tensors together"));
+  CHECK(st.code() == trainstream::StatusCode::kInvalidArgument);
+  CHECK(Has(st.message(), "/models/m: the shards list more than " + std::to_string(kMaxTensors) +
+                              " tensors together"));
 }
 
 TEST_CASE("PlanBase and FillBase stop with CANCELLED when asked", "[base_loader]") {
@@ -286,9 +286,9 @@ TEST_CASE("PlanBase and FillBase stop with CANCELLED when asked", "[base_loader]
   BasePlan plan;
   REQUIRE(ParseBaseFormat("none", 0, &plan).ok());
   int left = 2;
-  grpc::Status st = PlanBase(sources, &plan, [&] { return --left < 0; });
-  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
-  CHECK(st.error_message() == kLoadCancelled);
+  trainstream::Status st = PlanBase(sources, &plan, [&] { return --left < 0; });
+  CHECK(st.code() == trainstream::StatusCode::kCancelled);
+  CHECK(st.message() == kLoadCancelled);
   REQUIRE(PlanBase(sources, &plan).ok());
 
   // Cancelled after the first tensor.
@@ -302,7 +302,7 @@ TEST_CASE("PlanBase and FillBase stop with CANCELLED when asked", "[base_loader]
         return false;
       },
       &peak);
-  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
+  CHECK(st.code() == trainstream::StatusCode::kCancelled);
   CHECK(done == std::vector<uint32_t>{1});
 }
 
@@ -320,14 +320,14 @@ TEST_CASE("FillBase polls between the pieces of a large tensor", "[base_loader]"
   std::vector<char> segment(plan.total_bytes);
   uint64_t peak = 0;
   std::vector<LoadProgress> seen;
-  grpc::Status st = FillBase(
+  trainstream::Status st = FillBase(
       sources, plan, "k", segment.data(),
       [&](const LoadProgress& p) {
         seen.push_back(p);
         return false;
       },
       &peak);
-  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
+  CHECK(st.code() == trainstream::StatusCode::kCancelled);
   REQUIRE(seen.size() == 1);
   CHECK(seen[0].tensors_done == 0);  // mid-tensor
 }
