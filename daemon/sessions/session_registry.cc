@@ -478,11 +478,10 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
   options.max_grad_norm = req.max_grad_norm();
   options.seed = req.seed();
   options.threads = req.threads();
-  std::string error = optimizer_->AddParameters(s.id, options, std::move(bindings));
-  if (!error.empty()) {
+  if (Status added = optimizer_->AddParameters(s.id, options, std::move(bindings)); !added.ok()) {
     DropSegment(std::move(staging));
     DropSegment(std::move(state));
-    return Invalid(error);
+    return added;
   }
   const uint64_t staging_length = layout.staging_bytes - wire::kSegmentHeaderBytes;
   AddRegion(s, std::move(state), "optimizer-state", layout.state_bytes - wire::kSegmentHeaderBytes,
