@@ -159,9 +159,9 @@ Status PlanBase(const ModelSources& sources, BasePlan* plan, const CancelCheck& 
     const SourceFile& f = sources.files[i];
     if (check()) return Cancelled();
     SafetensorsHeader header;
-    std::string err = ReadSafetensorsHeader(f.fd, f.path, &header, check);
+    Status st = ReadSafetensorsHeader(f.fd, f.path, &header, check);
     if (fired) return Cancelled();
-    if (!err.empty()) return Invalid(err);
+    if (!st.ok()) return st;
     if (plan->tensors.size() + header.tensors.size() > kMaxTensors) {
       return Invalid(sources.path + ": the shards list more than " + std::to_string(kMaxTensors) +
                      " tensors together (" +

@@ -72,8 +72,8 @@ Status OpenFolder(const PeerCredentials& caller, const std::string& dir, int dir
       if (r <= 0) return Errno(r < 0 ? errno : EIO, index_file.path, caller);
       done += static_cast<size_t>(r);
     }
-    std::string err = ParseShardIndex(index_file.path, text, &out->index);
-    if (!err.empty()) return Status(StatusCode::kInvalidArgument, err);
+    if (Status parsed = ParseShardIndex(index_file.path, text, &out->index); !parsed.ok())
+      return parsed;
     if (out->index.shards.size() > kMaxShards) {
       return Status(StatusCode::kInvalidArgument,
                     index_file.path + ": more than " + std::to_string(kMaxShards) + " shards");

@@ -28,9 +28,17 @@ std::string File(const std::string& json, const std::string& data) {
   return out + json + data;
 }
 
+// What a parser call answered: "" when it accepted the input, else its message
+// (every refusal is INVALID_ARGUMENT).
+std::string Answer(const trainstream::Status& st) {
+  if (st.ok()) return "";
+  CHECK(st.code() == trainstream::StatusCode::kInvalidArgument);
+  return st.message();
+}
+
 std::string Parse(const std::string& file, SafetensorsHeader* h) {
-  return ParseSafetensorsBuffer("m.safetensors", reinterpret_cast<const uint8_t*>(file.data()),
-                                file.size(), h);
+  return Answer(ParseSafetensorsBuffer(
+      "m.safetensors", reinterpret_cast<const uint8_t*>(file.data()), file.size(), h));
 }
 
 bool Has(const std::string& s, const std::string& part) {
@@ -143,25 +151,27 @@ TEST_CASE("ReadSafetensorsHeader reads through an fd", "[safetensors]") {
       File(R"({"t":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", std::string(8, '\1'));
   REQUIRE(write(fd, f.data(), f.size()) == static_cast<ssize_t>(f.size()));
   SafetensorsHeader h;
-  CHECK(ReadSafetensorsHeader(fd, path, &h) == "");
+  CHECK(Answer(ReadSafetensorsHeader(fd, path, &h)) == "");
   CHECK(h.tensors.at(0).shape == std::vector<int64_t>{2, 2});
   REQUIRE(ftruncate(fd, 12) == 0);
-  CHECK(Has(ReadSafetensorsHeader(fd, path, &h), "runs past the end of the file (12 bytes)"));
+  CHECK(
+      Has(Answer(ReadSafetensorsHeader(fd, path, &h)), "runs past the end of the file (12 bytes)"));
   close(fd);
   unlink(path);
 }
 
 TEST_CASE("The shard index maps tensors to plain file names", "[safetensors]") {
   ShardIndex idx;
-  CHECK(ParseShardIndex("i.json",
-                        R"({"metadata":{"total_size":8},"weight_map":{"a":"s1.safetensors",)"
-                        R"("b":"s2.safetensors","c":"s1.safetensors"}})",
-                        &idx) == "");
+  CHECK(Answer(ParseShardIndex("i.json",
+                               R"({"metadata":{"total_size":8},"weight_map":{"a":"s1.safetensors",)"
+                               R"("b":"s2.safetensors","c":"s1.safetensors"}})",
+                               &idx)) == "");
   CHECK(idx.shards == std::vector<std::string>{"s1.safetensors", "s2.safetensors"});
-  CHECK(Has(ParseShardIndex("i.json", R"({"weight_map":{"a":"../x.safetensors"}})", &idx),
+  CHECK(Has(Answer(ParseShardIndex("i.json", R"({"weight_map":{"a":"../x.safetensors"}})", &idx)),
             "is not a file name in the model's folder"));
-  CHECK(Has(ParseShardIndex("i.json", R"({"weight_map":{"a":3}})", &idx), "file name string"));
-  CHECK(Has(ParseShardIndex("i.json", R"({"x":{}})", &idx), "\"weight_map\""));
+  CHECK(Has(Answer(ParseShardIndex("i.json", R"({"weight_map":{"a":3}})", &idx)),
+            "file name string"));
+  CHECK(Has(Answer(ParseShardIndex("i.json", R"({"x":{}})", &idx)), "\"weight_map\""));
 }
 
 namespace {
@@ -221,16 +231,17 @@ TEST_CASE("A parse stops once its CancelCheck says so", "[safetensors]") {
   const std::string_view json(file.data() + 8, file.size() - 8 - 4);
   SafetensorsHeader h;
   int polls = 0;
-  CHECK(ParseSafetensorsJson("m.safetensors", json, file.size(), &h, [&] {
+  CHECK(Answer(ParseSafetensorsJson("m.safetensors", json, file.size(), &h, [&] {
           ++polls;
           return false;
-        }) == "");
+        })) == "");
   CHECK(h.tensors.size() == 20001);
   CHECK(polls > 10);  // polled all along the parse, not once
   int left = 3;
-  const std::string e =
+  const trainstream::Status st =
       ParseSafetensorsJson("m.safetensors", json, file.size(), &h, [&] { return --left < 0; });
-  CHECK(e == "m.safetensors: header: parse cancelled");
+  CHECK(st.code() == trainstream::StatusCode::kCancelled);
+  CHECK(st.message() == "m.safetensors: header: parse cancelled");
 }
 
 TEST_CASE("A shard index over the tensor cap is refused", "[safetensors]") {
@@ -240,7 +251,7 @@ TEST_CASE("A shard index over the tensor cap is refused", "[safetensors]") {
   }
   json += "}}";
   ShardIndex idx;
-  CHECK(Has(ParseShardIndex("i.json", json, &idx),
+  CHECK(Has(Answer(ParseShardIndex("i.json", json, &idx)),
             "i.json: weight_map lists " + std::to_string(kMaxTensors + 1) +
                 " tensors, more than the " + std::to_string(kMaxTensors)));
 }
