@@ -152,8 +152,7 @@ Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOptions& opt
   st = FillBase(sources, plan, key, seg->base(), progress, &scratch_peak);
   if (st.ok()) {
     // Note [Who may open a segment] (shm_segment.h).
-    if (std::string err = seg->ShareReadOnly(); !err.empty())
-      st = Status(StatusCode::kInternal, err);
+    st = seg->ShareReadOnly();
   }
   if (!st.ok()) {
     seg.reset();

@@ -184,20 +184,21 @@ Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_
   return Status::Ok();
 }
 
-std::string ShmSegment::ShareReadOnly() {
+Status ShmSegment::ShareReadOnly() {
   // Note [Why base segments are read-only] (wire/base_manifest.h).
   if (geteuid() == 0 && share_uid_ != 0) {
     const std::string acl = ReadOnlyAclFor(share_uid_);
     if (chmod(path_.c_str(), 0440) == 0 &&
         setxattr(path_.c_str(), "system.posix_acl_access", acl.data(), acl.size(), 0) == 0) {
-      return "";
+      return Status::Ok();
     }
     // No ACLs here: the old way, the owner's own file at 0400.
     if (chown(path_.c_str(), share_uid_, static_cast<gid_t>(-1)) != 0)
-      return "chown " + path_ + ": " + std::strerror(errno);
+      return Status(StatusCode::kInternal, "chown " + path_ + ": " + std::strerror(errno));
   }
-  if (chmod(path_.c_str(), 0400) != 0) return "chmod 0400 " + path_ + ": " + std::strerror(errno);
-  return "";
+  if (chmod(path_.c_str(), 0400) != 0)
+    return Status(StatusCode::kInternal, "chmod 0400 " + path_ + ": " + std::strerror(errno));
+  return Status::Ok();
 }
 
 bool ShmSegment::faulted() const { return ClientMemoryGuard::Faulted(guard_); }

@@ -62,8 +62,8 @@ class ShmSegment {
   void Unlink();
 
   // Bases, once filled: makes the file read-only for good and readable by the
-  // owner's uid (Note [Who may open a segment]). Returns "" or what failed.
-  std::string ShareReadOnly();
+  // owner's uid (Note [Who may open a segment]). INTERNAL says what failed.
+  Status ShareReadOnly();
 
   // True once a client truncated the file under the daemon's mapping (the
   // mapping holds zeros since; ClientMemoryGuard).

@@ -397,13 +397,13 @@ struct GroupPlane::Impl {
   void Complete(size_t r, const CompletionRecord& rec, bool even_when_stopping = false) {
     std::lock_guard<std::mutex> lock(completion_mu);
     if ((muted && !even_when_stopping) || faulted[r]) return;
-    if (std::string why = completions[r].Push(rec); !why.empty()) MemberFault(r, why);
+    if (Status st = completions[r].Push(rec); !st.ok()) MemberFault(r, st.message());
   }
 
   void FlushOverflow(size_t r) {
     std::lock_guard<std::mutex> lock(completion_mu);
     if (faulted[r]) return;
-    if (std::string why = completions[r].Flush(); !why.empty()) MemberFault(r, why);
+    if (Status st = completions[r].Flush(); !st.ok()) MemberFault(r, st.message());
   }
 
   // Member r broke the wire rules (client_rings.h): its rings are not touched

@@ -271,13 +271,13 @@ class AdamWSessionPlane {
   void Complete(const CompletionRecord& rec) {
     std::lock_guard<std::mutex> lock(completion_mu_);
     if (faulted_.load(std::memory_order_acquire)) return;
-    if (std::string why = completions_.Push(rec); !why.empty()) Fault(why);
+    if (Status st = completions_.Push(rec); !st.ok()) Fault(st.message());
   }
 
   void FlushOverflow() {
     std::lock_guard<std::mutex> lock(completion_mu_);
     if (faulted_.load(std::memory_order_acquire)) return;
-    if (std::string why = completions_.Flush(); !why.empty()) Fault(why);
+    if (Status st = completions_.Flush(); !st.ok()) Fault(st.message());
   }
 
   const uint64_t session_id_;

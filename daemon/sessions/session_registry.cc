@@ -43,8 +43,8 @@ uint64_t Session::BytesHeld() {
 SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
                                  OptimizerService* optimizer)
     : config_(config), budget_(budget), optimizer_(optimizer) {
-  if (std::string err = ClientMemoryGuard::Install(); !err.empty())
-    spdlog::error("cannot guard client memory (Note [Client pages can vanish]): {}", err);
+  if (Status st = ClientMemoryGuard::Install(); !st.ok())
+    spdlog::error("cannot guard client memory (Note [Client pages can vanish]): {}", st.message());
   SessionFaultFn on_fault = [this](uint64_t id, const std::string& why) { EndLater(id, why); };
   optimizer_->SetFaultHandler(on_fault);
   groups_ = std::make_unique<GroupRegistry>(
