@@ -22,11 +22,9 @@ std::string Trim(const std::string& s) {
   return s.substr(b, e - b);
 }
 
-grpc::Status Invalid(const std::string& msg) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
-}
+Status Invalid(const std::string& msg) { return Status(StatusCode::kInvalidArgument, msg); }
 
-grpc::Status ParseUnsigned(const std::string& text, const std::string& field, uint64_t* out) {
+Status ParseUnsigned(const std::string& text, const std::string& field, uint64_t* out) {
   if (text.empty() || !std::all_of(text.begin(), text.end(), ::isdigit)) {
     return Invalid(field + ": expected a non-negative integer, got '" + text + "'");
   }
@@ -34,10 +32,10 @@ grpc::Status ParseUnsigned(const std::string& text, const std::string& field, ui
   unsigned long long v = std::strtoull(text.c_str(), nullptr, 10);
   if (errno == ERANGE) return Invalid(field + ": '" + text + "' is out of range");
   *out = v;
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status ParseBool(const std::string& text, const std::string& field, bool* out) {
+Status ParseBool(const std::string& text, const std::string& field, bool* out) {
   if (text == "true" || text == "yes" || text == "on" || text == "1") {
     *out = true;
   } else if (text == "false" || text == "no" || text == "off" || text == "0") {
@@ -45,12 +43,12 @@ grpc::Status ParseBool(const std::string& text, const std::string& field, bool* 
   } else {
     return Invalid(field + ": expected true or false, got '" + text + "'");
   }
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 }  // namespace
 
-grpc::Status ParseBytes(const std::string& raw, const std::string& field, uint64_t* out) {
+Status ParseBytes(const std::string& raw, const std::string& field, uint64_t* out) {
   const std::string text = Trim(raw);
   if (text.empty()) return Invalid(field + ": empty size");
   size_t end = 0;
@@ -87,10 +85,10 @@ grpc::Status ParseBytes(const std::string& raw, const std::string& field, uint64
   double bytes = v * mult;
   if (bytes < 0 || bytes >= 1.8e19) return Invalid(field + ": '" + text + "' is out of range");
   *out = static_cast<uint64_t>(bytes);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status ParseBudget(const std::string& raw, uint64_t ram_bytes, uint64_t* out) {
+Status ParseBudget(const std::string& raw, uint64_t ram_bytes, uint64_t* out) {
   const std::string text = Trim(raw);
   if (!text.empty() && text.back() == '%') {
     char* stop = nullptr;
@@ -101,15 +99,14 @@ grpc::Status ParseBudget(const std::string& raw, uint64_t ram_bytes, uint64_t* o
       return Invalid("budget: '" + text + "' must be a percentage in (0, 100]");
     }
     *out = static_cast<uint64_t>(static_cast<double>(ram_bytes) * pct / 100.0);
-    return grpc::Status::OK;
+    return Status::Ok();
   }
-  grpc::Status s = ParseBytes(text, "budget", out);
+  Status s = ParseBytes(text, "budget", out);
   if (s.ok() && *out == 0) return Invalid("budget: must be > 0");
   return s;
 }
 
-grpc::Status ParseConfigText(const std::string& text, const std::string& origin,
-                             DaemonConfig* config) {
+Status ParseConfigText(const std::string& text, const std::string& origin, DaemonConfig* config) {
   std::istringstream in(text);
   std::string line;
   int lineno = 0;
@@ -129,7 +126,7 @@ grpc::Status ParseConfigText(const std::string& text, const std::string& origin,
       value = value.substr(1, value.size() - 2);
     }
     const std::string field = where + ": " + key;
-    grpc::Status s;
+    Status s;
     uint64_t n = 0;
     if (key == "socket") {
       config->socket_path = value;
@@ -175,19 +172,19 @@ grpc::Status ParseConfigText(const std::string& text, const std::string& origin,
     }
     if (!s.ok()) {
       // Messages from the helpers name only the field; make sure the location is there.
-      std::string msg = s.error_message();
+      std::string msg = s.message();
       if (msg.rfind(origin, 0) != 0) msg = where + ": " + msg;
       return Invalid(msg);
     }
   }
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status LoadConfigFile(const std::string& path, DaemonConfig* config) {
+Status LoadConfigFile(const std::string& path, DaemonConfig* config) {
   std::ifstream in(path);
   if (!in) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        "cannot read config file " + path + ": " + std::strerror(errno));
+    return Status(StatusCode::kNotFound,
+                  "cannot read config file " + path + ": " + std::strerror(errno));
   }
   std::stringstream buf;
   buf << in.rdbuf();

@@ -3,11 +3,11 @@
 // docs/daemon.md: one `key = value` per line, `#` starts a comment.
 #pragma once
 
-#include <grpcpp/support/status.h>
-
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "trainstream/status.h"
 
 namespace trainstream::daemon {
 
@@ -28,18 +28,17 @@ struct DaemonConfig {
 
 // Parses "1073741824", "512M", "64G", "1.5T", "1024K" (binary units) into bytes.
 // Fails with INVALID_ARGUMENT naming `field` for anything else.
-grpc::Status ParseBytes(const std::string& text, const std::string& field, uint64_t* out);
+Status ParseBytes(const std::string& text, const std::string& field, uint64_t* out);
 
 // Like ParseBytes, and also accepts "NN%" of `ram_bytes`.
-grpc::Status ParseBudget(const std::string& text, uint64_t ram_bytes, uint64_t* out);
+Status ParseBudget(const std::string& text, uint64_t ram_bytes, uint64_t* out);
 
 // Applies `key = value` lines of `text` (the content of `origin`, used in error
 // messages as "origin:line") on top of `config`.
-grpc::Status ParseConfigText(const std::string& text, const std::string& origin,
-                             DaemonConfig* config);
+Status ParseConfigText(const std::string& text, const std::string& origin, DaemonConfig* config);
 
 // Reads the file at `path` and applies it with ParseConfigText.
-grpc::Status LoadConfigFile(const std::string& path, DaemonConfig* config);
+Status LoadConfigFile(const std::string& path, DaemonConfig* config);
 
 // The socket a daemon started without --socket serves: $TRAINSTREAM_SOCKET,
 // else /run/trainstream/trainstreamd.sock for root, else the per-user embedded

@@ -12,7 +12,6 @@
 #include "daemon.h"
 
 #include <fcntl.h>
-#include <grpcpp/grpcpp.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
@@ -29,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/base_cache.h"
 #include "daemon_state.h"
 #include "log_limiter.h"
 #include "memory/budget.h"
@@ -36,7 +36,7 @@
 #include "sessions/pid_watcher.h"
 #include "sessions/session_registry.h"
 #include "startup_checks.h"
-#include "transport/control_service.h"
+#include "transport/control_server.h"
 #include "transport/peer_credentials.h"
 #include "transport/unix_listener.h"
 
@@ -110,7 +110,7 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
 
   uint64_t budget_bytes = 0;
   if (auto s = ParseBudget(config.budget, PhysicalRamBytes(), &budget_bytes); !s.ok()) {
-    return refuse(s.error_message());
+    return refuse(s.message());
   }
   AccessPolicy policy;
   if (std::string err; !policy.Resolve(config.allow_group, config.admin_group, &err))
@@ -125,7 +125,7 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   const gid_t socket_gid =
       policy.has_allow_group() && geteuid() == 0 ? policy.allow_gid() : static_cast<gid_t>(-1);
   if (auto s = UnixListener::Bind(config.socket_path, 0660, socket_gid, &listener); !s.ok()) {
-    return refuse(s.error_message());
+    return refuse(s.message());
   }
   ReclaimAndClaim(config);
 
@@ -156,15 +156,16 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   registry->AddEndHook([&bases](uint64_t id) { bases.ReleaseSession(id); });
 
   PeerTable peers;
-  ControlService service(config, &policy, &peers, registry.get(), &budget, &state, &bases);
-  grpc::ServerBuilder builder;
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) return refuse("cannot start the gRPC server");
+  std::unique_ptr<ControlServer> server;
+  if (auto s = ControlServer::Start(config, &policy, &peers, registry.get(), &budget, &state,
+                                    &bases, &server);
+      !s.ok()) {
+    return refuse(s.message());
+  }
 
   LogLimiter not_allowed_log;
   const uint32_t max_per_uid = config.max_connections_per_uid;
-  listener->Start(server.get(), [&, max_per_uid](int fd, const PeerCredentials& raw) {
+  server->Accept(listener.get(), [&, max_per_uid](int fd, const PeerCredentials& raw) {
     PeerCredentials creds = raw;
     policy.Apply(&creds);
     // Note [Accepting under a connection flood] (unix_listener.h).
@@ -232,8 +233,7 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   registry->NotifyAll(notice);
   registry->EndAll("daemon shutting down: " + why);
   // Clients that got the notice close their streams; the rest are cancelled.
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  server->Wait();
+  server->Shutdown(std::chrono::seconds(2));
   watcher.reset();
   registry.reset();
   optimizer.reset();

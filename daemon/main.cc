@@ -131,9 +131,9 @@ int main(int argc, char** argv) {
 
   DaemonConfig config;
   if (!config_path.empty()) {
-    grpc::Status s = trainstream::daemon::LoadConfigFile(config_path, &config);
+    trainstream::Status s = trainstream::daemon::LoadConfigFile(config_path, &config);
     if (!s.ok()) {
-      std::fprintf(stderr, "trainstreamd: %s\n", s.error_message().c_str());
+      std::fprintf(stderr, "trainstreamd: %s\n", s.message().c_str());
       return 2;
     }
   }
@@ -154,9 +154,9 @@ int main(int argc, char** argv) {
     std::string text =
         "budget = " + config.budget + "\nlog_level = " + config.log_level +
         "\nmax_connections_per_uid = " + std::to_string(config.max_connections_per_uid) + "\n";
-    grpc::Status s = trainstream::daemon::ParseConfigText(text, "command line", &check);
+    trainstream::Status s = trainstream::daemon::ParseConfigText(text, "command line", &check);
     if (!s.ok()) {
-      std::fprintf(stderr, "trainstreamd: %s\n", s.error_message().c_str());
+      std::fprintf(stderr, "trainstreamd: %s\n", s.message().c_str());
       return 2;
     }
   }

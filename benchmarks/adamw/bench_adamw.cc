@@ -196,7 +196,7 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
       allocations.push_back(p);
     }
     if (!out_is_master) allocations.push_back(b.param_slot);
-    if (std::string err = engine.AddParam(b); !err.empty()) Usage(err.c_str());
+    if (trainstream::Status st = engine.AddParam(b); !st.ok()) Usage(st.message().c_str());
     left -= n;
   }
   engine.Init();

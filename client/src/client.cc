@@ -6,9 +6,9 @@
 #include <cstdint>
 
 #include "client_impl.h"
-#include "grpc_status.h"
 #include "socket_path.h"
 #include "status_json.h"
+#include "trainstream/grpc_status.h"
 
 namespace trainstream {
 namespace {

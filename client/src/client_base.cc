@@ -3,8 +3,8 @@
 #include <filesystem>
 
 #include "client_impl.h"
-#include "grpc_status.h"
 #include "trainstream/client.h"
+#include "trainstream/grpc_status.h"
 
 namespace trainstream {
 namespace {

@@ -79,12 +79,11 @@ void BaseCache::FillInfo(const Entry& e, BaseInfo* out) const {
   for (const auto& [device, copy] : e.vram) out->vram_bytes += copy.allocation.bytes;
 }
 
-grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOptions& options,
-                             uint64_t session_id,
-                             const std::function<bool(const LoadProgress&)>& progress,
-                             BaseInfo* out) {
+Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOptions& options,
+                       uint64_t session_id,
+                       const std::function<bool(const LoadProgress&)>& progress, BaseInfo* out) {
   BasePlan plan;
-  grpc::Status st = ParseBaseFormat(options.format, options.block_size, &plan);
+  Status st = ParseBaseFormat(options.format, options.block_size, &plan);
   if (!st.ok()) return st;
   ModelSources sources;
   st = OpenModelAsCaller(caller, options.path, &sources);
@@ -106,7 +105,7 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
         it->second.last_used = ++tick_;
         FillInfo(it->second, out);
         out->cached = true;
-        return grpc::Status::OK;
+        return Status::Ok();
       }
       // Another request is loading this key: wait for it (it may fail; then
       // the entry is gone and this request loads it itself).
@@ -114,7 +113,7 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
       lock.unlock();  // the callback may block on the client: never under mu_
       const bool go_on = !progress || progress(LoadProgress{});
       lock.lock();
-      if (!go_on) return grpc::Status(grpc::StatusCode::CANCELLED, kLoadCancelled);
+      if (!go_on) return Status(StatusCode::kCancelled, kLoadCancelled);
     }
     Entry& e = entries_[key];
     e.state = Entry::State::kLoading;
@@ -127,7 +126,7 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
     e.info.tensors = static_cast<uint32_t>(plan.tensors.size());
     e.info.quantized_tensors = plan.quantized_tensors;
   }
-  auto fail = [&](grpc::Status s) {
+  auto fail = [&](Status s) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       entries_.erase(key);
@@ -153,14 +152,12 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
   st = FillBase(sources, plan, key, seg->base(), progress, &scratch_peak);
   if (st.ok()) {
     // Note [Who may open a segment] (shm_segment.h).
-    if (std::string err = seg->ShareReadOnly(); !err.empty())
-      st = grpc::Status(grpc::StatusCode::INTERNAL, err);
+    st = seg->ShareReadOnly();
   }
   if (!st.ok()) {
     seg.reset();
     budget_->Release(plan.total_bytes);
-    spdlog::info("base load of {} failed: {}", LogSafe(options.path),
-                 LogSafe(st.error_message(), 1024));
+    spdlog::info("base load of {} failed: {}", LogSafe(options.path), LogSafe(st.message(), 1024));
     return fail(st);
   }
   const double seconds =
@@ -185,24 +182,24 @@ grpc::Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOption
       key, LogSafe(options.path), out->tensors, out->quantized_tensors, out->format,
       out->source_bytes, out->segment_bytes, seconds,
       seconds > 0 ? out->source_bytes / seconds / 1e9 : 0.0, scratch_peak);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status BaseCache::Release(uint64_t session_id, const std::string& key) {
+Status BaseCache::Release(uint64_t session_id, const std::string& key) {
   std::vector<VramAllocation> dead_vram;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(key);
     if (it == entries_.end() || it->second.sessions.erase(session_id) == 0) {
-      return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                          "key: session " + std::to_string(session_id) +
-                              " holds no reference to base '" + key.substr(0, 128) + "'");
+      return Status(StatusCode::kNotFound, "key: session " + std::to_string(session_id) +
+                                               " holds no reference to base '" +
+                                               key.substr(0, 128) + "'");
     }
     it->second.last_used = ++tick_;
     ReleaseVramLocked(&it->second, session_id, &dead_vram);
   }
   FreeVram(dead_vram);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 void BaseCache::ReleaseSession(uint64_t session_id) {
@@ -227,33 +224,32 @@ void BaseCache::DropLocked(std::map<std::string, Entry>::iterator it,
   entries_.erase(it);
 }
 
-grpc::Status BaseCache::Drop(const PeerCredentials& caller, const std::string& key,
-                             uint64_t* bytes_freed) {
+Status BaseCache::Drop(const PeerCredentials& caller, const std::string& key,
+                       uint64_t* bytes_freed) {
   std::vector<std::unique_ptr<ShmSegment>> dead;
   std::vector<VramAllocation> dead_vram;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(key);
     if (it == entries_.end() || (!caller.admin && caller.uid != it->second.info.owner_uid)) {
-      return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                          "key: no base '" + key.substr(0, 128) +
-                              "' of yours is cached (see `trainstreamctl base list`)");
+      return Status(StatusCode::kNotFound,
+                    "key: no base '" + key.substr(0, 128) +
+                        "' of yours is cached (see `trainstreamctl base list`)");
     }
     Entry& e = it->second;
     if (e.state != Entry::State::kReady) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          "base '" + key + "' is still loading");
+      return Status(StatusCode::kFailedPrecondition, "base '" + key + "' is still loading");
     }
     if (!e.sessions.empty()) {
       std::string ids;
       for (uint64_t s : e.sessions) ids += (ids.empty() ? "" : ", ") + std::to_string(s);
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          "base '" + key + "' is in use by session(s) " + ids +
-                              "; it can be dropped once they release it or detach");
+      return Status(StatusCode::kFailedPrecondition,
+                    "base '" + key + "' is in use by session(s) " + ids +
+                        "; it can be dropped once they release it or detach");
     }
     if (e.busy > 0) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          "base '" + key + "' is being copied to a GPU (share_vram); try again");
+      return Status(StatusCode::kFailedPrecondition,
+                    "base '" + key + "' is being copied to a GPU (share_vram); try again");
     }
     *bytes_freed = e.segment->size();
     DropLocked(it, &dead, &dead_vram);
@@ -261,7 +257,7 @@ grpc::Status BaseCache::Drop(const PeerCredentials& caller, const std::string& k
   spdlog::info("base {} dropped by uid {}", key, caller.uid);
   FreeVram(dead_vram);
   Free(std::move(dead));
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 uint64_t BaseCache::EvictUnreferenced(uint64_t bytes_needed) {
@@ -309,13 +305,13 @@ uint64_t BaseCache::bytes() const {
   return total;
 }
 
-grpc::Status BaseCache::ShareVram(uint64_t session_id, const std::string& key,
-                                  const VramDevice& device, VramShareInfo* out) {
+Status BaseCache::ShareVram(uint64_t session_id, const std::string& key, const VramDevice& device,
+                            VramShareInfo* out) {
   auto not_held = [&] {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        "key: session " + std::to_string(session_id) +
-                            " holds no reference to base '" + key.substr(0, 128) +
-                            "' (load it with this session before sharing its VRAM copy)");
+    return Status(StatusCode::kNotFound,
+                  "key: session " + std::to_string(session_id) + " holds no reference to base '" +
+                      key.substr(0, 128) +
+                      "' (load it with this session before sharing its VRAM copy)");
   };
   auto holds = [&](std::map<std::string, Entry>::iterator it) {
     return it != entries_.end() && it->second.state == Entry::State::kReady &&
@@ -328,10 +324,10 @@ grpc::Status BaseCache::ShareVram(uint64_t session_id, const std::string& key,
   // Note [CUDA in the daemon only on request]: the first CUDA call is here.
   int index = -1;
   std::string pci_bus_id;
-  grpc::Status st = vram_.Resolve(device, &index, &pci_bus_id);
+  Status st = vram_.Resolve(device, &index, &pci_bus_id);
   if (!st.ok()) {
     spdlog::info("share_vram of base {} for session {} refused: {}", LogSafe(key), session_id,
-                 LogSafe(st.error_message(), 1024));
+                 LogSafe(st.message(), 1024));
     return st;
   }
 
@@ -357,7 +353,7 @@ grpc::Status BaseCache::ShareVram(uint64_t session_id, const std::string& key,
       v->second.holders.insert(session_id);
       e.last_used = ++tick_;
       fill(v->second, /*cached=*/true);
-      return grpc::Status::OK;
+      return Status::Ok();
     }
     ++e.busy;  // keeps the segment mapped while it is copied without mu_
     host = e.segment->base();
@@ -385,12 +381,12 @@ grpc::Status BaseCache::ShareVram(uint64_t session_id, const std::string& key,
   FreeVram(dead_vram);
   if (!st.ok()) {
     spdlog::info("share_vram of base {} on device {} refused: {}", key, index,
-                 LogSafe(st.error_message(), 1024));
+                 LogSafe(st.message(), 1024));
     return st;
   }
   spdlog::info("share_vram: base {} copied to device {} ({}): {} bytes in {:.3f} s", key,
                allocation.device, allocation.pci_bus_id, allocation.bytes, allocation.copy_seconds);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 }  // namespace trainstream::daemon::base

@@ -28,8 +28,6 @@
 // the copy itself runs without mu_ (the entry is marked busy meanwhile).
 #pragma once
 
-#include <grpcpp/support/status.h>
-
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -46,6 +44,7 @@
 #include "config.h"
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
+#include "trainstream/status.h"
 
 namespace trainstream::daemon::base {
 
@@ -100,16 +99,15 @@ class BaseCache {
   // polled while headers are parsed (with an empty LoadProgress), after each
   // tensor and between the pieces of a large one. A cancelled load gives back
   // its budget and segment and returns CANCELLED (base_loader.h).
-  grpc::Status Load(const PeerCredentials& caller, const BaseLoadOptions& options,
-                    uint64_t session_id, const std::function<bool(const LoadProgress&)>& progress,
-                    BaseInfo* out);
+  Status Load(const PeerCredentials& caller, const BaseLoadOptions& options, uint64_t session_id,
+              const std::function<bool(const LoadProgress&)>& progress, BaseInfo* out);
   // Gives `session_id`'s reference to `key` back. NOT_FOUND if it holds none.
-  grpc::Status Release(uint64_t session_id, const std::string& key);
+  Status Release(uint64_t session_id, const std::string& key);
   // Gives back every reference the session holds (it ended). Idempotent.
   void ReleaseSession(uint64_t session_id);
   // Removes an unreferenced base now. FAILED_PRECONDITION while referenced.
   // Only its owner or an admin may drop it.
-  grpc::Status Drop(const PeerCredentials& caller, const std::string& key, uint64_t* bytes_freed);
+  Status Drop(const PeerCredentials& caller, const std::string& key, uint64_t* bytes_freed);
   // Evicts unreferenced bases, least recently used first, until at least
   // `bytes_needed` were freed or none is left. Returns the bytes freed.
   uint64_t EvictUnreferenced(uint64_t bytes_needed);
@@ -119,8 +117,8 @@ class BaseCache {
   // The base `key` on a GPU for `session_id`, which must hold a reference to it
   // (NOT_FOUND otherwise). Errors: see VramExporter (FAILED_PRECONDITION without
   // CUDA or a GPU, INVALID_ARGUMENT for an unknown device, RESOURCE_EXHAUSTED).
-  grpc::Status ShareVram(uint64_t session_id, const std::string& key, const VramDevice& device,
-                         VramShareInfo* out);
+  Status ShareVram(uint64_t session_id, const std::string& key, const VramDevice& device,
+                   VramShareInfo* out);
 
  private:
   struct VramCopy {

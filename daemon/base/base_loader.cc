@@ -21,11 +21,9 @@ constexpr uint64_t kPage = 4096;
 
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-grpc::Status Invalid(const std::string& msg) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
-}
+Status Invalid(const std::string& msg) { return Status(StatusCode::kInvalidArgument, msg); }
 
-grpc::Status Cancelled() { return grpc::Status(grpc::StatusCode::CANCELLED, kLoadCancelled); }
+Status Cancelled() { return Status(StatusCode::kCancelled, kLoadCancelled); }
 
 // Reads are split into pieces this large so that a cancelled load stops within
 // one piece (tens of ms) even in a multi-GB tensor.
@@ -63,8 +61,8 @@ bool IsFloat(SafetensorsDType d) {
 
 // Reads exactly `bytes` at `offset`; an error names the file and the tensor.
 // `cancelled` is polled between pieces.
-grpc::Status ReadFully(const SourceFile& f, const std::string& tensor, uint64_t offset,
-                       uint64_t bytes, char* dst, const CancelCheck& cancelled) {
+Status ReadFully(const SourceFile& f, const std::string& tensor, uint64_t offset, uint64_t bytes,
+                 char* dst, const CancelCheck& cancelled) {
   uint64_t done = 0;
   while (done < bytes) {
     if (done != 0 && cancelled && cancelled()) return Cancelled();
@@ -72,17 +70,17 @@ grpc::Status ReadFully(const SourceFile& f, const std::string& tensor, uint64_t 
     const ssize_t r = pread(f.fd, dst + done, chunk, static_cast<off_t>(offset + done));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
-      return grpc::Status(grpc::StatusCode::DATA_LOSS,
-                          f.path + ": reading tensor \"" + tensor + "\": " + std::strerror(errno));
+      return Status(StatusCode::kDataLoss,
+                    f.path + ": reading tensor \"" + tensor + "\": " + std::strerror(errno));
     }
     if (r == 0) {
-      return grpc::Status(grpc::StatusCode::DATA_LOSS,
-                          f.path + ": reading tensor \"" + tensor +
-                              "\": the file ended early (it shrank while loading?)");
+      return Status(StatusCode::kDataLoss,
+                    f.path + ": reading tensor \"" + tensor +
+                        "\": the file ended early (it shrank while loading?)");
     }
     done += static_cast<uint64_t>(r);
   }
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 // Index of the first non-finite element, or -1.
@@ -104,7 +102,7 @@ int64_t FirstNonFinite(const PlannedTensor& t, const void* src) {
 
 }  // namespace
 
-grpc::Status ParseBaseFormat(const std::string& format, int64_t block_size, BasePlan* plan) {
+Status ParseBaseFormat(const std::string& format, int64_t block_size, BasePlan* plan) {
   if (block_size < 0) {
     return Invalid("block_size: " + std::to_string(block_size) +
                    " is negative (0 takes the default, 64)");
@@ -113,7 +111,7 @@ grpc::Status ParseBaseFormat(const std::string& format, int64_t block_size, Base
     plan->quantize = false;
     plan->format_name = "none";
     plan->block_size = 0;
-    return grpc::Status::OK;
+    return Status::Ok();
   }
   if (!kernels::ParseQuantFormat(format, &plan->format)) {
     return Invalid("format: '" + format.substr(0, 64) +
@@ -125,7 +123,7 @@ grpc::Status ParseBaseFormat(const std::string& format, int64_t block_size, Base
   plan->quantize = true;
   plan->format_name = kernels::QuantFormatName(plan->format);
   plan->block_size = kernels::EffectiveBlockSize(plan->format, requested);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 bool IsBlockLinearWeight(const SafetensorsTensor& t) {
@@ -148,7 +146,7 @@ bool IsBlockLinearWeight(const SafetensorsTensor& t) {
   return false;
 }
 
-grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan, const CancelCheck& cancelled) {
+Status PlanBase(const ModelSources& sources, BasePlan* plan, const CancelCheck& cancelled) {
   plan->tensors.clear();
   plan->source_bytes = 0;
   plan->quantized_tensors = 0;
@@ -161,9 +159,9 @@ grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan, const CancelC
     const SourceFile& f = sources.files[i];
     if (check()) return Cancelled();
     SafetensorsHeader header;
-    std::string err = ReadSafetensorsHeader(f.fd, f.path, &header, check);
+    Status st = ReadSafetensorsHeader(f.fd, f.path, &header, check);
     if (fired) return Cancelled();
-    if (!err.empty()) return Invalid(err);
+    if (!st.ok()) return st;
     if (plan->tensors.size() + header.tensors.size() > kMaxTensors) {
       return Invalid(sources.path + ": the shards list more than " + std::to_string(kMaxTensors) +
                      " tensors together (" +
@@ -258,7 +256,7 @@ grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan, const CancelC
     }
   }
   plan->total_bytes = plan->data_offset + AlignUp(cursor, kPage);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 std::string BaseManifestJson(const BasePlan& plan, const std::string& key) {
@@ -291,13 +289,13 @@ std::string BaseManifestJson(const BasePlan& plan, const std::string& key) {
   return doc.dump();
 }
 
-grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const std::string& key,
-                      char* segment, const std::function<bool(const LoadProgress&)>& progress,
-                      uint64_t* scratch_peak) {
+Status FillBase(const ModelSources& sources, const BasePlan& plan, const std::string& key,
+                char* segment, const std::function<bool(const LoadProgress&)>& progress,
+                uint64_t* scratch_peak) {
   const std::string manifest = BaseManifestJson(plan, key);
   if (plan.manifest_offset + sizeof(wire::BaseManifestHeader) + manifest.size() >
       plan.data_offset) {
-    return grpc::Status(grpc::StatusCode::INTERNAL, "base manifest outgrew its planned space");
+    return Status(StatusCode::kInternal, "base manifest outgrew its planned space");
   }
   auto* mh = reinterpret_cast<wire::BaseManifestHeader*>(segment + plan.manifest_offset);
   std::memset(static_cast<void*>(mh), 0, sizeof(*mh));
@@ -320,7 +318,7 @@ grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const s
   for (const auto& t : plan.tensors) {
     const SourceFile& f = sources.files[t.file];
     if (!t.quantized) {
-      grpc::Status st =
+      Status st =
           ReadFully(f, t.src.name, t.src.begin, t.src.bytes(), segment + t.offset, cancelled);
       if (!st.ok()) return st;
     } else {
@@ -332,15 +330,14 @@ grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const s
         scratch.reset();  // free first: peak is one buffer, not two
         scratch.reset(new (std::nothrow) char[need]);
         if (!scratch) {
-          return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                              "cannot allocate " + std::to_string(need) +
-                                  " bytes of scratch to quantize tensor \"" + t.src.name + "\"");
+          return Status(StatusCode::kResourceExhausted,
+                        "cannot allocate " + std::to_string(need) +
+                            " bytes of scratch to quantize tensor \"" + t.src.name + "\"");
         }
         scratch_bytes = need;
         *scratch_peak = std::max(*scratch_peak, need);
       }
-      grpc::Status st =
-          ReadFully(f, t.src.name, t.src.begin, t.src.bytes(), scratch.get(), cancelled);
+      Status st = ReadFully(f, t.src.name, t.src.begin, t.src.bytes(), scratch.get(), cancelled);
       if (!st.ok()) return st;
       const int64_t bad = FirstNonFinite(t, scratch.get());
       if (bad >= 0) {
@@ -376,7 +373,7 @@ grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const s
     p.tensors_done += 1;
     if (progress && !progress(p)) return Cancelled();
   }
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 }  // namespace trainstream::daemon::base

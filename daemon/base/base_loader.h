@@ -22,8 +22,6 @@
 // the output layer keep their dtype.
 #pragma once
 
-#include <grpcpp/support/status.h>
-
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -32,6 +30,7 @@
 #include "base/model_sources.h"
 #include "base/safetensors.h"
 #include "trainstream/kernels/quant.h"
+#include "trainstream/status.h"
 
 namespace trainstream::daemon::base {
 
@@ -72,7 +71,7 @@ inline constexpr const char* kLoadCancelled = "base load cancelled";
 
 // Parses `format` ("", "none", "int8", "nf4", "fp8", "nvfp4") and `block_size`
 // (0 takes 64); INVALID_ARGUMENT naming the field and the accepted values.
-grpc::Status ParseBaseFormat(const std::string& format, int64_t block_size, BasePlan* plan);
+Status ParseBaseFormat(const std::string& format, int64_t block_size, BasePlan* plan);
 
 // True when the loader would quantize this tensor (see the header comment).
 bool IsBlockLinearWeight(const SafetensorsTensor& t);
@@ -80,8 +79,8 @@ bool IsBlockLinearWeight(const SafetensorsTensor& t);
 // Fills `plan` (whose format ParseBaseFormat set) from the opened files.
 // INVALID_ARGUMENT for a bad header or index, or more than kMaxTensors tensors
 // in all the files together; CANCELLED once `cancelled` (may be empty) is true.
-grpc::Status PlanBase(const ModelSources& sources, BasePlan* plan,
-                      const CancelCheck& cancelled = nullptr);
+Status PlanBase(const ModelSources& sources, BasePlan* plan,
+                const CancelCheck& cancelled = nullptr);
 
 // The manifest JSON for `plan` (wire/base_manifest.h), `key` included.
 std::string BaseManifestJson(const BasePlan& plan, const std::string& key);
@@ -90,8 +89,8 @@ std::string BaseManifestJson(const BasePlan& plan, const std::string& key);
 // SegmentHeader already written). `progress` is called after each tensor and
 // between the pieces of a large one; when it returns false the load stops with
 // CANCELLED. `scratch_peak` receives the largest scratch allocation.
-grpc::Status FillBase(const ModelSources& sources, const BasePlan& plan, const std::string& key,
-                      char* segment, const std::function<bool(const LoadProgress&)>& progress,
-                      uint64_t* scratch_peak);
+Status FillBase(const ModelSources& sources, const BasePlan& plan, const std::string& key,
+                char* segment, const std::function<bool(const LoadProgress&)>& progress,
+                uint64_t* scratch_peak);
 
 }  // namespace trainstream::daemon::base

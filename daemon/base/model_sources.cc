@@ -21,47 +21,47 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-grpc::Status Errno(int err, const std::string& what, const PeerCredentials& caller) {
+Status Errno(int err, const std::string& what, const PeerCredentials& caller) {
   if (err == EACCES || err == EPERM) {
-    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                        what + ": permission denied for uid " + std::to_string(caller.uid) +
-                            " (the daemon opens base files with the caller's credentials)");
+    return Status(StatusCode::kPermissionDenied,
+                  what + ": permission denied for uid " + std::to_string(caller.uid) +
+                      " (the daemon opens base files with the caller's credentials)");
   }
   if (err == ENOENT || err == ENOTDIR) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, what + ": " + std::strerror(err));
+    return Status(StatusCode::kNotFound, what + ": " + std::strerror(err));
   }
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what + ": " + std::strerror(err));
+  return Status(StatusCode::kInvalidArgument, what + ": " + std::strerror(err));
 }
 
 // Opens `name` (relative to `dirfd`, or absolute) as a regular file. O_NONBLOCK
 // so that a FIFO cannot park the daemon's thread in open().
-grpc::Status OpenRegular(int dirfd, const std::string& name, const std::string& label,
-                         const PeerCredentials& caller, SourceFile* out) {
+Status OpenRegular(int dirfd, const std::string& name, const std::string& label,
+                   const PeerCredentials& caller, SourceFile* out) {
   const int fd = openat(dirfd, name.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   if (fd < 0) return Errno(errno, label, caller);
   out->fd = fd;
   out->path = label;
   if (fstat(fd, &out->st) != 0) return Errno(errno, label, caller);
   if (!S_ISREG(out->st.st_mode)) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        label +
-                            ": not a regular file (a .safetensors file or a model folder "
-                            "is accepted)");
+    return Status(StatusCode::kInvalidArgument,
+                  label +
+                      ": not a regular file (a .safetensors file or a model folder "
+                      "is accepted)");
   }
   // Back to blocking reads.
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status OpenFolder(const PeerCredentials& caller, const std::string& dir, int dirfd,
-                        ModelSources* out) {
+Status OpenFolder(const PeerCredentials& caller, const std::string& dir, int dirfd,
+                  ModelSources* out) {
   SourceFile index_file;
-  grpc::Status st = OpenRegular(dirfd, kIndexName, dir + "/" + kIndexName, caller, &index_file);
+  Status st = OpenRegular(dirfd, kIndexName, dir + "/" + kIndexName, caller, &index_file);
   if (st.ok()) {
     if (static_cast<uint64_t>(index_file.st.st_size) > kMaxIndexBytes) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, index_file.path + ": larger than " +
-                                                                  std::to_string(kMaxIndexBytes) +
-                                                                  " bytes; not a shard index");
+      return Status(StatusCode::kInvalidArgument, index_file.path + ": larger than " +
+                                                      std::to_string(kMaxIndexBytes) +
+                                                      " bytes; not a shard index");
     }
     std::string text(static_cast<size_t>(index_file.st.st_size), '\0');
     size_t done = 0;
@@ -72,33 +72,31 @@ grpc::Status OpenFolder(const PeerCredentials& caller, const std::string& dir, i
       if (r <= 0) return Errno(r < 0 ? errno : EIO, index_file.path, caller);
       done += static_cast<size_t>(r);
     }
-    std::string err = ParseShardIndex(index_file.path, text, &out->index);
-    if (!err.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, err);
+    if (Status parsed = ParseShardIndex(index_file.path, text, &out->index); !parsed.ok())
+      return parsed;
     if (out->index.shards.size() > kMaxShards) {
-      return grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          index_file.path + ": more than " + std::to_string(kMaxShards) + " shards");
+      return Status(StatusCode::kInvalidArgument,
+                    index_file.path + ": more than " + std::to_string(kMaxShards) + " shards");
     }
     out->has_index = true;
     for (const auto& shard : out->index.shards) {
       SourceFile f;
       st = OpenRegular(dirfd, shard, dir + "/" + shard, caller, &f);
       if (!st.ok()) {
-        return grpc::Status(st.error_code(),
-                            st.error_message() + " (a shard named in " + index_file.path + ")");
+        return Status(st.code(), st.message() + " (a shard named in " + index_file.path + ")");
       }
       out->files.push_back(std::move(f));
     }
-    return grpc::Status::OK;
+    return Status::Ok();
   }
-  if (st.error_code() != grpc::StatusCode::NOT_FOUND) return st;
+  if (st.code() != StatusCode::kNotFound) return st;
   SourceFile single;
   st = OpenRegular(dirfd, "model.safetensors", dir + "/model.safetensors", caller, &single);
   if (st.ok()) {
     out->files.push_back(std::move(single));
-    return grpc::Status::OK;
+    return Status::Ok();
   }
-  if (st.error_code() != grpc::StatusCode::NOT_FOUND) return st;
+  if (st.code() != StatusCode::kNotFound) return st;
   const int listfd = dup(dirfd);
   DIR* d = listfd >= 0 ? fdopendir(listfd) : nullptr;
   if (d == nullptr) {
@@ -113,12 +111,12 @@ grpc::Status OpenFolder(const PeerCredentials& caller, const std::string& dir, i
   }
   closedir(d);
   if (names.empty()) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        dir + ": no " + kIndexName + ", model.safetensors or *.safetensors file");
+    return Status(StatusCode::kNotFound,
+                  dir + ": no " + kIndexName + ", model.safetensors or *.safetensors file");
   }
   if (names.size() > kMaxShards) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        dir + ": more than " + std::to_string(kMaxShards) + " .safetensors files");
+    return Status(StatusCode::kInvalidArgument,
+                  dir + ": more than " + std::to_string(kMaxShards) + " .safetensors files");
   }
   std::sort(names.begin(), names.end());
   for (const auto& name : names) {
@@ -127,10 +125,10 @@ grpc::Status OpenFolder(const PeerCredentials& caller, const std::string& dir, i
     if (!st.ok()) return st;
     out->files.push_back(std::move(f));
   }
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status OpenAll(const PeerCredentials& caller, const std::string& path, ModelSources* out) {
+Status OpenAll(const PeerCredentials& caller, const std::string& path, ModelSources* out) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   if (fd < 0) return Errno(errno, path, caller);
   struct stat st {};
@@ -140,16 +138,16 @@ grpc::Status OpenAll(const PeerCredentials& caller, const std::string& path, Mod
     return Errno(err, path, caller);
   }
   if (S_ISDIR(st.st_mode)) {
-    grpc::Status s = OpenFolder(caller, path, fd, out);
+    Status s = OpenFolder(caller, path, fd, out);
     close(fd);
     return s;
   }
   close(fd);
   SourceFile f;
-  grpc::Status s = OpenRegular(AT_FDCWD, path, path, caller, &f);
+  Status s = OpenRegular(AT_FDCWD, path, path, caller, &f);
   if (!s.ok()) return s;
   out->files.push_back(std::move(f));
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 }  // namespace
@@ -173,27 +171,26 @@ SourceFile::~SourceFile() {
   if (fd >= 0) close(fd);
 }
 
-grpc::Status OpenModelAsCaller(const PeerCredentials& caller, const std::string& path,
-                               ModelSources* out) {
+Status OpenModelAsCaller(const PeerCredentials& caller, const std::string& path,
+                         ModelSources* out) {
   *out = ModelSources();
   out->path = path;
   if (path.empty() || path[0] != '/' || path.find('\0') != std::string::npos ||
       path.size() > 4096) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "path: '" + path.substr(0, 200) +
-                            "' is not an absolute path (give the .safetensors file or the model "
-                            "folder as an absolute path)");
+    return Status(StatusCode::kInvalidArgument,
+                  "path: '" + path.substr(0, 200) +
+                      "' is not an absolute path (give the .safetensors file or the model "
+                      "folder as an absolute path)");
   }
   const uid_t daemon_uid = geteuid();
   if (daemon_uid != 0 && caller.uid != daemon_uid) {
-    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                        "path: trainstreamd runs as uid " + std::to_string(daemon_uid) +
-                            ", not root, so it cannot check what uid " +
-                            std::to_string(caller.uid) + " may read; load bases as uid " +
-                            std::to_string(daemon_uid) +
-                            " or run the daemon as root (the system service)");
+    return Status(StatusCode::kPermissionDenied,
+                  "path: trainstreamd runs as uid " + std::to_string(daemon_uid) +
+                      ", not root, so it cannot check what uid " + std::to_string(caller.uid) +
+                      " may read; load bases as uid " + std::to_string(daemon_uid) +
+                      " or run the daemon as root (the system service)");
   }
-  grpc::Status result;
+  Status result;
   std::thread opener([&] {
     if (daemon_uid == 0 && caller.uid != 0) {
       // Thread-local identity switch; see the Note in model_sources.h.
@@ -202,10 +199,9 @@ grpc::Status OpenModelAsCaller(const PeerCredentials& caller, const std::string&
           syscall(SYS_setfsgid, caller.gid) < 0 || syscall(SYS_setfsuid, caller.uid) < 0 ||
           static_cast<uid_t>(syscall(SYS_setfsuid, static_cast<uid_t>(-1))) != caller.uid ||
           static_cast<gid_t>(syscall(SYS_setfsgid, static_cast<gid_t>(-1))) != caller.gid) {
-        result = grpc::Status(grpc::StatusCode::INTERNAL, "cannot take uid " +
-                                                              std::to_string(caller.uid) +
-                                                              "'s filesystem credentials to open " +
-                                                              path + ": " + std::strerror(errno));
+        result = Status(StatusCode::kInternal, "cannot take uid " + std::to_string(caller.uid) +
+                                                   "'s filesystem credentials to open " + path +
+                                                   ": " + std::strerror(errno));
         return;
       }
     }

@@ -17,7 +17,6 @@
 // `model.safetensors`, else every `*.safetensors` file in it.
 #pragma once
 
-#include <grpcpp/support/status.h>
 #include <sys/stat.h>
 
 #include <memory>
@@ -26,6 +25,7 @@
 
 #include "base/safetensors.h"
 #include "caller.h"
+#include "trainstream/status.h"
 
 namespace trainstream::daemon::base {
 
@@ -54,7 +54,6 @@ struct ModelSources {
 // Opens the checkpoint at `path` as `caller` (see the Note). Errors:
 // INVALID_ARGUMENT (not absolute, not a regular file or folder, bad index),
 // NOT_FOUND, PERMISSION_DENIED (naming the uid and the path).
-grpc::Status OpenModelAsCaller(const PeerCredentials& caller, const std::string& path,
-                               ModelSources* out);
+Status OpenModelAsCaller(const PeerCredentials& caller, const std::string& path, ModelSources* out);
 
 }  // namespace trainstream::daemon::base

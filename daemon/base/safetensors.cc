@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <stdexcept>
+#include <utility>
 
 namespace trainstream::daemon::base {
 namespace {
@@ -197,6 +198,11 @@ StrictParseResult StrictParse(std::string_view text, json* out, uint64_t max_ent
   return r;
 }
 
+// Every refusal of the parser: the file is not a checkpoint the daemon accepts.
+Status Invalid(std::string message) {
+  return Status(StatusCode::kInvalidArgument, std::move(message));
+}
+
 std::string Quote(const std::string& s) {
   // Names come from the file: keep the message printable and bounded.
   std::string out = "\"";
@@ -219,67 +225,73 @@ bool MulOverflows(uint64_t a, uint64_t b, uint64_t* out) {
   return __builtin_mul_overflow(a, b, out);
 }
 
-std::string ParseTensor(const std::string& where, const json& v, uint64_t data_bytes,
-                        SafetensorsTensor* t) {
+Status ParseTensor(const std::string& where, const json& v, uint64_t data_bytes,
+                   SafetensorsTensor* t) {
   if (!v.is_object()) {
-    return where + ": must be an object with \"dtype\", \"shape\" and \"data_offsets\", got " +
-           v.type_name();
+    return Invalid(where +
+                   ": must be an object with \"dtype\", \"shape\" and \"data_offsets\", got " +
+                   v.type_name());
   }
   for (auto it = v.begin(); it != v.end(); ++it) {
     if (it.key() != "dtype" && it.key() != "shape" && it.key() != "data_offsets") {
-      return where + ": unknown field " + Quote(it.key()) +
-             " (accepted: dtype, shape, data_offsets)";
+      return Invalid(where + ": unknown field " + Quote(it.key()) +
+                     " (accepted: dtype, shape, data_offsets)");
     }
   }
   if (!v.contains("dtype") || !v["dtype"].is_string()) {
-    return where + ": \"dtype\" is missing or not a string (accepted: " + kSafetensorsDTypes + ")";
+    return Invalid(where +
+                   ": \"dtype\" is missing or not a string (accepted: " + kSafetensorsDTypes + ")");
   }
   const std::string dtype = v["dtype"].get<std::string>();
   if (!ParseSafetensorsDType(dtype, &t->dtype)) {
-    return where + ": dtype " + Quote(dtype) +
-           " is not one this reader knows (accepted: " + kSafetensorsDTypes + ")";
+    return Invalid(where + ": dtype " + Quote(dtype) +
+                   " is not one this reader knows (accepted: " + kSafetensorsDTypes + ")");
   }
   if (!v.contains("shape") || !v["shape"].is_array()) {
-    return where + ": \"shape\" is missing or not an array of non-negative integers";
+    return Invalid(where + ": \"shape\" is missing or not an array of non-negative integers");
   }
   uint64_t numel = 1;
   for (const json& d : v["shape"]) {
     if (!d.is_number_unsigned()) {
-      return where + ": shape " + v["shape"].dump() + " holds " + d.dump() +
-             ", not a non-negative integer";
+      return Invalid(where + ": shape " + v["shape"].dump() + " holds " + d.dump() +
+                     ", not a non-negative integer");
     }
     const uint64_t dim = d.get<uint64_t>();
     if (dim > static_cast<uint64_t>(INT64_MAX) || MulOverflows(numel, dim, &numel)) {
-      return where + ": shape " + v["shape"].dump() + " has more elements than fit in 64 bits";
+      return Invalid(where + ": shape " + v["shape"].dump() +
+                     " has more elements than fit in 64 bits");
     }
     t->shape.push_back(static_cast<int64_t>(dim));
   }
   uint64_t expected = 0;
   if (MulOverflows(numel, SafetensorsDTypeSize(t->dtype), &expected)) {
-    return where + ": shape " + v["shape"].dump() + " of " + dtype + " overflows 64 bits of bytes";
+    return Invalid(where + ": shape " + v["shape"].dump() + " of " + dtype +
+                   " overflows 64 bits of bytes");
   }
   if (!v.contains("data_offsets") || !v["data_offsets"].is_array() ||
       v["data_offsets"].size() != 2 || !v["data_offsets"][0].is_number_unsigned() ||
       !v["data_offsets"][1].is_number_unsigned()) {
-    return where + ": \"data_offsets\" must be [begin, end], two non-negative integers";
+    return Invalid(where + ": \"data_offsets\" must be [begin, end], two non-negative integers");
   }
   t->begin = v["data_offsets"][0].get<uint64_t>();
   t->end = v["data_offsets"][1].get<uint64_t>();
   if (t->begin > t->end) {
-    return where + ": data_offsets [" + std::to_string(t->begin) + ", " + std::to_string(t->end) +
-           "] end before they begin";
+    return Invalid(where + ": data_offsets [" + std::to_string(t->begin) + ", " +
+                   std::to_string(t->end) + "] end before they begin");
   }
   if (t->end > data_bytes) {
-    return where + ": data_offsets [" + std::to_string(t->begin) + ", " + std::to_string(t->end) +
-           "] run past the data area (" + std::to_string(data_bytes) +
-           " bytes after the header): the file is truncated or the offsets are wrong";
+    return Invalid(where + ": data_offsets [" + std::to_string(t->begin) + ", " +
+                   std::to_string(t->end) + "] run past the data area (" +
+                   std::to_string(data_bytes) +
+                   " bytes after the header): the file is truncated or the offsets are wrong");
   }
   if (t->end - t->begin != expected) {
-    return where + ": shape " + v["shape"].dump() + " of " + dtype + " is " +
-           std::to_string(expected) + " bytes but data_offsets [" + std::to_string(t->begin) +
-           ", " + std::to_string(t->end) + "] span " + std::to_string(t->end - t->begin);
+    return Invalid(where + ": shape " + v["shape"].dump() + " of " + dtype + " is " +
+                   std::to_string(expected) + " bytes but data_offsets [" +
+                   std::to_string(t->begin) + ", " + std::to_string(t->end) + "] span " +
+                   std::to_string(t->end - t->begin));
   }
-  return "";
+  return Status::Ok();
 }
 
 }  // namespace
@@ -315,53 +327,62 @@ uint64_t SafetensorsTensor::numel() const {
   return n;
 }
 
-std::string ParseSafetensorsJson(const std::string& file_label, std::string_view text,
-                                 uint64_t file_size, SafetensorsHeader* out,
-                                 const CancelCheck& cancelled) {
+Status ParseSafetensorsJson(const std::string& file_label, std::string_view text,
+                            uint64_t file_size, SafetensorsHeader* out,
+                            const CancelCheck& cancelled) {
   *out = SafetensorsHeader();
   out->header_bytes = text.size();
   out->data_start = 8 + text.size();
   out->file_size = file_size;
   out->header_hash = Fnv1a64(text);
   if (out->data_start > file_size) {
-    return file_label + ": the header (" + std::to_string(text.size()) +
-           " bytes) runs past the end of the file (" + std::to_string(file_size) + " bytes)";
+    return Invalid(file_label + ": the header (" + std::to_string(text.size()) +
+                   " bytes) runs past the end of the file (" + std::to_string(file_size) +
+                   " bytes)");
   }
   const uint64_t data_bytes = file_size - out->data_start;
   json doc;
-  const StrictParseResult parsed = StrictParse(text, &doc, kMaxTensors, "__metadata__", cancelled);
+  // Remembers that `cancelled` fired, so a parse it stopped reads as CANCELLED.
+  bool fired = false;
+  const CancelCheck check = [&] { return fired = fired || (cancelled && cancelled()); };
+  const StrictParseResult parsed = StrictParse(text, &doc, kMaxTensors, "__metadata__", check);
   if (parsed.over_limit) {
-    return file_label + ": header: lists " + std::to_string(parsed.entries) +
-           " tensors, more than the " + std::to_string(kMaxTensors) +
-           " a checkpoint may hold (accepted: at most " + std::to_string(kMaxTensors) +
-           " tensors per file and in all shards together)";
+    return Invalid(file_label + ": header: lists " + std::to_string(parsed.entries) +
+                   " tensors, more than the " + std::to_string(kMaxTensors) +
+                   " a checkpoint may hold (accepted: at most " + std::to_string(kMaxTensors) +
+                   " tensors per file and in all shards together)");
   }
-  if (!parsed.error.empty()) return file_label + ": header: " + parsed.error;
-  std::string err;
+  if (!parsed.error.empty()) {
+    return Status(fired ? StatusCode::kCancelled : StatusCode::kInvalidArgument,
+                  file_label + ": header: " + parsed.error);
+  }
+  Status st;
   if (!doc.is_object()) {
-    return file_label + ": header: must be a JSON object of tensors, got " + doc.type_name();
+    return Invalid(file_label + ": header: must be a JSON object of tensors, got " +
+                   doc.type_name());
   }
   for (auto it = doc.begin(); it != doc.end(); ++it) {
     const std::string& name = it.key();
     if (name == "__metadata__") {
-      if (!it->is_object()) return file_label + ": __metadata__ must be an object of strings";
+      if (!it->is_object())
+        return Invalid(file_label + ": __metadata__ must be an object of strings");
       for (auto m = it->begin(); m != it->end(); ++m) {
         if (!m->is_string()) {
-          return file_label + ": __metadata__ field " + Quote(m.key()) + " must be a string, got " +
-                 m->type_name();
+          return Invalid(file_label + ": __metadata__ field " + Quote(m.key()) +
+                         " must be a string, got " + m->type_name());
         }
         out->metadata[m.key()] = m->get<std::string>();
       }
       continue;
     }
-    if (name.empty()) return file_label + ": a tensor has an empty name";
+    if (name.empty()) return Invalid(file_label + ": a tensor has an empty name");
     if (out->tensors.size() % 4096 == 4095 && cancelled && cancelled()) {
-      return file_label + ": header: parse cancelled";
+      return Status(StatusCode::kCancelled, file_label + ": header: parse cancelled");
     }
     SafetensorsTensor t;
     t.name = name;
-    err = ParseTensor(file_label + ": tensor " + Quote(name), *it, data_bytes, &t);
-    if (!err.empty()) return err;
+    st = ParseTensor(file_label + ": tensor " + Quote(name), *it, data_bytes, &t);
+    if (!st.ok()) return st;
     out->tensors.push_back(std::move(t));
   }
   std::sort(out->tensors.begin(), out->tensors.end(),
@@ -373,120 +394,121 @@ std::string ParseSafetensorsJson(const std::string& file_label, std::string_view
   const SafetensorsTensor* prev = nullptr;
   for (const auto& t : out->tensors) {
     if (t.begin < cursor) {
-      return file_label + ": tensors " + Quote(prev->name) + " [" + std::to_string(prev->begin) +
-             ", " + std::to_string(prev->end) + ") and " + Quote(t.name) + " [" +
-             std::to_string(t.begin) + ", " + std::to_string(t.end) + ") overlap";
+      return Invalid(file_label + ": tensors " + Quote(prev->name) + " [" +
+                     std::to_string(prev->begin) + ", " + std::to_string(prev->end) + ") and " +
+                     Quote(t.name) + " [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                     ") overlap");
     }
     if (t.begin > cursor) {
-      return file_label + ": bytes [" + std::to_string(cursor) + ", " + std::to_string(t.begin) +
-             ") of the data area belong to no tensor (before " + Quote(t.name) +
-             "); safetensors data must be fully indexed, without holes";
+      return Invalid(file_label + ": bytes [" + std::to_string(cursor) + ", " +
+                     std::to_string(t.begin) + ") of the data area belong to no tensor (before " +
+                     Quote(t.name) + "); safetensors data must be fully indexed, without holes");
     }
     cursor = t.end;
     prev = &t;
   }
   if (cursor != data_bytes) {
-    return file_label + ": the tensors end at byte " + std::to_string(cursor) +
-           " of the data area but the file has " + std::to_string(data_bytes) +
-           " data bytes: trailing bytes, or a wrong header length";
+    return Invalid(file_label + ": the tensors end at byte " + std::to_string(cursor) +
+                   " of the data area but the file has " + std::to_string(data_bytes) +
+                   " data bytes: trailing bytes, or a wrong header length");
   }
-  return "";
+  return Status::Ok();
 }
 
 namespace {
 
 // The 8-byte little-endian header length at the start of a file of `size`
 // (>= 8) bytes, checked against the limit and the file's end.
-std::string DecodeHeaderLength(const std::string& file_label, const uint8_t len_bytes[8],
-                               uint64_t size, uint64_t* n_out) {
+Status DecodeHeaderLength(const std::string& file_label, const uint8_t len_bytes[8], uint64_t size,
+                          uint64_t* n_out) {
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
   if (n > kMaxHeaderBytes) {
-    return file_label + ": header length " + std::to_string(n) + " exceeds the " +
-           std::to_string(kMaxHeaderBytes) + "-byte limit (not a safetensors file?)";
+    return Invalid(file_label + ": header length " + std::to_string(n) + " exceeds the " +
+                   std::to_string(kMaxHeaderBytes) + "-byte limit (not a safetensors file?)");
   }
   if (n > size - 8) {
-    return file_label + ": header length " + std::to_string(n) +
-           " runs past the end of the file (" + std::to_string(size) +
-           " bytes): truncated or not a safetensors file";
+    return Invalid(file_label + ": header length " + std::to_string(n) +
+                   " runs past the end of the file (" + std::to_string(size) +
+                   " bytes): truncated or not a safetensors file");
   }
   *n_out = n;
-  return "";
+  return Status::Ok();
 }
 
-std::string TooShort(const std::string& file_label, uint64_t size) {
-  return file_label + ": truncated: " + std::to_string(size) +
-         " bytes, shorter than the 8-byte header length";
+Status TooShort(const std::string& file_label, uint64_t size) {
+  return Invalid(file_label + ": truncated: " + std::to_string(size) +
+                 " bytes, shorter than the 8-byte header length");
 }
 
 }  // namespace
 
-std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data,
-                                   uint64_t size, SafetensorsHeader* out) {
+Status ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data, uint64_t size,
+                              SafetensorsHeader* out) {
   if (size < 8) return TooShort(file_label, size);
   uint64_t n = 0;
-  std::string err = DecodeHeaderLength(file_label, data, size, &n);
-  if (!err.empty()) return err;
+  if (Status st = DecodeHeaderLength(file_label, data, size, &n); !st.ok()) return st;
   return ParseSafetensorsJson(
       file_label, std::string_view(reinterpret_cast<const char*>(data) + 8, n), size, out);
 }
 
-std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out,
-                                  const CancelCheck& cancelled) {
+Status ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out,
+                             const CancelCheck& cancelled) {
   const off_t end = lseek(fd, 0, SEEK_END);
-  if (end < 0) return file_label + ": cannot seek: " + std::strerror(errno);
+  if (end < 0) return Invalid(file_label + ": cannot seek: " + std::strerror(errno));
   const uint64_t size = static_cast<uint64_t>(end);
   uint8_t len_bytes[8];
   if (size < 8) return TooShort(file_label, size);
   if (pread(fd, len_bytes, 8, 0) != 8) {
-    return file_label + ": cannot read the header length: " + std::strerror(errno);
+    return Invalid(file_label + ": cannot read the header length: " + std::strerror(errno));
   }
   uint64_t n = 0;
-  std::string err = DecodeHeaderLength(file_label, len_bytes, size, &n);
-  if (!err.empty()) return err;
+  if (Status st = DecodeHeaderLength(file_label, len_bytes, size, &n); !st.ok()) return st;
   std::string text(n, '\0');
   uint64_t done = 0;
   while (done < n) {
     const ssize_t r = pread(fd, text.data() + done, n - done, static_cast<off_t>(8 + done));
     if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return file_label + ": cannot read the header: " + std::strerror(errno);
+    if (r <= 0) return Invalid(file_label + ": cannot read the header: " + std::strerror(errno));
     done += static_cast<uint64_t>(r);
   }
   return ParseSafetensorsJson(file_label, text, size, out, cancelled);
 }
 
-std::string ParseShardIndex(const std::string& file_label, std::string_view text, ShardIndex* out) {
+Status ParseShardIndex(const std::string& file_label, std::string_view text, ShardIndex* out) {
   *out = ShardIndex();
   json doc;
   const std::string err = StrictParse(text, &doc).error;
-  if (!err.empty()) return file_label + ": " + err;
+  if (!err.empty()) return Invalid(file_label + ": " + err);
   if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) {
-    return file_label +
-           ": must be an object with a \"weight_map\" object (tensor name -> shard "
-           "file name)";
+    return Invalid(file_label +
+                   ": must be an object with a \"weight_map\" object (tensor name -> shard "
+                   "file name)");
   }
   if (doc["weight_map"].size() > kMaxTensors) {
-    return file_label + ": weight_map lists " + std::to_string(doc["weight_map"].size()) +
-           " tensors, more than the " + std::to_string(kMaxTensors) +
-           " a checkpoint may hold (accepted: at most " + std::to_string(kMaxTensors) + ")";
+    return Invalid(file_label + ": weight_map lists " + std::to_string(doc["weight_map"].size()) +
+                   " tensors, more than the " + std::to_string(kMaxTensors) +
+                   " a checkpoint may hold (accepted: at most " + std::to_string(kMaxTensors) +
+                   ")");
   }
   std::set<std::string> shards;
   for (auto it = doc["weight_map"].begin(); it != doc["weight_map"].end(); ++it) {
     if (!it->is_string()) {
-      return file_label + ": weight_map[" + Quote(it.key()) + "] must be a file name string";
+      return Invalid(file_label + ": weight_map[" + Quote(it.key()) +
+                     "] must be a file name string");
     }
     const std::string file = it->get<std::string>();
     if (file.empty() || file == "." || file == ".." || file.find('/') != std::string::npos ||
         file.find('\0') != std::string::npos) {
-      return file_label + ": weight_map[" + Quote(it.key()) + "] = " + Quote(file) +
-             " is not a file name in the model's folder (no '/', not '.' or '..')";
+      return Invalid(file_label + ": weight_map[" + Quote(it.key()) + "] = " + Quote(file) +
+                     " is not a file name in the model's folder (no '/', not '.' or '..')");
     }
     out->weight_map[it.key()] = file;
     shards.insert(file);
   }
-  if (shards.empty()) return file_label + ": weight_map is empty";
+  if (shards.empty()) return Invalid(file_label + ": weight_map is empty");
   out->shards.assign(shards.begin(), shards.end());
-  return "";
+  return Status::Ok();
 }
 
 }  // namespace trainstream::daemon::base

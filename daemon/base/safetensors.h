@@ -16,7 +16,8 @@
 // kMaxTensors tensors, and a long parse can be cancelled (CancelCheck).
 //
 // No I/O beyond pread on a caller's fd, no gRPC: the fuzz target
-// (tests/fuzz/safetensors_fuzz.cc) links only this file and nlohmann-json.
+// (tests/fuzz/safetensors_fuzz.cc) links only this file, trainstream_status and
+// nlohmann-json.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "trainstream/status.h"
 
 namespace trainstream::daemon::base {
 
@@ -88,19 +91,21 @@ struct SafetensorsHeader {
 };
 
 // Parses a header whose JSON is `json` (N bytes) for a file of `file_size` bytes.
-// Returns "" on success, else an error that starts with `file_label`.
-std::string ParseSafetensorsJson(const std::string& file_label, std::string_view json,
-                                 uint64_t file_size, SafetensorsHeader* out,
-                                 const CancelCheck& cancelled = nullptr);
+// Returns OK, else INVALID_ARGUMENT with a message that starts with
+// `file_label` (CANCELLED when `cancelled` said so). The same holds for the
+// other calls below, a file that cannot be read included.
+Status ParseSafetensorsJson(const std::string& file_label, std::string_view json,
+                            uint64_t file_size, SafetensorsHeader* out,
+                            const CancelCheck& cancelled = nullptr);
 
 // Treats `data[0, size)` as a whole safetensors file (the fuzz target's entry).
-std::string ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data,
-                                   uint64_t size, SafetensorsHeader* out);
+Status ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data, uint64_t size,
+                              SafetensorsHeader* out);
 
 // Reads and parses the header of the open file `fd` (pread; the file offset is
 // not moved). `file_label` is the path shown in errors.
-std::string ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out,
-                                  const CancelCheck& cancelled = nullptr);
+Status ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out,
+                             const CancelCheck& cancelled = nullptr);
 
 // A parsed `model.safetensors.index.json`: tensor name -> shard file name (a
 // plain file name in the same folder: no '/', not "." or ".."), at most
@@ -110,6 +115,6 @@ struct ShardIndex {
   std::vector<std::string> shards;  // distinct file names, sorted
 };
 
-std::string ParseShardIndex(const std::string& file_label, std::string_view json, ShardIndex* out);
+Status ParseShardIndex(const std::string& file_label, std::string_view json, ShardIndex* out);
 
 }  // namespace trainstream::daemon::base

@@ -9,11 +9,11 @@
 // under one mutex: the daemon's gRPC threads never race on the current device.
 #pragma once
 
-#include <grpcpp/support/status.h>
-
 #include <cstdint>
 #include <mutex>
 #include <string>
+
+#include "trainstream/status.h"
 
 namespace trainstream::daemon::base {
 
@@ -46,11 +46,11 @@ class VramExporter {
   // The daemon's index and PCI bus id of `want`. Initializes CUDA on first use.
   // FAILED_PRECONDITION: built without CUDA, or no usable device / driver.
   // INVALID_ARGUMENT: no such device.
-  grpc::Status Resolve(const VramDevice& want, int* device, std::string* pci_bus_id);
+  Status Resolve(const VramDevice& want, int* device, std::string* pci_bus_id);
   // Allocates `bytes` on `device`, copies them from `host` and exports the
   // allocation. RESOURCE_EXHAUSTED when the device lacks the memory. On failure
   // nothing stays allocated. The caller frees a returned allocation with Free.
-  grpc::Status Export(int device, const void* host, uint64_t bytes, VramAllocation* out);
+  Status Export(int device, const void* host, uint64_t bytes, VramAllocation* out);
   // Frees an allocation Export returned (processes that opened its handle keep
   // their mapping until they close it).
   void Free(const VramAllocation& allocation);

@@ -17,9 +17,9 @@ std::string Describe(cudaError_t err) {
 
 // Builds the status for a failed CUDA call and clears the thread's last error so
 // the next request starts clean (the daemon stays healthy after any failure).
-grpc::Status Failed(grpc::StatusCode code, const std::string& what, cudaError_t err) {
+Status Failed(StatusCode code, const std::string& what, cudaError_t err) {
   cudaGetLastError();
-  return grpc::Status(code, what + " (" + Describe(err) + ")");
+  return Status(code, what + " (" + Describe(err) + ")");
 }
 
 std::string BusId(int device) {
@@ -41,15 +41,15 @@ std::string DeviceList(int count) {
 
 bool VramExporter::built_with_cuda() { return true; }
 
-grpc::Status VramExporter::Resolve(const VramDevice& want, int* device, std::string* pci_bus_id) {
+Status VramExporter::Resolve(const VramDevice& want, int* device, std::string* pci_bus_id) {
   std::lock_guard<std::mutex> lock(mu_);
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
     const std::string why = err != cudaSuccess ? Describe(err) : "0 devices";
     cudaGetLastError();
-    return grpc::Status(
-        grpc::StatusCode::FAILED_PRECONDITION,
+    return Status(
+        StatusCode::kFailedPrecondition,
         "share_vram: trainstreamd sees no usable CUDA device (cudaGetDeviceCount: " + why +
             "); the daemon runs where there is no GPU or driver, or its "
             "CUDA_VISIBLE_DEVICES hides them; load the base without share_vram");
@@ -59,28 +59,26 @@ grpc::Status VramExporter::Resolve(const VramDevice& want, int* device, std::str
     err = cudaDeviceGetByPCIBusId(&dev, want.pci_bus_id.c_str());
     if (err != cudaSuccess) {
       cudaGetLastError();
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "pci_bus_id: trainstreamd has no CUDA device with PCI bus id '" +
-                              want.pci_bus_id.substr(0, 64) + "' (it sees " + DeviceList(count) +
-                              ")");
+      return Status(StatusCode::kInvalidArgument,
+                    "pci_bus_id: trainstreamd has no CUDA device with PCI bus id '" +
+                        want.pci_bus_id.substr(0, 64) + "' (it sees " + DeviceList(count) + ")");
     }
   } else if (dev < 0 || dev >= count) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "device: trainstreamd has no CUDA device " + std::to_string(dev) +
-                            " (it sees " + std::to_string(count) + ": " + DeviceList(count) + ")");
+    return Status(StatusCode::kInvalidArgument,
+                  "device: trainstreamd has no CUDA device " + std::to_string(dev) + " (it sees " +
+                      std::to_string(count) + ": " + DeviceList(count) + ")");
   }
   *device = dev;
   *pci_bus_id = BusId(dev);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status VramExporter::Export(int device, const void* host, uint64_t bytes,
-                                  VramAllocation* out) {
+Status VramExporter::Export(int device, const void* host, uint64_t bytes, VramAllocation* out) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto started = std::chrono::steady_clock::now();
   const std::string where = "device " + std::to_string(device) + " (" + BusId(device) + ")";
   cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return Failed(grpc::StatusCode::UNAVAILABLE, "cannot use " + where, err);
+  if (err != cudaSuccess) return Failed(StatusCode::kUnavailable, "cannot use " + where, err);
   void* ptr = nullptr;
   err = cudaMalloc(&ptr, bytes);
   if (err != cudaSuccess) {
@@ -88,9 +86,8 @@ grpc::Status VramExporter::Export(int device, const void* host, uint64_t bytes,
     cudaGetLastError();
     cudaMemGetInfo(&free_bytes, &total_bytes);
     cudaGetLastError();
-    const grpc::StatusCode code = err == cudaErrorMemoryAllocation
-                                      ? grpc::StatusCode::RESOURCE_EXHAUSTED
-                                      : grpc::StatusCode::INTERNAL;
+    const StatusCode code =
+        err == cudaErrorMemoryAllocation ? StatusCode::kResourceExhausted : StatusCode::kInternal;
     return Failed(code,
                   "share_vram: cannot allocate " + std::to_string(bytes) +
                       " bytes for the base on " + where + ": " + std::to_string(free_bytes) +
@@ -102,9 +99,8 @@ grpc::Status VramExporter::Export(int device, const void* host, uint64_t bytes,
   cudaIpcMemHandle_t handle{};
   if (err == cudaSuccess) err = cudaIpcGetMemHandle(&handle, ptr);
   if (err != cudaSuccess) {
-    grpc::Status st =
-        Failed(grpc::StatusCode::INTERNAL,
-               "share_vram: copying the base to " + where + " or exporting it failed", err);
+    Status st = Failed(StatusCode::kInternal,
+                       "share_vram: copying the base to " + where + " or exporting it failed", err);
     cudaFree(ptr);
     cudaGetLastError();
     return st;
@@ -116,7 +112,7 @@ grpc::Status VramExporter::Export(int device, const void* host, uint64_t bytes,
   out->ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
   out->copy_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 void VramExporter::Free(const VramAllocation& allocation) {

@@ -5,23 +5,21 @@
 namespace trainstream::daemon::base {
 namespace {
 
-grpc::Status NotBuilt() {
-  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                      "share_vram: this trainstreamd was built without CUDA "
-                      "(TRAINSTREAM_WITH_CUDA=OFF or no CUDA toolkit at build time), so it "
-                      "cannot place a base on a GPU; rebuild it with the CUDA toolkit, or load "
-                      "the base without share_vram");
+Status NotBuilt() {
+  return Status(StatusCode::kFailedPrecondition,
+                "share_vram: this trainstreamd was built without CUDA "
+                "(TRAINSTREAM_WITH_CUDA=OFF or no CUDA toolkit at build time), so it "
+                "cannot place a base on a GPU; rebuild it with the CUDA toolkit, or load "
+                "the base without share_vram");
 }
 
 }  // namespace
 
 bool VramExporter::built_with_cuda() { return false; }
 
-grpc::Status VramExporter::Resolve(const VramDevice&, int*, std::string*) { return NotBuilt(); }
+Status VramExporter::Resolve(const VramDevice&, int*, std::string*) { return NotBuilt(); }
 
-grpc::Status VramExporter::Export(int, const void*, uint64_t, VramAllocation*) {
-  return NotBuilt();
-}
+Status VramExporter::Export(int, const void*, uint64_t, VramAllocation*) { return NotBuilt(); }
 
 void VramExporter::Free(const VramAllocation&) {}
 

@@ -6,28 +6,27 @@
 
 namespace trainstream::daemon {
 
-grpc::Status Budget::Reserve(uint64_t bytes, const std::string& what) {
+Status Budget::Reserve(uint64_t bytes, const std::string& what) {
   uint64_t missing = 0;
-  grpc::Status st = TryReserve(bytes, what, &missing);
+  Status st = TryReserve(bytes, what, &missing);
   if (st.ok() || !reclaimer_ || bytes > limit_ || reclaimer_(missing) == 0) return st;
   return TryReserve(bytes, what, &missing);
 }
 
-grpc::Status Budget::TryReserve(uint64_t bytes, const std::string& what, uint64_t* missing) {
+Status Budget::TryReserve(uint64_t bytes, const std::string& what, uint64_t* missing) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t available = limit_ - used_;
   if (bytes > available) {
     *missing = bytes - available;
-    return grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        "memory budget exhausted: asked " + std::to_string(bytes) + " bytes (" + HumanBytes(bytes) +
-            ") for " + what + ", " + std::to_string(available) + " bytes (" +
-            HumanBytes(available) + ") free of the " + std::to_string(limit_) + "-byte (" +
-            HumanBytes(limit_) +
-            ") limit; free regions, end other sessions, or raise the daemon's --budget");
+    return Status(StatusCode::kResourceExhausted,
+                  "memory budget exhausted: asked " + std::to_string(bytes) + " bytes (" +
+                      HumanBytes(bytes) + ") for " + what + ", " + std::to_string(available) +
+                      " bytes (" + HumanBytes(available) + ") free of the " +
+                      std::to_string(limit_) + "-byte (" + HumanBytes(limit_) +
+                      ") limit; free regions, end other sessions, or raise the daemon's --budget");
   }
   used_ += bytes;
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 void Budget::Release(uint64_t bytes) {

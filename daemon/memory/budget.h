@@ -3,12 +3,12 @@
 // it when it is unmapped. Thread-safe.
 #pragma once
 
-#include <grpcpp/support/status.h>
-
 #include <cstdint>
 #include <functional>
 #include <mutex>
 #include <string>
+
+#include "trainstream/status.h"
 
 namespace trainstream::daemon {
 
@@ -20,7 +20,7 @@ class Budget {
 
   // Takes `bytes` from the budget, or fails with RESOURCE_EXHAUSTED naming the
   // bytes asked, the bytes free and the limit (`what` says what they were for).
-  grpc::Status Reserve(uint64_t bytes, const std::string& what);
+  Status Reserve(uint64_t bytes, const std::string& what);
   // Returns bytes taken by Reserve. Returning more than is in use is a bug; it
   // clamps at zero (and asserts in debug builds).
   void Release(uint64_t bytes);
@@ -37,7 +37,7 @@ class Budget {
   uint64_t free() const;
 
  private:
-  grpc::Status TryReserve(uint64_t bytes, const std::string& what, uint64_t* missing);
+  Status TryReserve(uint64_t bytes, const std::string& what, uint64_t* missing);
   const uint64_t limit_;
   std::function<uint64_t(uint64_t)> reclaimer_;
   mutable std::mutex mu_;

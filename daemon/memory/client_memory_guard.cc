@@ -76,7 +76,7 @@ void OnSigbus(int sig, siginfo_t* info, void* ucontext) {
 
 }  // namespace
 
-std::string ClientMemoryGuard::Install() {
+Status ClientMemoryGuard::Install() {
   std::call_once(g_install_once, [] {
     const int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (fd < 0) {
@@ -91,7 +91,8 @@ std::string ClientMemoryGuard::Install() {
     if (sigaction(SIGBUS, &sa, &g_previous) != 0)
       g_install_error = std::string("sigaction(SIGBUS): ") + std::strerror(errno);
   });
-  return g_install_error;
+  if (g_install_error.empty()) return Status::Ok();
+  return Status(StatusCode::kInternal, g_install_error);
 }
 
 int ClientMemoryGuard::Register(void* base, size_t bytes, uint64_t owner) {

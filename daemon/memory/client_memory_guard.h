@@ -32,6 +32,8 @@
 #include <string>
 #include <vector>
 
+#include "trainstream/status.h"
+
 namespace trainstream::daemon {
 
 class ClientMemoryGuard {
@@ -39,9 +41,9 @@ class ClientMemoryGuard {
   // Ranges one daemon may guard at once (one per segment). Register fails past it.
   static constexpr size_t kMaxRanges = size_t{1} << 17;
 
-  // Installs the SIGBUS handler once per process; later calls do nothing.
-  // Returns "" or why it could not.
-  static std::string Install();
+  // Installs the SIGBUS handler once per process; later calls do nothing but
+  // answer the same. INTERNAL says why it could not.
+  static Status Install();
 
   // Registers [base, base + bytes) on behalf of `owner` (a session id; 0 for the
   // daemon's own, e.g. bases). Returns a handle >= 0, or -1 when kMaxRanges are

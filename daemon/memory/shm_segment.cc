@@ -105,11 +105,10 @@ bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* tot
   return true;
 }
 
-grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
-                                const SegmentOwner& owner, bool lock,
-                                std::unique_ptr<ShmSegment>* out) {
+Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
+                          const SegmentOwner& owner, bool lock, std::unique_ptr<ShmSegment>* out) {
   if (total_bytes < wire::kSegmentHeaderBytes) {
-    return grpc::Status(grpc::StatusCode::INTERNAL, "segment smaller than its header");
+    return Status(StatusCode::kInternal, "segment smaller than its header");
   }
   std::unique_ptr<ShmSegment> seg(new ShmSegment());
   // Note [Segments outlive a crashed daemon].
@@ -123,9 +122,9 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
   // is before `seg` unlinks and unmaps, as it always was.
   platform::ShmFile file;
   if (int err = platform::ShmFile::Create(dir, seg->name_, &file); err != 0) {
-    auto code = err == EACCES || err == EPERM ? grpc::StatusCode::PERMISSION_DENIED
-                                              : grpc::StatusCode::INTERNAL;
-    return grpc::Status(code, "cannot create segment " + path + ": " + std::strerror(err));
+    auto code =
+        err == EACCES || err == EPERM ? StatusCode::kPermissionDenied : StatusCode::kInternal;
+    return Status(code, "cannot create segment " + path + ": " + std::strerror(err));
   }
   // The file is ours now: from here on, destroying `seg` unlinks it.
   seg->dir_ = dir;
@@ -143,24 +142,23 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
     if (rc == ENOSPC) {
       msg += "; enlarge it (e.g. `mount -o remount,size=<bytes> " + dir +
              "`) or lower the daemon's --budget";
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, msg);
+      return Status(StatusCode::kResourceExhausted, msg);
     }
-    return grpc::Status(grpc::StatusCode::INTERNAL, msg);
+    return Status(StatusCode::kInternal, msg);
   }
   if (int err = platform::ShmMapping::Map(file, platform::ShmAccess::kReadWrite, total_bytes,
                                           /*populate=*/true, &seg->mapping_);
       err != 0) {
-    return grpc::Status(grpc::StatusCode::INTERNAL,
-                        "mmap " + seg->path_ + ": " + std::strerror(err));
+    return Status(StatusCode::kInternal, "mmap " + seg->path_ + ": " + std::strerror(err));
   }
   void* base = seg->mapping_->data();
   seg->base_ = base;
   // Before the first access, and before any client can open the file.
   seg->guard_ = ClientMemoryGuard::Register(base, total_bytes, owner.session_id);
   if (seg->guard_ < 0) {
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        "the daemon holds " + std::to_string(ClientMemoryGuard::kMaxRanges) +
-                            " segments, its limit; free regions or end sessions");
+    return Status(StatusCode::kResourceExhausted,
+                  "the daemon holds " + std::to_string(ClientMemoryGuard::kMaxRanges) +
+                      " segments, its limit; free regions or end sessions");
   }
   if (lock) seg->locked_ = mlock(base, total_bytes) == 0;
 
@@ -182,29 +180,30 @@ grpc::Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t 
   // fchown is POSIX on the seam's handle (Boost knows no owners).
   if (kind == v1::SEGMENT_KIND_SESSION && geteuid() == 0 && owner.uid != 0 &&
       fchown(file.native_handle(), owner.uid, static_cast<gid_t>(-1)) != 0) {
-    return grpc::Status(grpc::StatusCode::INTERNAL, "fchown " + seg->path_ + " to uid " +
-                                                        std::to_string(owner.uid) + ": " +
-                                                        std::strerror(errno));
+    return Status(StatusCode::kInternal, "fchown " + seg->path_ + " to uid " +
+                                             std::to_string(owner.uid) + ": " +
+                                             std::strerror(errno));
   }
   *out = std::move(seg);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-std::string ShmSegment::ShareReadOnly() {
+Status ShmSegment::ShareReadOnly() {
   // Note [Why base segments are read-only] (wire/base_manifest.h). Ownership
   // and ACLs are POSIX, by path (Note [Segments through Boost.Interprocess]).
   if (geteuid() == 0 && share_uid_ != 0) {
     const std::string acl = ReadOnlyAclFor(share_uid_);
     if (chmod(path_.c_str(), 0440) == 0 &&
         setxattr(path_.c_str(), "system.posix_acl_access", acl.data(), acl.size(), 0) == 0) {
-      return "";
+      return Status::Ok();
     }
     // No ACLs here: the old way, the owner's own file at 0400.
     if (chown(path_.c_str(), share_uid_, static_cast<gid_t>(-1)) != 0)
-      return "chown " + path_ + ": " + std::strerror(errno);
+      return Status(StatusCode::kInternal, "chown " + path_ + ": " + std::strerror(errno));
   }
-  if (chmod(path_.c_str(), 0400) != 0) return "chmod 0400 " + path_ + ": " + std::strerror(errno);
-  return "";
+  if (chmod(path_.c_str(), 0400) != 0)
+    return Status(StatusCode::kInternal, "chmod 0400 " + path_ + ": " + std::strerror(errno));
+  return Status::Ok();
 }
 
 bool ShmSegment::faulted() const { return ClientMemoryGuard::Faulted(guard_); }

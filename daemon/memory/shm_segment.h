@@ -27,13 +27,13 @@
 // release after destruction.
 #pragma once
 
-#include <grpcpp/support/status.h>
 #include <sys/types.h>
 
 #include <cstdint>
 #include <memory>
 #include <string>
 
+#include "trainstream/status.h"
 #include "trainstream/wire/segment_header.h"
 
 namespace trainstream::platform {
@@ -61,16 +61,15 @@ class ShmSegment {
   // a failure is not an error (locked() says whether it worked).
   // Errors: RESOURCE_EXHAUSTED when the directory is full (names it, its free
   // space and the fix), INTERNAL/PERMISSION_DENIED for other failures.
-  static grpc::Status Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
-                             const SegmentOwner& owner, bool lock,
-                             std::unique_ptr<ShmSegment>* out);
+  static Status Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
+                       const SegmentOwner& owner, bool lock, std::unique_ptr<ShmSegment>* out);
 
   // Removes the file now (the mapping stays until destruction). Idempotent.
   void Unlink();
 
   // Bases, once filled: makes the file read-only for good and readable by the
-  // owner's uid (Note [Who may open a segment]). Returns "" or what failed.
-  std::string ShareReadOnly();
+  // owner's uid (Note [Who may open a segment]). INTERNAL says what failed.
+  Status ShareReadOnly();
 
   // True once a client truncated the file under the daemon's mapping (the
   // mapping holds zeros since; ClientMemoryGuard).

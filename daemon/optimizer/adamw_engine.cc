@@ -61,13 +61,20 @@ struct AdamWEngine::Step {
 
 namespace {
 
-std::string CheckHyperParams(const AdamWHyperParams& hp) {
-  if (!(hp.lr >= 0)) return "invalid learning rate " + std::to_string(hp.lr) + " (need >= 0)";
-  if (!(hp.beta1 >= 0 && hp.beta1 < 1)) return "invalid beta1 " + std::to_string(hp.beta1);
-  if (!(hp.beta2 >= 0 && hp.beta2 < 1)) return "invalid beta2 " + std::to_string(hp.beta2);
-  if (!(hp.eps >= 0)) return "invalid eps " + std::to_string(hp.eps);
-  if (!(hp.weight_decay >= 0)) return "invalid weight_decay " + std::to_string(hp.weight_decay);
-  return "";
+Status CheckHyperParams(const AdamWHyperParams& hp) {
+  if (!(hp.lr >= 0))
+    return Status(StatusCode::kInvalidArgument,
+                  "invalid learning rate " + std::to_string(hp.lr) + " (need >= 0)");
+  if (!(hp.beta1 >= 0 && hp.beta1 < 1))
+    return Status(StatusCode::kInvalidArgument, "invalid beta1 " + std::to_string(hp.beta1));
+  if (!(hp.beta2 >= 0 && hp.beta2 < 1))
+    return Status(StatusCode::kInvalidArgument, "invalid beta2 " + std::to_string(hp.beta2));
+  if (!(hp.eps >= 0))
+    return Status(StatusCode::kInvalidArgument, "invalid eps " + std::to_string(hp.eps));
+  if (!(hp.weight_decay >= 0))
+    return Status(StatusCode::kInvalidArgument,
+                  "invalid weight_decay " + std::to_string(hp.weight_decay));
+  return Status::Ok();
 }
 
 double OrderedSum(std::vector<double> parts) {
@@ -125,21 +132,29 @@ void AdamWEngine::SetCallbacks(ParamDoneCallback param_done, StepDoneCallback st
   step_done_ = std::move(step_done);
 }
 
-std::string AdamWEngine::AddParam(const ParamBinding& b) {
-  if (by_id_.count(b.param_id)) return "parameter " + std::to_string(b.param_id) + " already added";
-  if (b.numel == 0) return "parameter " + std::to_string(b.param_id) + " has no elements";
+Status AdamWEngine::AddParam(const ParamBinding& b) {
+  if (by_id_.count(b.param_id))
+    return Status(StatusCode::kAlreadyExists,
+                  "parameter " + std::to_string(b.param_id) + " already added");
+  if (b.numel == 0)
+    return Status(StatusCode::kInvalidArgument,
+                  "parameter " + std::to_string(b.param_id) + " has no elements");
   const bool split = b.master_lo != nullptr;
   if ((!b.master && !split) || !b.exp_avg || !b.exp_avg_sq || !b.grad_slot || !b.param_slot) {
-    return "parameter " + std::to_string(b.param_id) + ": null pointer in binding";
+    return Status(StatusCode::kInvalidArgument,
+                  "parameter " + std::to_string(b.param_id) + ": null pointer in binding");
   }
   if (split && (b.master != nullptr || b.param_dtype != DType::kBFloat16)) {
-    return "parameter " + std::to_string(b.param_id) +
-           ": a split master (master_lo) needs a bf16 param_slot and no fp32 master";
+    return Status(StatusCode::kInvalidArgument,
+                  "parameter " + std::to_string(b.param_id) +
+                      ": a split master (master_lo) needs a bf16 param_slot and no fp32 master");
   }
-  if (options_.moment_dtype == DType::kFloat16) return "moments must be fp32 or bf16, not fp16";
+  if (options_.moment_dtype == DType::kFloat16)
+    return Status(StatusCode::kInvalidArgument, "moments must be fp32 or bf16, not fp16");
   if (b.param_slot == static_cast<void*>(b.master) && b.param_dtype != DType::kFloat32) {
-    return "parameter " + std::to_string(b.param_id) +
-           ": param_slot may alias master only for fp32 parameters";
+    return Status(StatusCode::kInvalidArgument,
+                  "parameter " + std::to_string(b.param_id) +
+                      ": param_slot may alias master only for fp32 parameters");
   }
   auto p = std::make_unique<Param>();
   p->binding = b;
@@ -158,10 +173,10 @@ std::string AdamWEngine::AddParam(const ParamBinding& b) {
   p->chunk_sumsq.assign(p->chunks.size(), 0.0);
   by_id_[b.param_id] = p.get();
   params_.push_back(std::move(p));
-  return "";
+  return Status::Ok();
 }
 
-std::string AdamWEngine::Init() {
+Status AdamWEngine::Init() {
   size_t tasks = 0;
   for (size_t i = initialized_; i < params_.size(); ++i) tasks += params_[i]->chunks.size();
   Latch latch(tasks);
@@ -188,28 +203,33 @@ std::string AdamWEngine::Init() {
   }
   latch.Wait();
   initialized_ = params_.size();
-  return "";
+  return Status::Ok();
 }
 
-std::string AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp) {
+Status AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp) {
   auto it = by_id_.find(param_id);
-  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  if (it == by_id_.end())
+    return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
   Param* p = it->second;
   if (p->index >= initialized_)
-    return "parameter " + std::to_string(param_id) + " not initialised (Init)";
-  if (std::string err = CheckHyperParams(hp); !err.empty()) return err;
+    return Status(StatusCode::kFailedPrecondition,
+                  "parameter " + std::to_string(param_id) + " not initialised (Init)");
+  if (Status st = CheckHyperParams(hp); !st.ok()) return st;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (p->busy) {
-      return "parameter " + std::to_string(param_id) + " still has an update in flight (step " +
-             std::to_string(p->submit_step) + ")";
+      return Status(StatusCode::kFailedPrecondition, "parameter " + std::to_string(param_id) +
+                                                         " still has an update in flight (step " +
+                                                         std::to_string(p->submit_step) + ")");
     }
     std::unique_ptr<Step>& s = steps_[step];
     if (!s) {
       s = std::make_unique<Step>();
       s->result.step = step;
     }
-    if (s->ended) return "step " + std::to_string(step) + " already ended";
+    if (s->ended)
+      return Status(StatusCode::kFailedPrecondition,
+                    "step " + std::to_string(step) + " already ended");
     p->busy = true;
     p->submit_step = step;
     p->hp = hp;
@@ -219,26 +239,28 @@ std::string AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const Adam
     ++in_flight_;
   }
   StartNormPhase(p);
-  return "";
+  return Status::Ok();
 }
 
-std::string AdamWEngine::StepEnd(uint64_t step) {
+Status AdamWEngine::StepEnd(uint64_t step) {
   std::unique_lock<std::mutex> lock(mu_);
   std::unique_ptr<Step>& s = steps_[step];
   if (!s) {
     s = std::make_unique<Step>();
     s->result.step = step;
   }
-  if (s->ended) return "step " + std::to_string(step) + " already ended";
+  if (s->ended)
+    return Status(StatusCode::kFailedPrecondition,
+                  "step " + std::to_string(step) + " already ended");
   s->ended = true;
   if (deferred_ && s->norms_pending == 0 && !s->params.empty() && !s->updates_started) {
     s->updates_started = true;
     lock.unlock();
     FinishDeferredNorms(step);
-    return "";
+    return Status::Ok();
   }
   MaybeFinishStep(step, lock);
-  return "";
+  return Status::Ok();
 }
 
 void AdamWEngine::WaitIdle() {
@@ -456,7 +478,7 @@ void AdamWEngine::MaybeFinishStep(uint64_t step, std::unique_lock<std::mutex>& l
            : options_.eager_check_per_chunk
                ? ": their chunks with non-finite values were not updated, everything else was"
                : ": those parameters were not updated, the others were";
-    r.error = msg;
+    r.error = Status(StatusCode::kInvalidArgument, msg);
   }
   if (step_done_) step_done_(r);
 
@@ -470,27 +492,28 @@ size_t AdamWEngine::ParamNumel(uint64_t param_id) const {
   return it == by_id_.end() ? 0 : it->second->binding.numel;
 }
 
-std::string AdamWEngine::ExportState(uint64_t param_id, float* master, float* exp_avg,
-                                     float* exp_avg_sq, uint64_t* step) const {
-  std::string err = ExportArray(param_id, StateArray::kMaster, master);
-  if (err.empty()) err = ExportArray(param_id, StateArray::kExpAvg, exp_avg);
-  if (err.empty()) err = ExportArray(param_id, StateArray::kExpAvgSq, exp_avg_sq);
-  if (err.empty()) err = GetStep(param_id, step);
-  return err;
+Status AdamWEngine::ExportState(uint64_t param_id, float* master, float* exp_avg, float* exp_avg_sq,
+                                uint64_t* step) const {
+  Status st = ExportArray(param_id, StateArray::kMaster, master);
+  if (st.ok()) st = ExportArray(param_id, StateArray::kExpAvg, exp_avg);
+  if (st.ok()) st = ExportArray(param_id, StateArray::kExpAvgSq, exp_avg_sq);
+  if (st.ok()) st = GetStep(param_id, step);
+  return st;
 }
 
-std::string AdamWEngine::ImportState(uint64_t param_id, const float* master, const float* exp_avg,
-                                     const float* exp_avg_sq, uint64_t step) {
-  std::string err = ImportArray(param_id, StateArray::kMaster, master);
-  if (err.empty()) err = ImportArray(param_id, StateArray::kExpAvg, exp_avg);
-  if (err.empty()) err = ImportArray(param_id, StateArray::kExpAvgSq, exp_avg_sq);
-  if (err.empty()) err = SetStep(param_id, step);
-  return err;
+Status AdamWEngine::ImportState(uint64_t param_id, const float* master, const float* exp_avg,
+                                const float* exp_avg_sq, uint64_t step) {
+  Status st = ImportArray(param_id, StateArray::kMaster, master);
+  if (st.ok()) st = ImportArray(param_id, StateArray::kExpAvg, exp_avg);
+  if (st.ok()) st = ImportArray(param_id, StateArray::kExpAvgSq, exp_avg_sq);
+  if (st.ok()) st = SetStep(param_id, step);
+  return st;
 }
 
-std::string AdamWEngine::ExportArray(uint64_t param_id, StateArray which, float* out) const {
+Status AdamWEngine::ExportArray(uint64_t param_id, StateArray which, float* out) const {
   auto it = by_id_.find(param_id);
-  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  if (it == by_id_.end())
+    return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
   const ParamBinding& b = it->second->binding;
   switch (which) {
     case StateArray::kMaster:
@@ -509,21 +532,22 @@ std::string AdamWEngine::ExportArray(uint64_t param_id, StateArray which, float*
       kernels::ConvertToFloat(b.exp_avg_sq, options_.moment_dtype, out, b.numel);
       break;
   }
-  return "";
+  return Status::Ok();
 }
 
-std::string AdamWEngine::ImportArray(uint64_t param_id, StateArray which, const float* in) {
+Status AdamWEngine::ImportArray(uint64_t param_id, StateArray which, const float* in) {
   auto it = by_id_.find(param_id);
-  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  if (it == by_id_.end())
+    return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
   const ParamBinding& b = it->second->binding;
   if (which == StateArray::kMaster && b.master_lo != nullptr) {
     auto* hi = static_cast<uint16_t*>(b.param_slot);
     for (size_t i = 0; i < b.numel; ++i) kernels::SplitMasterEncode(in[i], &hi[i], &b.master_lo[i]);
-    return "";
+    return Status::Ok();
   }
   if (which == StateArray::kMaster) {
     std::memmove(b.master, in, b.numel * sizeof(float));
-    if (b.param_slot == static_cast<void*>(b.master)) return "";
+    if (b.param_slot == static_cast<void*>(b.master)) return Status::Ok();
     for (size_t i = 0; i < b.numel; ++i) {
       switch (b.param_dtype) {
         case DType::kFloat32:
@@ -537,7 +561,7 @@ std::string AdamWEngine::ImportArray(uint64_t param_id, StateArray which, const 
           break;
       }
     }
-    return "";
+    return Status::Ok();
   }
   void* dst = which == StateArray::kExpAvg ? b.exp_avg : b.exp_avg_sq;
   if (options_.moment_dtype == DType::kBFloat16) {
@@ -546,21 +570,23 @@ std::string AdamWEngine::ImportArray(uint64_t param_id, StateArray which, const 
   } else {
     std::memmove(dst, in, b.numel * sizeof(float));
   }
-  return "";
+  return Status::Ok();
 }
 
-std::string AdamWEngine::GetStep(uint64_t param_id, uint64_t* step) const {
+Status AdamWEngine::GetStep(uint64_t param_id, uint64_t* step) const {
   auto it = by_id_.find(param_id);
-  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  if (it == by_id_.end())
+    return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
   *step = it->second->state_step;
-  return "";
+  return Status::Ok();
 }
 
-std::string AdamWEngine::SetStep(uint64_t param_id, uint64_t step) {
+Status AdamWEngine::SetStep(uint64_t param_id, uint64_t step) {
   auto it = by_id_.find(param_id);
-  if (it == by_id_.end()) return "unknown parameter " + std::to_string(param_id);
+  if (it == by_id_.end())
+    return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
   it->second->state_step = step;
-  return "";
+  return Status::Ok();
 }
 
 }  // namespace trainstream::optimizer

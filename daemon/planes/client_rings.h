@@ -26,6 +26,7 @@
 #include <functional>
 #include <string>
 
+#include "trainstream/status.h"
 #include "trainstream/wire/ring.h"
 #include "trainstream/wire/session_control.h"
 
@@ -176,33 +177,36 @@ class CompletionQueue {
  public:
   CompletionQueue(wire::RingHeader* ring, uint64_t capacity) : ring_(ring, capacity) {}
 
-  // Delivers or queues `rec`. Returns "" or how the client broke the rules (a
-  // corrupt ring, or more than kMaxQueuedCompletions undrained); the caller
-  // then ends the session and calls nothing here again.
-  std::string Push(const wire::CompletionRecord& rec) {
+  // Delivers or queues `rec`. Returns OK, or how the client broke the rules:
+  // INVALID_ARGUMENT for a corrupt ring, RESOURCE_EXHAUSTED for more than
+  // kMaxQueuedCompletions undrained; the caller then ends the session and calls
+  // nothing here again.
+  Status Push(const wire::CompletionRecord& rec) {
     if (queued_.empty()) {
       const RingResult r = ring_.TryPush(rec);
-      if (r == RingResult::kOk) return "";
-      if (r == RingResult::kCorrupt) return ring_.error();
+      if (r == RingResult::kOk) return Status::Ok();
+      if (r == RingResult::kCorrupt) return Status(StatusCode::kInvalidArgument, ring_.error());
     }
     if (queued_.size() >= kMaxQueuedCompletions) {
-      return "the client left " + std::to_string(queued_.size()) +
-             " completions undrained (at most " + std::to_string(kMaxQueuedCompletions) +
-             " wait in the daemon)";
+      return Status(StatusCode::kResourceExhausted,
+                    "the client left " + std::to_string(queued_.size()) +
+                        " completions undrained (at most " + std::to_string(kMaxQueuedCompletions) +
+                        " wait in the daemon)");
     }
     queued_.push_back(rec);
-    return "";
+    return Status::Ok();
   }
 
-  // Moves queued completions into the ring while it has room. "" or a fault.
-  std::string Flush() {
+  // Moves queued completions into the ring while it has room. OK, or a corrupt
+  // ring's INVALID_ARGUMENT.
+  Status Flush() {
     while (!queued_.empty()) {
       const RingResult r = ring_.TryPush(queued_.front());
-      if (r == RingResult::kCorrupt) return ring_.error();
+      if (r == RingResult::kCorrupt) return Status(StatusCode::kInvalidArgument, ring_.error());
       if (r != RingResult::kOk) break;
       queued_.pop_front();
     }
-    return "";
+    return Status::Ok();
   }
 
   // Drops what waits (a faulted session's completions go nowhere).

@@ -115,8 +115,8 @@ struct GroupPlane::Impl {
       eb.exp_avg_sq = b.param.exp_avg_sq;
       eb.grad_slot = b.sum_slot;
       eb.param_slot = b.param.param_slot;
-      std::string err = engine->AddParam(eb);
-      if (!err.empty()) Fail("param " + std::to_string(b.param.param_id) + ": " + err);
+      Status st = engine->AddParam(eb);
+      if (!st.ok()) Fail("param " + std::to_string(b.param.param_id) + ": " + st.message());
       step_counters[b.param.param_id] = b.param.step_counter;
       auto slot = std::make_unique<Slot>();
       slot->grad_dtype = b.param.grad_dtype;
@@ -280,8 +280,8 @@ struct GroupPlane::Impl {
 
   void Submit(Slot& s) {
     open_steps[s.step] += 1;
-    std::string err = engine->SubmitGrad(s.binding.param.param_id, s.step, s.hp);
-    if (!err.empty()) Fail(err);
+    Status st = engine->SubmitGrad(s.binding.param.param_id, s.step, s.hp);
+    if (!st.ok()) Fail(st.message());
   }
 
   void OnStepEnd(int r, const CommandRecord& cmd) {
@@ -313,8 +313,8 @@ struct GroupPlane::Impl {
                   " before all-reducing every machine sum");
     }
     open_steps.erase(cmd.step);
-    std::string err = engine->StepEnd(cmd.step);
-    if (!err.empty()) Fail(err);
+    Status st = engine->StepEnd(cmd.step);
+    if (!st.ok()) Fail(st.message());
   }
 
   // ---------------------------------------------------------------- state
@@ -326,27 +326,27 @@ struct GroupPlane::Impl {
     rec.opcode = Opcode::kStateDone;
     rec.seq = cmd.seq;
     rec.param_id = cmd.param_id;
-    std::string err;
+    Status st;
     if (cmd.field == StateField::kParamFromSlot) {
       if (!load) {
-        err = "kParamFromSlot can only be loaded";
+        st = Status(StatusCode::kInvalidArgument, "kParamFromSlot can only be loaded");
       } else if (engine->ParamNumel(cmd.param_id) == 0) {
-        err = "unknown param_id " + std::to_string(cmd.param_id);
+        st = Status(StatusCode::kNotFound, "unknown param_id " + std::to_string(cmd.param_id));
       } else if (r == 0 && needs_init) {
         // Local rank 0 wrote every param slot (the group's initial weights).
         needs_init = false;
-        err = engine->Init();
+        st = engine->Init();
       }
     } else {
       bool imported = false;
       uint64_t imported_step = 0;
-      err = MoveOptimizerState(*engine, cmd, members[static_cast<size_t>(r)].resolver, &rec.step,
-                               &imported, &imported_step);
-      if (err.empty() && imported) SetStepCounter(cmd.param_id, imported_step);
+      st = MoveOptimizerState(*engine, cmd, members[static_cast<size_t>(r)].resolver, &rec.step,
+                              &imported, &imported_step);
+      if (st.ok() && imported) SetStepCounter(cmd.param_id, imported_step);
     }
-    if (!err.empty()) {
+    if (!st.ok()) {
       rec.status = CompletionStatus::kInvalid;
-      SetCompletionMessage(&rec, err);
+      SetCompletionMessage(&rec, st.message());
     }
     Complete(static_cast<size_t>(r), rec);
   }
@@ -368,7 +368,7 @@ struct GroupPlane::Impl {
     rec.step = res.step;
     rec.grad_norm = res.grad_norm;
     rec.params_updated = res.params_updated;
-    if (!res.error.empty()) SetCompletionMessage(&rec, res.error);
+    if (!res.error.ok()) SetCompletionMessage(&rec, res.error.message());
     for (size_t r = 0; r < members.size(); ++r) Complete(r, rec);
   }
 
@@ -397,13 +397,13 @@ struct GroupPlane::Impl {
   void Complete(size_t r, const CompletionRecord& rec, bool even_when_stopping = false) {
     std::lock_guard<std::mutex> lock(completion_mu);
     if ((muted && !even_when_stopping) || faulted[r]) return;
-    if (std::string why = completions[r].Push(rec); !why.empty()) MemberFault(r, why);
+    if (Status st = completions[r].Push(rec); !st.ok()) MemberFault(r, st.message());
   }
 
   void FlushOverflow(size_t r) {
     std::lock_guard<std::mutex> lock(completion_mu);
     if (faulted[r]) return;
-    if (std::string why = completions[r].Flush(); !why.empty()) MemberFault(r, why);
+    if (Status st = completions[r].Flush(); !st.ok()) MemberFault(r, st.message());
   }
 
   // Member r broke the wire rules (client_rings.h): its rings are not touched

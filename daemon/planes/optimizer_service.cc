@@ -67,21 +67,21 @@ class AdamWSessionPlane {
   // Called on an RPC thread; the session thread applies the parameters before
   // it handles the next command (the engine's AddParam is not concurrent with
   // updates).
-  std::string AddParameters(const SessionOptimizerOptions& options,
-                            std::vector<ParamBinding> params) {
+  Status AddParameters(const SessionOptimizerOptions& options, std::vector<ParamBinding> params) {
     std::lock_guard<std::mutex> lock(pending_mu_);
     if (have_options_) {
       if (options.moment_dtype != options_.moment_dtype ||
           options.max_grad_norm != options_.max_grad_norm || options.seed != options_.seed) {
-        return "moment_dtype, max_grad_norm and seed must be the same in every RegisterParameters "
-               "call of a session";
+        return Status(StatusCode::kInvalidArgument,
+                      "moment_dtype, max_grad_norm and seed must be the same in every "
+                      "RegisterParameters call of a session");
       }
     } else {
       options_ = options;
       have_options_ = true;
     }
     for (auto& p : params) pending_.push_back(std::move(p));
-    return "";
+    return Status::Ok();
   }
 
  private:
@@ -141,10 +141,10 @@ class AdamWSessionPlane {
       eb.exp_avg_sq = b.exp_avg_sq;
       eb.grad_slot = b.grad_slot;
       eb.param_slot = b.param_slot;
-      std::string err = engine_->AddParam(eb);
-      if (!err.empty()) {
+      Status st = engine_->AddParam(eb);
+      if (!st.ok()) {
         Reject(Opcode::kError, 0, b.param_id, 0,
-               "param " + std::to_string(b.param_id) + ": " + err);
+               "param " + std::to_string(b.param_id) + ": " + st.message());
         continue;
       }
       std::lock_guard<std::mutex> lock(step_mu_);
@@ -162,13 +162,13 @@ class AdamWSessionPlane {
     switch (cmd.opcode) {
       case Opcode::kGradReady: {
         kernels::AdamWHyperParams hp{cmd.lr, cmd.beta1, cmd.beta2, cmd.eps, cmd.weight_decay};
-        std::string err = engine_->SubmitGrad(cmd.param_id, cmd.step, hp);
-        if (!err.empty()) Reject(Opcode::kError, cmd.seq, cmd.param_id, cmd.step, err);
+        Status st = engine_->SubmitGrad(cmd.param_id, cmd.step, hp);
+        if (!st.ok()) Reject(Opcode::kError, cmd.seq, cmd.param_id, cmd.step, st.message());
         return;
       }
       case Opcode::kStepEnd: {
-        std::string err = engine_->StepEnd(cmd.step);
-        if (!err.empty()) Reject(Opcode::kError, cmd.seq, 0, cmd.step, err);
+        Status st = engine_->StepEnd(cmd.step);
+        if (!st.ok()) Reject(Opcode::kError, cmd.seq, 0, cmd.step, st.message());
         return;
       }
       case Opcode::kLoadState:
@@ -197,33 +197,32 @@ class AdamWSessionPlane {
     rec.opcode = Opcode::kStateDone;
     rec.seq = cmd.seq;
     rec.param_id = cmd.param_id;
-    std::string err = MoveState(cmd, load, &rec.step);
-    if (!err.empty()) {
+    Status st = MoveState(cmd, load, &rec.step);
+    if (!st.ok()) {
       rec.status = CompletionStatus::kInvalid;
-      SetCompletionMessage(&rec, err);
+      SetCompletionMessage(&rec, st.message());
     }
     Complete(rec);
   }
 
-  std::string MoveState(const CommandRecord& cmd, bool load, uint64_t* step_out) {
+  Status MoveState(const CommandRecord& cmd, bool load, uint64_t* step_out) {
     if (cmd.field == StateField::kParamFromSlot) {
-      if (!load) return "kParamFromSlot can only be loaded";
+      if (!load) return Status(StatusCode::kInvalidArgument, "kParamFromSlot can only be loaded");
       if (engine_->ParamNumel(cmd.param_id) == 0)
-        return "unknown param_id " + std::to_string(cmd.param_id);
+        return Status(StatusCode::kNotFound, "unknown param_id " + std::to_string(cmd.param_id));
       // Init covers every parameter added since the last Init, so the client
       // writes all slots first and then posts these; only the first one works.
       if (needs_init_) {
         needs_init_ = false;
         return engine_->Init();
       }
-      return "";
+      return Status::Ok();
     }
     bool imported = false;
     uint64_t imported_step = 0;
-    std::string err =
-        MoveOptimizerState(*engine_, cmd, resolver_, step_out, &imported, &imported_step);
-    if (err.empty() && imported) SetStepCounter(cmd.param_id, imported_step);
-    return err;
+    Status st = MoveOptimizerState(*engine_, cmd, resolver_, step_out, &imported, &imported_step);
+    if (st.ok() && imported) SetStepCounter(cmd.param_id, imported_step);
+    return st;
   }
 
   void OnParamDone(uint64_t id, uint64_t step, bool updated, uint64_t param_step) {
@@ -243,7 +242,7 @@ class AdamWSessionPlane {
     rec.step = r.step;
     rec.grad_norm = r.grad_norm;
     rec.params_updated = r.params_updated;
-    if (!r.error.empty()) SetCompletionMessage(&rec, r.error);
+    if (!r.error.ok()) SetCompletionMessage(&rec, r.error.message());
     Complete(rec);
   }
 
@@ -272,13 +271,13 @@ class AdamWSessionPlane {
   void Complete(const CompletionRecord& rec) {
     std::lock_guard<std::mutex> lock(completion_mu_);
     if (faulted_.load(std::memory_order_acquire)) return;
-    if (std::string why = completions_.Push(rec); !why.empty()) Fault(why);
+    if (Status st = completions_.Push(rec); !st.ok()) Fault(st.message());
   }
 
   void FlushOverflow() {
     std::lock_guard<std::mutex> lock(completion_mu_);
     if (faulted_.load(std::memory_order_acquire)) return;
-    if (std::string why = completions_.Flush(); !why.empty()) Fault(why);
+    if (Status st = completions_.Flush(); !st.ok()) Fault(st.message());
   }
 
   const uint64_t session_id_;
@@ -342,13 +341,13 @@ void OptimizerService::StartSession(uint64_t session_id, const ControlRings& rin
   impl_->sessions[session_id] = std::move(plane);
 }
 
-std::string OptimizerService::AddParameters(uint64_t session_id,
-                                            const SessionOptimizerOptions& options,
-                                            std::vector<ParamBinding> params) {
+Status OptimizerService::AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
+                                       std::vector<ParamBinding> params) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sessions.find(session_id);
   if (it == impl_->sessions.end())
-    return "session " + std::to_string(session_id) + " has no data plane";
+    return Status(StatusCode::kInvalidArgument,
+                  "session " + std::to_string(session_id) + " has no data plane");
   return it->second->AddParameters(options, std::move(params));
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "planes/client_rings.h"
+#include "trainstream/status.h"
 #include "trainstream/wire/dtype.h"
 #include "trainstream/wire/session_control.h"
 
@@ -73,9 +74,10 @@ class OptimizerService {
   // Adds parameters to a started session (RegisterParameters). The moments and
   // master are initialised by the worker threads (first touch), master from the
   // param slot's contents (which the client wrote before registering).
-  // Returns an empty string on success, else a message naming what is wrong.
-  std::string AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
-                            std::vector<ParamBinding> params);
+  // Returns OK, else INVALID_ARGUMENT naming what is wrong (RegisterParameters
+  // answers with it as it is).
+  Status AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
+                       std::vector<ParamBinding> params);
 
   // Stops the session's thread and waits for in-flight work; afterwards no
   // pointer of the session is touched. Safe to call for unknown ids.

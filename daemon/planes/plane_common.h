@@ -23,10 +23,10 @@ void SetCompletionMessage(wire::CompletionRecord* rec, const std::string& messag
 // to `engine`, which must be idle. `resolver` maps the command's region of the
 // issuing session. On export of kStep, *step_out receives the step. When state
 // was imported, *imported is set and *imported_step holds the parameter's new
-// step, so the caller can update the manifest. Returns "" or an error naming
-// what is wrong.
-std::string MoveOptimizerState(optimizer::AdamWEngine& engine, const wire::CommandRecord& cmd,
-                               const RegionResolver& resolver, uint64_t* step_out, bool* imported,
-                               uint64_t* imported_step);
+// step, so the caller can update the manifest. Returns OK or an error naming
+// what is wrong: NOT_FOUND (unknown param_id), else INVALID_ARGUMENT.
+Status MoveOptimizerState(optimizer::AdamWEngine& engine, const wire::CommandRecord& cmd,
+                          const RegionResolver& resolver, uint64_t* step_out, bool* imported,
+                          uint64_t* imported_step);
 
 }  // namespace trainstream::daemon

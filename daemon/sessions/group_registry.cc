@@ -15,12 +15,8 @@
 namespace trainstream::daemon {
 namespace {
 
-grpc::Status Invalid(const std::string& msg) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
-}
-grpc::Status Precondition(const std::string& msg) {
-  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, msg);
-}
+Status Invalid(const std::string& msg) { return Status(StatusCode::kInvalidArgument, msg); }
+Status Precondition(const std::string& msg) { return Status(StatusCode::kFailedPrecondition, msg); }
 
 std::string Shape(const v1::ParameterSpec& p) {
   std::string s = "[";
@@ -135,7 +131,7 @@ GroupRegistry::~GroupRegistry() {
   }
 }
 
-grpc::Status GroupRegistry::Validate(const v1::GroupMembership& m) {
+Status GroupRegistry::Validate(const v1::GroupMembership& m) {
   if (m.key().empty() || m.key().size() > kMaxGroupKeyBytes) {
     return Invalid("attach.group.key: " + std::to_string(m.key().size()) +
                    " bytes; accepted: 1 to " + std::to_string(kMaxGroupKeyBytes));
@@ -160,10 +156,10 @@ grpc::Status GroupRegistry::Validate(const v1::GroupMembership& m) {
   if (!std::isfinite(m.timeout_s()) || m.timeout_s() < 0 || m.timeout_s() > 86400) {
     return Invalid("attach.group.timeout_s: accepted: 0 (the default, 60 s) to 86400");
   }
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status GroupRegistry::Join(const GroupJoiner& joiner, const v1::GroupMembership& m) {
+Status GroupRegistry::Join(const GroupJoiner& joiner, const v1::GroupMembership& m) {
   if (auto st = Validate(m); !st.ok()) return st;
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Group>& slot = groups_[{joiner.uid, m.key()}];
@@ -195,22 +191,22 @@ grpc::Status GroupRegistry::Join(const GroupJoiner& joiner, const v1::GroupMembe
   }
   auto it = g.members.find(m.local_rank());
   if (it != g.members.end()) {
-    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                        name + ": local rank " + std::to_string(m.local_rank()) +
-                            " is already attached (session " +
-                            std::to_string(it->second.joiner.session_id) + ", pid " +
-                            std::to_string(it->second.joiner.pid) +
-                            "); two jobs with one key? Pass a distinct job= to wrap()");
+    return Status(StatusCode::kAlreadyExists,
+                  name + ": local rank " + std::to_string(m.local_rank()) +
+                      " is already attached (session " +
+                      std::to_string(it->second.joiner.session_id) + ", pid " +
+                      std::to_string(it->second.joiner.pid) +
+                      "); two jobs with one key? Pass a distinct job= to wrap()");
   }
   g.members[m.local_rank()].joiner = joiner;
   by_session_[joiner.session_id] = slot;
   spdlog::info("{}: local rank {} joined (session {}, pid {}), {} of {}", name, m.local_rank(),
                joiner.session_id, joiner.pid, g.members.size(), have.local_world_size());
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterParametersRequest& req,
-                                     v1::RegisterParametersResponse* resp) {
+Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterParametersRequest& req,
+                               v1::RegisterParametersResponse* resp) {
   std::shared_ptr<Group> gp;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -219,7 +215,7 @@ grpc::Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterPara
   }
   if (!gp) return Precondition("session " + std::to_string(session_id) + " is in no group");
   Group& g = *gp;
-  grpc::Status result = grpc::Status::OK;
+  Status result = Status::Ok();
   {
     std::unique_lock<std::mutex> lock(g.mu);
     const std::string name = "group '" + g.key + "'";
@@ -234,8 +230,8 @@ grpc::Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterPara
                           "every parameter once, in wrap() (add_param_group afterwards is not "
                           "supported)");
     }
-    if (grpc::Status st = ValidateRegistration(req, {}); !st.ok()) {
-      Break(g, "local rank " + std::to_string(rank) + ": " + st.error_message(), -1);
+    if (Status st = ValidateRegistration(req, {}); !st.ok()) {
+      Break(g, "local rank " + std::to_string(rank) + ": " + st.message(), -1);
       result = st;
     } else if (!g.have_spec) {
       g.spec = req;
@@ -309,7 +305,7 @@ grpc::Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterPara
   return result;
 }
 
-grpc::Status GroupRegistry::Form(Group& g) {
+Status GroupRegistry::Form(Group& g) {
   const std::string name = "group '" + g.key + "'";
   const std::string& reference = g.members.at(0).checksum;
   for (const auto& [r, m] : g.members) {
@@ -329,14 +325,14 @@ grpc::Status GroupRegistry::Form(Group& g) {
   SegmentOwner owner;
   owner.uid = g.uid;
   owner.job = g.job;
-  grpc::Status st = create_(v1::SEGMENT_KIND_STATE, g.layout.state_bytes,
-                            "optimizer state of " + name, owner, &g.state_segment);
+  Status st = create_(v1::SEGMENT_KIND_STATE, g.layout.state_bytes, "optimizer state of " + name,
+                      owner, &g.state_segment);
   if (st.ok()) {
     st = create_(v1::SEGMENT_KIND_SESSION, g.layout.staging_bytes, "staging slots of " + name,
                  owner, &g.staging_segment);
   }
   if (!st.ok()) {
-    Break(g, "could not allocate its memory: " + st.error_message(), -1);
+    Break(g, "could not allocate its memory: " + st.message(), -1);
     return st;
   }
   wire::StateManifestEntry* entries = WriteStateManifest(g.state_segment->base(), g.layout, req);
@@ -381,7 +377,7 @@ grpc::Status GroupRegistry::Form(Group& g) {
   g.state = Group::State::kRunning;
   spdlog::info("{} formed: {} local ranks, {} parameters (state {} bytes, staging {} bytes)", name,
                ranks, req.params_size(), g.layout.state_bytes, g.layout.staging_bytes);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 void GroupRegistry::Break(Group& g, const std::string& why, int leaver) {

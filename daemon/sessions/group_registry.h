@@ -21,7 +21,6 @@
 // Group::mu (released while waiting).
 #pragma once
 
-#include <grpcpp/support/status.h>
 #include <sys/types.h>
 
 #include <condition_variable>
@@ -35,6 +34,7 @@
 
 #include "memory/shm_segment.h"
 #include "planes/optimizer_service.h"
+#include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 
 namespace trainstream::optimizer {
@@ -52,8 +52,8 @@ inline constexpr double kDefaultGroupTimeoutS = 60;
 
 // Creates / frees a segment against the machine budget (SessionRegistry's).
 using SegmentFactory =
-    std::function<grpc::Status(uint32_t kind, uint64_t bytes, const std::string& what,
-                               const SegmentOwner& owner, std::unique_ptr<ShmSegment>* out)>;
+    std::function<Status(uint32_t kind, uint64_t bytes, const std::string& what,
+                         const SegmentOwner& owner, std::unique_ptr<ShmSegment>* out)>;
 using SegmentDropper = std::function<void(std::unique_ptr<ShmSegment>)>;
 
 // Who is joining: what the session layer knows of the attaching session.
@@ -78,18 +78,18 @@ class GroupRegistry {
 
   // Checks a membership's fields alone; INVALID_ARGUMENT names the field and
   // the accepted range. Call before creating anything for the session.
-  static grpc::Status Validate(const v1::GroupMembership& m);
+  static Status Validate(const v1::GroupMembership& m);
 
   // Adds the session to its group (creating the group for the first rank).
   // Fails when the membership disagrees with the group's (local world size,
   // node rank, ...), the local rank is taken, or the group has already formed.
   // `joiner.rings.control` must stay mapped until Leave(joiner.session_id) returns.
-  grpc::Status Join(const GroupJoiner& joiner, const v1::GroupMembership& m);
+  Status Join(const GroupJoiner& joiner, const v1::GroupMembership& m);
 
   // The barrier described above. On success fills `resp` with the shared
   // staging region and this rank's slots.
-  grpc::Status Register(uint64_t session_id, const v1::RegisterParametersRequest& req,
-                        v1::RegisterParametersResponse* resp);
+  Status Register(uint64_t session_id, const v1::RegisterParametersRequest& req,
+                  v1::RegisterParametersResponse* resp);
 
   // The session is ending (`reason` says why). Breaks its group (see above);
   // when this returns, the group no longer touches the session's memory.
@@ -105,7 +105,7 @@ class GroupRegistry {
  private:
   // Every group, joinable (groups_) or broken and still held by members (by_session_).
   std::set<std::shared_ptr<Group>> AllGroups();              // takes mu_
-  grpc::Status Form(Group& g);                               // Group::mu held
+  Status Form(Group& g);                                     // Group::mu held
   void Break(Group& g, const std::string& why, int leaver);  // Group::mu held
 
   const SegmentFactory create_;

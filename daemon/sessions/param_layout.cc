@@ -12,8 +12,8 @@
 namespace trainstream::daemon {
 namespace {
 
-grpc::Status Invalid(const std::string& field, const std::string& what) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, field + ": " + what);
+Status Invalid(const std::string& field, const std::string& what) {
+  return Status(StatusCode::kInvalidArgument, field + ": " + what);
 }
 
 std::string Num(double v) {
@@ -42,8 +42,8 @@ size_t DTypeBytes(int dtype) {
   return wire::DTypeSize(static_cast<wire::DType>(static_cast<uint32_t>(dtype)));
 }
 
-grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
-                                  const std::set<uint64_t>& registered) {
+Status ValidateRegistration(const v1::RegisterParametersRequest& req,
+                            const std::set<uint64_t>& registered) {
   if (req.groups_size() == 0) return Invalid("groups", "at least one parameter group is required");
   if (static_cast<size_t>(req.groups_size()) > kMaxGroups) {
     return Invalid("groups", std::to_string(req.groups_size()) + " groups (at most " +
@@ -127,7 +127,7 @@ grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
                                       std::to_string(req.groups_size()) + " groups)");
     }
   }
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest& req,

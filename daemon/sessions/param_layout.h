@@ -16,12 +16,11 @@
 //   master fp32[numel], exp_avg moment[numel], exp_avg_sq moment[numel].
 #pragma once
 
-#include <grpcpp/support/status.h>
-
 #include <cstdint>
 #include <set>
 #include <vector>
 
+#include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 #include "trainstream/wire/segment_header.h"
 
@@ -41,8 +40,8 @@ size_t DTypeBytes(int dtype);  // 0 for unknown / unspecified
 
 // Checks `req` (except the session fields). `registered` holds the session's
 // param ids so far. INVALID_ARGUMENT names the field, e.g. "params[3].shape[1]".
-grpc::Status ValidateRegistration(const v1::RegisterParametersRequest& req,
-                                  const std::set<uint64_t>& registered);
+Status ValidateRegistration(const v1::RegisterParametersRequest& req,
+                            const std::set<uint64_t>& registered);
 
 struct ParamPlacement {
   uint64_t numel = 0;

@@ -21,9 +21,7 @@ namespace {
 
 constexpr uint64_t kPage = 4096;
 
-grpc::Status Invalid(const std::string& msg) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
-}
+Status Invalid(const std::string& msg) { return Status(StatusCode::kInvalidArgument, msg); }
 
 }  // namespace
 
@@ -45,8 +43,8 @@ uint64_t Session::BytesHeld() {
 SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
                                  OptimizerService* optimizer)
     : config_(config), budget_(budget), optimizer_(optimizer) {
-  if (std::string err = ClientMemoryGuard::Install(); !err.empty())
-    spdlog::error("cannot guard client memory (Note [Client pages can vanish]): {}", err);
+  if (Status st = ClientMemoryGuard::Install(); !st.ok())
+    spdlog::error("cannot guard client memory (Note [Client pages can vanish]): {}", st.message());
   SessionFaultFn on_fault = [this](uint64_t id, const std::string& why) { EndLater(id, why); };
   optimizer_->SetFaultHandler(on_fault);
   groups_ = std::make_unique<GroupRegistry>(
@@ -120,9 +118,8 @@ void SessionRegistry::SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
   unwatch_pid_ = std::move(unwatch);
 }
 
-grpc::Status SessionRegistry::CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes,
-                                            const std::string& what,
-                                            std::unique_ptr<ShmSegment>* out) {
+Status SessionRegistry::CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes,
+                                      const std::string& what, std::unique_ptr<ShmSegment>* out) {
   SegmentOwner owner;
   owner.session_id = s.id;
   owner.uid = s.creds.uid;
@@ -132,10 +129,10 @@ grpc::Status SessionRegistry::CreateSegment(Session& s, uint32_t kind, uint64_t 
   return CreateSegment(owner, kind, total_bytes, what, out);
 }
 
-grpc::Status SessionRegistry::CreateSegment(const SegmentOwner& owner, uint32_t kind,
-                                            uint64_t total_bytes, const std::string& what,
-                                            std::unique_ptr<ShmSegment>* out) {
-  grpc::Status st = budget_->Reserve(total_bytes, what);
+Status SessionRegistry::CreateSegment(const SegmentOwner& owner, uint32_t kind,
+                                      uint64_t total_bytes, const std::string& what,
+                                      std::unique_ptr<ShmSegment>* out) {
+  Status st = budget_->Reserve(total_bytes, what);
   if (!st.ok()) return st;
   st = ShmSegment::Create(config_.shm_dir, kind, total_bytes, owner, config_.lock_memory, out);
   if (!st.ok()) {
@@ -143,7 +140,7 @@ grpc::Status SessionRegistry::CreateSegment(const SegmentOwner& owner, uint32_t 
     return st;
   }
   if ((*out)->locked()) pinned_bytes_.fetch_add(total_bytes);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 void SessionRegistry::DropSegment(std::unique_ptr<ShmSegment> seg) {
@@ -180,13 +177,13 @@ void SessionRegistry::FillRegion(const SessionRegion& r, v1::Region* out) const 
   out->set_read_only(r.segment->kind() == v1::SEGMENT_KIND_BASE);
 }
 
-grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachRequest& req,
-                                     grpc::ServerContext* context, SessionStream* stream,
-                                     std::shared_ptr<Session>* out, v1::Attached* attached) {
+Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachRequest& req,
+                               SessionStream* stream, std::shared_ptr<Session>* out,
+                               v1::Attached* attached) {
   if (req.protocol_version() > 1) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        "attach.protocol_version: " + std::to_string(req.protocol_version()) +
-                            " is newer than this daemon speaks (1); upgrade trainstreamd");
+    return Status(StatusCode::kFailedPrecondition,
+                  "attach.protocol_version: " + std::to_string(req.protocol_version()) +
+                      " is newer than this daemon speaks (1); upgrade trainstreamd");
   }
   if (req.job().size() >= sizeof(wire::SegmentHeader::job)) {
     return Invalid("attach.job: " + std::to_string(req.job().size()) + " bytes (at most " +
@@ -202,7 +199,7 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
     control_bytes = AlignUp(req.control_bytes(), kPage);
   }
   if (req.has_group()) {
-    if (grpc::Status st = GroupRegistry::Validate(req.group()); !st.ok()) return st;
+    if (Status st = GroupRegistry::Validate(req.group()); !st.ok()) return st;
   }
   if (req.pid() != 0 && req.pid() != creds.pid) {
     spdlog::warn("attach: client says pid {}, SO_PEERCRED says {} (pid namespaces?); using {}",
@@ -222,18 +219,17 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
     size_t held = 0;
     for (const auto& [id, other] : sessions_) held += other->creds.uid == creds.uid ? 1 : 0;
     if (held >= kMaxSessionsPerUid) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          "uid " + std::to_string(creds.uid) + " already holds " +
-                              std::to_string(held) + " sessions, the most one uid may (" +
-                              std::to_string(kMaxSessionsPerUid) + "); detach some first");
+      return Status(StatusCode::kResourceExhausted,
+                    "uid " + std::to_string(creds.uid) + " already holds " + std::to_string(held) +
+                        " sessions, the most one uid may (" + std::to_string(kMaxSessionsPerUid) +
+                        "); detach some first");
     }
     s->id = next_session_id_++;
   }
 
   std::unique_ptr<ShmSegment> seg;
-  grpc::Status st =
-      CreateSegment(*s, v1::SEGMENT_KIND_SESSION, wire::kSegmentHeaderBytes + control_bytes,
-                    "the session control region", &seg);
+  Status st = CreateSegment(*s, v1::SEGMENT_KIND_SESSION, wire::kSegmentHeaderBytes + control_bytes,
+                            "the session control region", &seg);
   if (!st.ok()) return st;
   // SessionControlHeader, then the command ring, then the completion ring.
   // Note [Rings a client can write]: the layout is kept here and never read back.
@@ -249,7 +245,6 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
   }
   {
     std::lock_guard<std::mutex> lock(s->stream_mu);
-    s->context = context;
     s->stream = stream;
   }
   attached->set_session_id(s->id);
@@ -278,7 +273,7 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
   if (!s->group.empty()) {
     // A group member's rings are served by its group's plane, not its own.
     GroupJoiner joiner{s->id, creds.pid, creds.uid, s->job, s->rings, std::move(resolver)};
-    grpc::Status st = groups_->Join(joiner, req.group());
+    Status st = groups_->Join(joiner, req.group());
     if (!st.ok()) {
       End(s->id, "could not join its group", true);
       return st;
@@ -292,16 +287,16 @@ grpc::Status SessionRegistry::Create(const PeerCredentials& creds, const v1::Att
   // opened) and its session ends at once.
   if (watch_pid_ && !watch_pid_(s->id, creds.pid)) {
     End(s->id, "client process " + std::to_string(creds.pid) + " is gone", true);
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "client process exited during attach");
+    return Status(StatusCode::kUnavailable, "client process exited during attach");
   }
   spdlog::info("session {} attached: pid={} uid={} job='{}' rank={} control={}", s->id, creds.pid,
                creds.uid, s->job, s->rank, attached->control().segment_name());
   *out = std::move(s);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status SessionRegistry::Find(uint64_t session_id, const std::string& token,
-                                   const PeerCredentials& caller, std::shared_ptr<Session>* out) {
+Status SessionRegistry::Find(uint64_t session_id, const std::string& token,
+                             const PeerCredentials& caller, std::shared_ptr<Session>* out) {
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -309,22 +304,20 @@ grpc::Status SessionRegistry::Find(uint64_t session_id, const std::string& token
     if (it != sessions_.end()) s = it->second;
   }
   if (!s) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        "session_id: no session " + std::to_string(session_id) +
-                            " (it ended or never existed; attach first)");
+    return Status(StatusCode::kNotFound, "session_id: no session " + std::to_string(session_id) +
+                                             " (it ended or never existed; attach first)");
   }
   if (!ConstantTimeEquals(token, s->token)) {
-    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                        "session_token: does not match session " + std::to_string(session_id));
+    return Status(StatusCode::kPermissionDenied,
+                  "session_token: does not match session " + std::to_string(session_id));
   }
   if (caller.uid != s->creds.uid && caller.uid != 0) {
-    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                        "session " + std::to_string(session_id) + " belongs to uid " +
-                            std::to_string(s->creds.uid) + ", not to uid " +
-                            std::to_string(caller.uid));
+    return Status(StatusCode::kPermissionDenied,
+                  "session " + std::to_string(session_id) + " belongs to uid " +
+                      std::to_string(s->creds.uid) + ", not to uid " + std::to_string(caller.uid));
   }
   *out = std::move(s);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool cancel_stream) {
@@ -339,18 +332,15 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool c
   if (unwatch_pid_) unwatch_pid_(session_id);
   {
     std::lock_guard<std::mutex> lock(s->stream_mu);
-    if (cancel_stream && s->context != nullptr) {
+    if (cancel_stream && s->stream != nullptr) {
       // The reason reaches the client (Session::alive) before the stream closes.
-      if (s->stream != nullptr) {
-        v1::SessionEvent event;
-        event.mutable_notice()->set_kind(v1::DaemonNotice::KIND_SESSION_ENDED);
-        event.mutable_notice()->set_message("session " + std::to_string(session_id) +
-                                            " ended by the daemon: " + reason);
-        s->stream->Write(event);
-      }
-      s->context->TryCancel();
+      v1::SessionEvent event;
+      event.mutable_notice()->set_kind(v1::DaemonNotice::KIND_SESSION_ENDED);
+      event.mutable_notice()->set_message("session " + std::to_string(session_id) +
+                                          " ended by the daemon: " + reason);
+      s->stream->Write(event);
+      s->stream->Cancel();
     }
-    s->context = nullptr;
     s->stream = nullptr;
   }
   uint64_t freed = 0;
@@ -417,27 +407,24 @@ size_t SessionRegistry::size() {
 
 uint64_t SessionRegistry::pinned_bytes() const { return pinned_bytes_.load(); }
 
-grpc::Status SessionRegistry::RegisterParameters(Session& s,
-                                                 const v1::RegisterParametersRequest& req,
-                                                 v1::RegisterParametersResponse* resp) {
+Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParametersRequest& req,
+                                           v1::RegisterParametersResponse* resp) {
   if (!s.group.empty()) {
     // Not under s.mu: the group barrier waits for the other local ranks, and
     // End (which holds s.mu) must be able to break the group meanwhile.
     {
       std::lock_guard<std::mutex> lock(s.mu);
-      if (s.closed)
-        return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+      if (s.closed) return Status(StatusCode::kNotFound, "session_id: the session has ended");
     }
-    grpc::Status st = groups_->Register(s.id, req, resp);
+    Status st = groups_->Register(s.id, req, resp);
     if (!st.ok()) return st;
     std::lock_guard<std::mutex> lock(s.mu);
     for (const auto& p : req.params()) s.param_ids.insert(p.param_id());
     return st;
   }
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.closed)
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
-  grpc::Status st = ValidateRegistration(req, s.param_ids);
+  if (s.closed) return Status(StatusCode::kNotFound, "session_id: the session has ended");
+  Status st = ValidateRegistration(req, s.param_ids);
   if (!st.ok()) return st;
   const RegistrationLayout layout = ComputeRegistrationLayout(req);
 
@@ -491,11 +478,10 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
   options.max_grad_norm = req.max_grad_norm();
   options.seed = req.seed();
   options.threads = req.threads();
-  std::string error = optimizer_->AddParameters(s.id, options, std::move(bindings));
-  if (!error.empty()) {
+  if (Status added = optimizer_->AddParameters(s.id, options, std::move(bindings)); !added.ok()) {
     DropSegment(std::move(staging));
     DropSegment(std::move(state));
-    return Invalid(error);
+    return added;
   }
   const uint64_t staging_length = layout.staging_bytes - wire::kSegmentHeaderBytes;
   AddRegion(s, std::move(state), "optimizer-state", layout.state_bytes - wire::kSegmentHeaderBytes,
@@ -508,11 +494,11 @@ grpc::Status SessionRegistry::RegisterParameters(Session& s,
   for (const auto& p : req.params()) s.param_ids.insert(p.param_id());
   spdlog::info("session {}: registered {} parameters (staging {} bytes, state {} bytes)", s.id,
                req.params_size(), layout.staging_bytes, layout.state_bytes);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegionRequest& req,
-                                             v1::Region* out) {
+Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegionRequest& req,
+                                       v1::Region* out) {
   if (req.kind() != v1::SEGMENT_KIND_SESSION && req.kind() != v1::SEGMENT_KIND_UNSPECIFIED) {
     return Invalid("kind: clients may only allocate SEGMENT_KIND_SESSION regions (got " +
                    std::to_string(req.kind()) + ")");
@@ -524,36 +510,34 @@ grpc::Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegio
   }
   if (req.label().size() > 256) return Invalid("label: longer than 256 bytes");
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.closed)
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+  if (s.closed) return Status(StatusCode::kNotFound, "session_id: the session has ended");
   {
     std::lock_guard<std::mutex> rlock(s.regions_mu);
     if (s.regions.size() + s.retired.size() >= kMaxRegionsPerSession) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          "session " + std::to_string(s.id) + " holds " +
-                              std::to_string(s.regions.size() + s.retired.size()) +
-                              " regions, the most one session may (" +
-                              std::to_string(kMaxRegionsPerSession) +
-                              "); free some (FreeRegion) or use fewer, larger ones");
+      return Status(StatusCode::kResourceExhausted,
+                    "session " + std::to_string(s.id) + " holds " +
+                        std::to_string(s.regions.size() + s.retired.size()) +
+                        " regions, the most one session may (" +
+                        std::to_string(kMaxRegionsPerSession) +
+                        "); free some (FreeRegion) or use fewer, larger ones");
     }
   }
   const uint64_t total = wire::kSegmentHeaderBytes + AlignUp(req.bytes(), kPage);
   std::unique_ptr<ShmSegment> seg;
-  grpc::Status st =
+  Status st =
       CreateSegment(s, v1::SEGMENT_KIND_SESSION, total,
                     "region '" + req.label() + "' of session " + std::to_string(s.id), &seg);
   if (!st.ok()) return st;
   const uint64_t id = AddRegion(s, std::move(seg), req.label(), req.bytes(), true);
   std::lock_guard<std::mutex> rlock(s.regions_mu);
   FillRegion(s.regions.at(id), out);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
-grpc::Status SessionRegistry::FreeRegion(Session& s, const v1::FreeRegionRequest& req,
-                                         uint64_t* bytes_freed) {
+Status SessionRegistry::FreeRegion(Session& s, const v1::FreeRegionRequest& req,
+                                   uint64_t* bytes_freed) {
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.closed)
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, "session_id: the session has ended");
+  if (s.closed) return Status(StatusCode::kNotFound, "session_id: the session has ended");
   SessionRegion region;
   {
     std::lock_guard<std::mutex> rlock(s.regions_mu);
@@ -580,7 +564,7 @@ grpc::Status SessionRegistry::FreeRegion(Session& s, const v1::FreeRegionRequest
   } else {
     DropSegment(std::move(region.segment));
   }
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 void SessionRegistry::FillStatus(v1::StatusResponse* out) {

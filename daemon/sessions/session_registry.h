@@ -7,14 +7,13 @@
 //   Session::mu           guards the session's segments, params and `closed`
 //   Session::regions_mu   guards the region table (read by the optimizer's
 //                         RegionResolver on its own threads, which never take mu)
-//   Session::stream_mu    guards the stream/context pointers (notices, cancel)
+//   Session::stream_mu    guards the stream pointer (notices, cancel)
 //
 // A session that breaks the wire rules (a corrupt ring, a truncated segment) is
 // reported from the thread that found it through EndLater(), which never blocks;
 // the reaper thread ends it with End() and tells the client why.
 #pragma once
 
-#include <grpcpp/grpcpp.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -34,14 +33,25 @@
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
 #include "planes/client_rings.h"
-#include "trainstream/v1/control.grpc.pb.h"
+#include "trainstream/status.h"
+#include "trainstream/v1/control.pb.h"
 
 namespace trainstream::daemon {
 
 class GroupRegistry;
 class OptimizerService;
 
-using SessionStream = grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionMessage>;
+// The session stream as the registry uses it: events out, and a cancel that
+// makes the transport's Attach handler return. The transport implements it over
+// its gRPC stream (Note [One Status below the transport], trainstream/status.h).
+class SessionStream {
+ public:
+  virtual ~SessionStream() = default;
+  // Sends `event`; false once the stream is closed.
+  virtual bool Write(const v1::SessionEvent& event) = 0;
+  // Ends the call from the daemon's side; the client sees it cancelled.
+  virtual void Cancel() = 0;
+};
 
 // Ring geometry of a session's control region (session_control.h).
 inline constexpr uint64_t kRingCapacity = 4096;
@@ -93,8 +103,7 @@ class Session {
   std::vector<SessionRegion> retired;
 
   std::mutex stream_mu;
-  grpc::ServerContext* context = nullptr;  // Guarded by stream_mu; null once ended.
-  SessionStream* stream = nullptr;         // Guarded by stream_mu; null once ended.
+  SessionStream* stream = nullptr;  // Guarded by stream_mu; null once ended.
 
   // Sends an event on the session stream if it is still open.
   bool Send(const v1::SessionEvent& event);
@@ -118,15 +127,16 @@ class SessionRegistry {
   // Set before sessions exist.
   void AddEndHook(std::function<void(uint64_t)> hook) { end_hooks_.push_back(std::move(hook)); }
 
-  // Attach: creates the session and its control segment, registers the stream.
-  grpc::Status Create(const PeerCredentials& creds, const v1::AttachRequest& req,
-                      grpc::ServerContext* context, SessionStream* stream,
-                      std::shared_ptr<Session>* out, v1::Attached* attached);
+  // Attach: creates the session and its control segment, registers the stream
+  // (which must outlive the session's use of it: the caller takes it back,
+  // under stream_mu, before it goes).
+  Status Create(const PeerCredentials& creds, const v1::AttachRequest& req, SessionStream* stream,
+                std::shared_ptr<Session>* out, v1::Attached* attached);
 
   // Finds the session for a unary RPC: NOT_FOUND for an unknown id,
   // PERMISSION_DENIED for a wrong token or another user's session.
-  grpc::Status Find(uint64_t session_id, const std::string& token, const PeerCredentials& caller,
-                    std::shared_ptr<Session>* out);
+  Status Find(uint64_t session_id, const std::string& token, const PeerCredentials& caller,
+              std::shared_ptr<Session>* out);
 
   // Ends a session: marks it closing, stops its optimizer plane, unmaps and
   // unlinks its segments, returns its budget. With `cancel_stream`, also cancels
@@ -138,10 +148,10 @@ class SessionRegistry {
   // for the data plane's threads (SessionFaultFn).
   void EndLater(uint64_t session_id, const std::string& reason);
 
-  grpc::Status RegisterParameters(Session& s, const v1::RegisterParametersRequest& req,
-                                  v1::RegisterParametersResponse* resp);
-  grpc::Status AllocateRegion(Session& s, const v1::AllocateRegionRequest& req, v1::Region* out);
-  grpc::Status FreeRegion(Session& s, const v1::FreeRegionRequest& req, uint64_t* bytes_freed);
+  Status RegisterParameters(Session& s, const v1::RegisterParametersRequest& req,
+                            v1::RegisterParametersResponse* resp);
+  Status AllocateRegion(Session& s, const v1::AllocateRegionRequest& req, v1::Region* out);
+  Status FreeRegion(Session& s, const v1::FreeRegionRequest& req, uint64_t* bytes_freed);
 
   // Sends `notice` to every attached session.
   void NotifyAll(const v1::DaemonNotice& notice);
@@ -150,10 +160,10 @@ class SessionRegistry {
   uint64_t pinned_bytes() const;
 
  private:
-  grpc::Status CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes,
-                             const std::string& what, std::unique_ptr<ShmSegment>* out);
-  grpc::Status CreateSegment(const SegmentOwner& owner, uint32_t kind, uint64_t total_bytes,
-                             const std::string& what, std::unique_ptr<ShmSegment>* out);
+  Status CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes, const std::string& what,
+                       std::unique_ptr<ShmSegment>* out);
+  Status CreateSegment(const SegmentOwner& owner, uint32_t kind, uint64_t total_bytes,
+                       const std::string& what, std::unique_ptr<ShmSegment>* out);
   uint64_t AddRegion(Session& s, std::unique_ptr<ShmSegment> seg, const std::string& label,
                      uint64_t length, bool client_freeable);
   void DropSegment(std::unique_ptr<ShmSegment> seg);

@@ -17,12 +17,12 @@ namespace {
 // Note [Client strings in the log] (log_safe.h): job names, group keys, region
 // labels and parameter names are shown by `trainstreamctl status` or logged
 // (inside error messages too), so they must be plain text.
-grpc::Status CheckPrintable(const std::string& text, const char* field, const char* what) {
-  if (PrintableUtf8(text)) return grpc::Status::OK;
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                      std::string(field) + ": '" + LogSafe(text) + "' holds a control character " +
-                          "or invalid UTF-8; " + what +
-                          " must be printable UTF-8 text (no newline, tab or escape)");
+Status CheckPrintable(const std::string& text, const char* field, const char* what) {
+  if (PrintableUtf8(text)) return Status::Ok();
+  return Status(StatusCode::kInvalidArgument,
+                std::string(field) + ": '" + LogSafe(text) + "' holds a control character " +
+                    "or invalid UTF-8; " + what +
+                    " must be printable UTF-8 text (no newline, tab or escape)");
 }
 
 // Keeps the elements of a repeated field for which `keep` is true, in order.
@@ -101,7 +101,23 @@ grpc::Status ControlService::Ping(grpc::ServerContext* ctx, const v1::PingReques
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* stream) {
+// The Attach call's stream as the session registry writes to and cancels it.
+class GrpcSessionStream final : public SessionStream {
+ public:
+  GrpcSessionStream(grpc::ServerContext* ctx,
+                    grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionMessage>* stream)
+      : ctx_(ctx), stream_(stream) {}
+  bool Write(const v1::SessionEvent& event) override { return stream_->Write(event); }
+  void Cancel() override { ctx_->TryCancel(); }
+
+ private:
+  grpc::ServerContext* const ctx_;
+  grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionMessage>* const stream_;
+};
+
+grpc::Status ControlService::Attach(
+    grpc::ServerContext* ctx,
+    grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionMessage>* stream) {
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   v1::SessionMessage first;
@@ -113,10 +129,11 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "attach: the first message on the session stream must be an AttachRequest");
   }
-  if (auto s = CheckPrintable(first.attach().job(), "attach.job", "job names"); !s.ok()) return s;
+  if (auto s = CheckPrintable(first.attach().job(), "attach.job", "job names"); !s.ok())
+    return ToGrpc(s);
   if (auto s = CheckPrintable(first.attach().group().key(), "attach.group.key", "group keys");
       !s.ok())
-    return s;
+    return ToGrpc(s);
   if (state_->shutting_down.load()) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "trainstreamd is shutting down");
   }
@@ -125,14 +142,16 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
         grpc::StatusCode::UNAVAILABLE,
         "trainstreamd is draining: existing sessions continue, new ones are refused");
   }
+  // Lives until this handler returns; the session lets go of it before then.
+  GrpcSessionStream session_stream(ctx, stream);
   std::shared_ptr<Session> session;
   v1::SessionEvent event;
-  grpc::Status st =
-      registry_->Create(creds, first.attach(), ctx, stream, &session, event.mutable_attached());
+  trainstream::Status st =
+      registry_->Create(creds, first.attach(), &session_stream, &session, event.mutable_attached());
   if (!st.ok()) {
     spdlog::warn("attach refused for pid {} uid {}: {}", creds.pid, creds.uid,
-                 LogSafe(st.error_message(), 1024));
-    return st;
+                 LogSafe(st.message(), 1024));
+    return ToGrpc(st);
   }
   const uint64_t id = session->id;
   // Another thread's End (the reaper, the pid watcher) may still be writing its
@@ -141,7 +160,6 @@ grpc::Status ControlService::Attach(grpc::ServerContext* ctx, SessionStream* str
   // back first: after this, no other thread touches it.
   auto take_back_stream = [&session] {
     std::lock_guard<std::mutex> lock(session->stream_mu);
-    session->context = nullptr;
     session->stream = nullptr;
   };
   if (!session->Send(event)) {
@@ -174,10 +192,10 @@ grpc::Status ControlService::RegisterParameters(grpc::ServerContext* ctx,
     }
     if (auto s = CheckPrintable(req->weights_checksum(), "weights_checksum", "checksums"); !s.ok())
       return s;
-    grpc::Status st = registry_->RegisterParameters(session, *req, resp);
+    trainstream::Status st = registry_->RegisterParameters(session, *req, resp);
     if (!st.ok())
       spdlog::info("session {}: RegisterParameters refused: {}", session.id,
-                   LogSafe(st.error_message(), 1024));
+                   LogSafe(st.message(), 1024));
     return st;
   });
 }
@@ -187,10 +205,10 @@ grpc::Status ControlService::AllocateRegion(grpc::ServerContext* ctx,
                                             v1::AllocateRegionResponse* resp) {
   return WithSession(ctx, *req, [&](const PeerCredentials&, Session& session) {
     if (auto s = CheckPrintable(req->label(), "label", "region labels"); !s.ok()) return s;
-    grpc::Status st = registry_->AllocateRegion(session, *req, resp->mutable_region());
+    trainstream::Status st = registry_->AllocateRegion(session, *req, resp->mutable_region());
     if (!st.ok())
       spdlog::info("session {}: AllocateRegion refused: {}", session.id,
-                   LogSafe(st.error_message(), 1024));
+                   LogSafe(st.message(), 1024));
     return st;
   });
 }
@@ -199,7 +217,7 @@ grpc::Status ControlService::FreeRegion(grpc::ServerContext* ctx, const v1::Free
                                         v1::FreeRegionResponse* resp) {
   return WithSession(ctx, *req, [&](const PeerCredentials&, Session& session) {
     uint64_t freed = 0;
-    grpc::Status st = registry_->FreeRegion(session, *req, &freed);
+    trainstream::Status st = registry_->FreeRegion(session, *req, &freed);
     resp->set_bytes_freed(freed);
     return st;
   });

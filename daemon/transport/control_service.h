@@ -2,6 +2,10 @@
 // point per RPC: authorise the caller from its connection's credentials, hand
 // the request to one SessionRegistry method, answer. Bad input is answered with
 // INVALID_ARGUMENT naming the field; no client input can crash the daemon.
+//
+// The layers below answer with trainstream::Status; the handlers convert it to
+// the gRPC status they return, and nowhere else does (Note [One Status below
+// the transport], trainstream/status.h).
 #pragma once
 
 #include <cstdint>
@@ -12,13 +16,13 @@
 #include "daemon_state.h"
 #include "memory/budget.h"
 #include "sessions/session_registry.h"
+#include "trainstream/grpc_status.h"
+#include "trainstream/status.h"
 #include "trainstream/v1/control.grpc.pb.h"
+#include "transport/control_server.h"
 #include "transport/peer_credentials.h"
 
 namespace trainstream::daemon {
-
-inline constexpr const char* kDaemonVersion = "0.1.0";
-inline constexpr uint32_t kProtocolVersion = 1;
 
 class ControlService final : public v1::Control::Service {
  public:
@@ -37,7 +41,9 @@ class ControlService final : public v1::Control::Service {
 
   grpc::Status Ping(grpc::ServerContext* ctx, const v1::PingRequest* req,
                     v1::PingResponse* resp) override;
-  grpc::Status Attach(grpc::ServerContext* ctx, SessionStream* stream) override;
+  grpc::Status Attach(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionMessage>* stream) override;
   grpc::Status RegisterParameters(grpc::ServerContext* ctx,
                                   const v1::RegisterParametersRequest* req,
                                   v1::RegisterParametersResponse* resp) override;
@@ -68,15 +74,15 @@ class ControlService final : public v1::Control::Service {
 
   // The idiom of every session request: authorise the caller, find the session
   // its id and token name (it must be the caller's), then run
-  // fn(creds, session) and return what it returns.
+  // fn(creds, session) and answer what it returns (a trainstream::Status).
   template <typename Request, typename Fn>
   grpc::Status WithSession(grpc::ServerContext* ctx, const Request& req, Fn fn) {
     PeerCredentials creds;
     if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
     std::shared_ptr<Session> session;
     if (auto s = registry_->Find(req.session_id(), req.session_token(), creds, &session); !s.ok())
-      return s;
-    return fn(creds, *session);
+      return ToGrpc(s);
+    return ToGrpc(fn(creds, *session));
   }
   // Adds the cached bases (and their segments) to a status answer.
   void FillBaseStatus(v1::StatusResponse* resp);

@@ -61,7 +61,7 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
   std::shared_ptr<Session> session;
   if (req->session_id() != 0) {
     if (auto s = registry_->Find(req->session_id(), req->session_token(), creds, &session); !s.ok())
-      return s;
+      return ToGrpc(s);
   }
   base::BaseLoadOptions options;
   options.path = req->path();
@@ -104,19 +104,19 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
     return true;
   };
   base::BaseInfo info;
-  grpc::Status st = bases_->Load(creds, options, session ? session->id : 0, progress, &info);
+  trainstream::Status st = bases_->Load(creds, options, session ? session->id : 0, progress, &info);
   // A header near the tensor cap parses into a few hundred MB of short-lived
   // JSON nodes; hand those pages back now rather than keep them as the daemon's
   // RSS for good (a client could grow it so, one crafted header at a time).
   malloc_trim(0);
-  if (st.error_code() == grpc::StatusCode::CANCELLED && stopped != nullptr) {
-    st = grpc::Status(grpc::StatusCode::CANCELLED,
-                      std::string(base::kLoadCancelled) + ": " + stopped + " (nothing was kept)");
+  if (st.code() == StatusCode::kCancelled && stopped != nullptr) {
+    st = trainstream::Status(StatusCode::kCancelled, std::string(base::kLoadCancelled) + ": " +
+                                                         stopped + " (nothing was kept)");
   }
   if (!st.ok()) {
     spdlog::info("LoadBase of '{}' by uid {} pid {} refused: {}", LogSafe(options.path), creds.uid,
-                 creds.pid, LogSafe(st.error_message(), 1024));
-    return st;
+                 creds.pid, LogSafe(st.message(), 1024));
+    return ToGrpc(st);
   }
   if (session) {
     // A session that ended while this load ran must not keep a reference: End()
@@ -164,9 +164,9 @@ grpc::Status ControlService::DropBase(grpc::ServerContext* ctx, const v1::DropBa
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   uint64_t freed = 0;
-  grpc::Status st = bases_->Drop(creds, req->key(), &freed);
+  trainstream::Status st = bases_->Drop(creds, req->key(), &freed);
   resp->set_bytes_freed(freed);
-  return st;
+  return ToGrpc(st);
 }
 
 grpc::Status ControlService::ShareBaseVram(grpc::ServerContext* ctx,
@@ -174,14 +174,14 @@ grpc::Status ControlService::ShareBaseVram(grpc::ServerContext* ctx,
                                            v1::ShareBaseVramResponse* resp) {
   return WithSession(ctx, *req, [&](const PeerCredentials&, Session& session) {
     if (req->pci_bus_id().size() > 64) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "pci_bus_id: longer than 64 characters (e.g. '0000:19:00.0')");
+      return trainstream::Status(StatusCode::kInvalidArgument,
+                                 "pci_bus_id: longer than 64 characters (e.g. '0000:19:00.0')");
     }
     base::VramDevice device;
     device.pci_bus_id = req->pci_bus_id();
     device.index = req->device();
     base::VramShareInfo info;
-    grpc::Status st = bases_->ShareVram(session.id, req->key(), device, &info);
+    trainstream::Status st = bases_->ShareVram(session.id, req->key(), device, &info);
     if (!st.ok()) return st;
     resp->set_ipc_handle(info.ipc_handle);
     resp->set_bytes(info.bytes);
@@ -190,7 +190,7 @@ grpc::Status ControlService::ShareBaseVram(grpc::ServerContext* ctx,
     resp->set_cached(info.cached);
     resp->set_copy_seconds(info.copy_seconds);
     resp->set_holders(info.holders);
-    return grpc::Status::OK;
+    return trainstream::Status::Ok();
   });
 }
 

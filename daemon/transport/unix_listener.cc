@@ -26,7 +26,7 @@ namespace {
 
 constexpr int kListenBacklog = 128;
 
-grpc::Status Fail(grpc::StatusCode code, const std::string& msg) { return grpc::Status(code, msg); }
+Status Fail(StatusCode code, const std::string& msg) { return Status(code, msg); }
 
 bool MakeAddress(const std::string& path, sockaddr_un* addr) {
   std::memset(addr, 0, sizeof(*addr));
@@ -67,24 +67,24 @@ bool SomeoneListens(const std::string& path, pid_t* pid) {
 
 }  // namespace
 
-grpc::Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
-                                std::unique_ptr<UnixListener>* out) {
+Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
+                          std::unique_ptr<UnixListener>* out) {
   std::unique_ptr<UnixListener> l(new UnixListener());
   sockaddr_un addr;
   if (!MakeAddress(path, &addr)) {
     return Fail(
-        grpc::StatusCode::INVALID_ARGUMENT,
+        StatusCode::kInvalidArgument,
         "socket path too long (" + std::to_string(path.size()) + " bytes, max 107): " + path);
   }
   std::string error;
-  if (!MakeParentDirs(path, &error)) return Fail(grpc::StatusCode::PERMISSION_DENIED, error);
+  if (!MakeParentDirs(path, &error)) return Fail(StatusCode::kPermissionDenied, error);
 
   // The lock file serialises two daemons starting at the same moment; the
   // connect() probe below catches a live daemon that lost its lock file.
   const std::string lock_path = path + ".lock";
   l->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (l->lock_fd_ < 0) {
-    return Fail(grpc::StatusCode::PERMISSION_DENIED,
+    return Fail(StatusCode::kPermissionDenied,
                 "cannot open " + lock_path + ": " + std::strerror(errno));
   }
   pid_t other = 0;
@@ -94,7 +94,7 @@ grpc::Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
     std::string who = other > 0 ? " (pid " + std::to_string(other) + ")" : "";
     close(l->lock_fd_);
     l->lock_fd_ = -1;
-    return Fail(grpc::StatusCode::FAILED_PRECONDITION,
+    return Fail(StatusCode::kFailedPrecondition,
                 "another trainstreamd" + who + " is already serving " + path +
                     "; stop it first (`trainstreamctl --socket " + path +
                     " shutdown`) or choose another --socket");
@@ -104,7 +104,7 @@ grpc::Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
     if (!S_ISSOCK(st.st_mode)) {
       close(l->lock_fd_);
       l->lock_fd_ = -1;
-      return Fail(grpc::StatusCode::FAILED_PRECONDITION,
+      return Fail(StatusCode::kFailedPrecondition,
                   path + " exists and is not a socket; refusing to replace it");
     }
     spdlog::warn("replacing stale socket {} (nothing listens on it)", path);
@@ -114,29 +114,29 @@ grpc::Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
 
   l->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (l->listen_fd_ < 0)
-    return Fail(grpc::StatusCode::INTERNAL, std::string("socket: ") + std::strerror(errno));
+    return Fail(StatusCode::kInternal, std::string("socket: ") + std::strerror(errno));
   // Bind under a restrictive umask so there is no window with a wider mode.
   mode_t old_umask = umask(0177);
   int rc = bind(l->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   int bind_errno = errno;
   umask(old_umask);
   if (rc != 0) {
-    return Fail(grpc::StatusCode::PERMISSION_DENIED,
+    return Fail(StatusCode::kPermissionDenied,
                 "cannot bind " + path + ": " + std::strerror(bind_errno));
   }
   if (gid != static_cast<gid_t>(-1) && chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0) {
     spdlog::warn("cannot give {} to gid {}: {}", path, gid, std::strerror(errno));
   }
   if (chmod(path.c_str(), mode) != 0) {
-    return Fail(grpc::StatusCode::INTERNAL, "chmod " + path + ": " + std::strerror(errno));
+    return Fail(StatusCode::kInternal, "chmod " + path + ": " + std::strerror(errno));
   }
   if (listen(l->listen_fd_, kListenBacklog) != 0) {
-    return Fail(grpc::StatusCode::INTERNAL, "listen " + path + ": " + std::strerror(errno));
+    return Fail(StatusCode::kInternal, "listen " + path + ": " + std::strerror(errno));
   }
   l->stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   l->reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
   *out = std::move(l);
-  return grpc::Status::OK;
+  return Status::Ok();
 }
 
 void UnixListener::Start(grpc::Server* server, OnAccept on_accept) {

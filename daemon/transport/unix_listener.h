@@ -15,7 +15,6 @@
 // limited. Connections already handed to gRPC are served throughout.
 #pragma once
 
-#include <grpcpp/support/status.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -24,6 +23,8 @@
 #include <memory>
 #include <string>
 #include <thread>
+
+#include "trainstream/status.h"
 
 namespace grpc {
 class Server;
@@ -50,8 +51,8 @@ class UnixListener {
   // Creates the socket's directory if missing, takes `<path>.lock` (flock), and
   // binds `path` with `mode`, group `gid` when gid != -1 (root only).
   // FAILED_PRECONDITION when another daemon serves the path.
-  static grpc::Status Bind(const std::string& path, mode_t mode, gid_t gid,
-                           std::unique_ptr<UnixListener>* out);
+  static Status Bind(const std::string& path, mode_t mode, gid_t gid,
+                     std::unique_ptr<UnixListener>* out);
 
   // Starts the accept thread; accepted fds go to `server`, which must outlive
   // Stop().

@@ -54,9 +54,9 @@ unsigned __int128 Slot(uint64_t begin, unsigned __int128 bytes, unsigned __int12
 void RegisterParameters(uint8_t selector, const std::string& bytes) {
   v1::RegisterParametersRequest req;
   if (!req.ParseFromString(bytes)) return;
-  const grpc::Status st = ValidateRegistration(req, {});
+  const trainstream::Status st = ValidateRegistration(req, {});
   if (!st.ok()) {
-    Check(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT && !st.error_message().empty());
+    Check(st.code() == trainstream::StatusCode::kInvalidArgument && !st.message().empty());
     return;
   }
   // Valid once; not again in a session that already holds its first id.
@@ -117,9 +117,9 @@ void LoadBase(const std::string& bytes) {
   v1::LoadBaseRequest req;
   if (!req.ParseFromString(bytes)) return;
   base::BasePlan plan;
-  const grpc::Status st = base::ParseBaseFormat(req.format(), req.block_size(), &plan);
+  const trainstream::Status st = base::ParseBaseFormat(req.format(), req.block_size(), &plan);
   if (!st.ok()) {
-    Check(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    Check(st.code() == trainstream::StatusCode::kInvalidArgument);
     return;
   }
   base::SafetensorsTensor t;

@@ -11,8 +11,8 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace trainstream::daemon::base;
   SafetensorsHeader h;
-  const std::string err = ParseSafetensorsBuffer("fuzz.safetensors", data, size, &h);
-  if (err.empty()) {
+  const trainstream::Status st = ParseSafetensorsBuffer("fuzz.safetensors", data, size, &h);
+  if (st.ok()) {
     // The invariants the loader relies on.
     uint64_t cursor = 0;
     for (const auto& t : h.tensors) {

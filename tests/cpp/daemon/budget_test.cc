@@ -15,16 +15,16 @@ TEST_CASE("Budget reserves up to the limit and explains refusals", "[budget]") {
   CHECK(b.used() == 1000);
   CHECK(b.free() == 0);
   auto s = b.Reserve(1, "region 'x'");
-  CHECK(s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
-  CHECK(s.error_message().find("asked 1 bytes") != std::string::npos);
-  CHECK(s.error_message().find("region 'x'") != std::string::npos);
-  CHECK(s.error_message().find("0 bytes") != std::string::npos);
-  CHECK(s.error_message().find("1000-byte") != std::string::npos);
+  CHECK(s.code() == trainstream::StatusCode::kResourceExhausted);
+  CHECK(s.message().find("asked 1 bytes") != std::string::npos);
+  CHECK(s.message().find("region 'x'") != std::string::npos);
+  CHECK(s.message().find("0 bytes") != std::string::npos);
+  CHECK(s.message().find("1000-byte") != std::string::npos);
   b.Release(600);
   CHECK(b.used() == 400);
   auto big = b.Reserve(601, "c");
   CHECK_FALSE(big.ok());
-  CHECK(big.error_message().find("600 bytes") != std::string::npos);
+  CHECK(big.message().find("600 bytes") != std::string::npos);
   CHECK(b.used() == 400);  // a refused reservation takes nothing
 }
 

@@ -21,8 +21,8 @@ TEST_CASE("ParseBytes understands units", "[config]") {
   REQUIRE(ParseBytes("8GiB", "x", &v).ok());
   CHECK(v == 8ull << 30);
   auto bad = ParseBytes("12Q", "budget", &v);
-  CHECK(bad.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  CHECK(bad.error_message().find("budget") == 0);
+  CHECK(bad.code() == trainstream::StatusCode::kInvalidArgument);
+  CHECK(bad.message().find("budget") == 0);
   CHECK_FALSE(ParseBytes("", "x", &v).ok());
   CHECK_FALSE(ParseBytes("G", "x", &v).ok());
   CHECK_FALSE(ParseBytes("1e400", "x", &v).ok());
@@ -73,17 +73,17 @@ TEST_CASE("Config file: key = value, comments, quotes, errors name file:line", "
 
   DaemonConfig d;
   auto e = ParseConfigText("budget = 1G\nbogus = 1\n", "t.conf", &d);
-  CHECK(e.error_message().find("t.conf:2") == 0);
-  CHECK(e.error_message().find("bogus") != std::string::npos);
-  CHECK(ParseConfigText("threads = many\n", "f", &d).error_message().find("f:1") == 0);
+  CHECK(e.message().find("t.conf:2") == 0);
+  CHECK(e.message().find("bogus") != std::string::npos);
+  CHECK(ParseConfigText("threads = many\n", "f", &d).message().find("f:1") == 0);
   CHECK_FALSE(ParseConfigText("log_level = loud\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("budget = 200%\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("no equals sign\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("lock_memory = maybe\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("max_connections_per_uid = -1\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("max_connections_per_uid = 2000000\n", "f", &d).ok());
-  CHECK(LoadConfigFile("/nonexistent/trainstreamd.conf", &d).error_code() ==
-        grpc::StatusCode::NOT_FOUND);
+  CHECK(LoadConfigFile("/nonexistent/trainstreamd.conf", &d).code() ==
+        trainstream::StatusCode::kNotFound);
 }
 
 TEST_CASE("Tokens are 128-bit random hex and differ", "[token]") {

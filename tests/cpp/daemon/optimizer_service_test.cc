@@ -69,7 +69,7 @@ struct Client {
     b.step_counter = &step_counter;
     std::vector<ParamBinding> params;
     params.push_back(std::move(b));
-    REQUIRE(service.AddParameters(kSession, SessionOptimizerOptions{}, std::move(params)).empty());
+    REQUIRE(service.AddParameters(kSession, SessionOptimizerOptions{}, std::move(params)).ok());
   }
   bool Post(Opcode op, uint64_t step = 0, wire::StateField field = {}) {
     CommandRecord c{};

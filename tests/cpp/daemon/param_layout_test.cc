@@ -25,8 +25,8 @@ v1::RegisterParametersRequest Request() {
   q->set_dtype(v1::DTYPE_FLOAT32);
   return r;
 }
-std::string Field(const grpc::Status& s) {
-  return s.error_message().substr(0, s.error_message().find(':'));
+std::string Field(const trainstream::Status& s) {
+  return s.message().substr(0, s.message().find(':'));
 }
 }  // namespace
 
@@ -57,8 +57,8 @@ TEST_CASE("Valid registrations pass; each bad field is named", "[params]") {
   r = Request();
   for (int i = 0; i < 3; ++i) r.mutable_params(0)->add_shape(1 << 20);
   CHECK(Field(ValidateRegistration(r, {})) == "params[0].shape");
-  for (auto code : {ValidateRegistration(r, {}).error_code()})
-    CHECK(code == grpc::StatusCode::INVALID_ARGUMENT);
+  for (auto code : {ValidateRegistration(r, {}).code()})
+    CHECK(code == trainstream::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("Layout: aligned, disjoint slots; manifest then state tensors", "[params]") {
@@ -118,9 +118,9 @@ TEST_CASE("A request's parameters may not add up past 2^40 elements", "[params]"
     p->add_shape(int64_t{1} << 36);
     p->set_dtype(v1::DTYPE_FLOAT32);
   }
-  const grpc::Status st = ValidateRegistration(r, {});
+  const trainstream::Status st = ValidateRegistration(r, {});
   CHECK(Field(st) == "params");
-  CHECK(st.error_message().find("params[16]") != std::string::npos);
+  CHECK(st.message().find("params[16]") != std::string::npos);
   r.mutable_params()->RemoveLast();  // 16 * 2^36 = 2^40: at the cap
   CHECK(ValidateRegistration(r, {}).ok());
 }

@@ -28,9 +28,17 @@ std::string File(const std::string& json, const std::string& data) {
   return out + json + data;
 }
 
+// What a parser call answered: "" when it accepted the input, else its message
+// (every refusal is INVALID_ARGUMENT).
+std::string Answer(const trainstream::Status& st) {
+  if (st.ok()) return "";
+  CHECK(st.code() == trainstream::StatusCode::kInvalidArgument);
+  return st.message();
+}
+
 std::string Parse(const std::string& file, SafetensorsHeader* h) {
-  return ParseSafetensorsBuffer("m.safetensors", reinterpret_cast<const uint8_t*>(file.data()),
-                                file.size(), h);
+  return Answer(ParseSafetensorsBuffer(
+      "m.safetensors", reinterpret_cast<const uint8_t*>(file.data()), file.size(), h));
 }
 
 bool Has(const std::string& s, const std::string& part) {
@@ -143,25 +151,27 @@ TEST_CASE("ReadSafetensorsHeader reads through an fd", "[safetensors]") {
       File(R"({"t":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", std::string(8, '\1'));
   REQUIRE(write(fd, f.data(), f.size()) == static_cast<ssize_t>(f.size()));
   SafetensorsHeader h;
-  CHECK(ReadSafetensorsHeader(fd, path, &h) == "");
+  CHECK(Answer(ReadSafetensorsHeader(fd, path, &h)) == "");
   CHECK(h.tensors.at(0).shape == std::vector<int64_t>{2, 2});
   REQUIRE(ftruncate(fd, 12) == 0);
-  CHECK(Has(ReadSafetensorsHeader(fd, path, &h), "runs past the end of the file (12 bytes)"));
+  CHECK(
+      Has(Answer(ReadSafetensorsHeader(fd, path, &h)), "runs past the end of the file (12 bytes)"));
   close(fd);
   unlink(path);
 }
 
 TEST_CASE("The shard index maps tensors to plain file names", "[safetensors]") {
   ShardIndex idx;
-  CHECK(ParseShardIndex("i.json",
-                        R"({"metadata":{"total_size":8},"weight_map":{"a":"s1.safetensors",)"
-                        R"("b":"s2.safetensors","c":"s1.safetensors"}})",
-                        &idx) == "");
+  CHECK(Answer(ParseShardIndex("i.json",
+                               R"({"metadata":{"total_size":8},"weight_map":{"a":"s1.safetensors",)"
+                               R"("b":"s2.safetensors","c":"s1.safetensors"}})",
+                               &idx)) == "");
   CHECK(idx.shards == std::vector<std::string>{"s1.safetensors", "s2.safetensors"});
-  CHECK(Has(ParseShardIndex("i.json", R"({"weight_map":{"a":"../x.safetensors"}})", &idx),
+  CHECK(Has(Answer(ParseShardIndex("i.json", R"({"weight_map":{"a":"../x.safetensors"}})", &idx)),
             "is not a file name in the model's folder"));
-  CHECK(Has(ParseShardIndex("i.json", R"({"weight_map":{"a":3}})", &idx), "file name string"));
-  CHECK(Has(ParseShardIndex("i.json", R"({"x":{}})", &idx), "\"weight_map\""));
+  CHECK(Has(Answer(ParseShardIndex("i.json", R"({"weight_map":{"a":3}})", &idx)),
+            "file name string"));
+  CHECK(Has(Answer(ParseShardIndex("i.json", R"({"x":{}})", &idx)), "\"weight_map\""));
 }
 
 namespace {
@@ -221,16 +231,17 @@ TEST_CASE("A parse stops once its CancelCheck says so", "[safetensors]") {
   const std::string_view json(file.data() + 8, file.size() - 8 - 4);
   SafetensorsHeader h;
   int polls = 0;
-  CHECK(ParseSafetensorsJson("m.safetensors", json, file.size(), &h, [&] {
+  CHECK(Answer(ParseSafetensorsJson("m.safetensors", json, file.size(), &h, [&] {
           ++polls;
           return false;
-        }) == "");
+        })) == "");
   CHECK(h.tensors.size() == 20001);
   CHECK(polls > 10);  // polled all along the parse, not once
   int left = 3;
-  const std::string e =
+  const trainstream::Status st =
       ParseSafetensorsJson("m.safetensors", json, file.size(), &h, [&] { return --left < 0; });
-  CHECK(e == "m.safetensors: header: parse cancelled");
+  CHECK(st.code() == trainstream::StatusCode::kCancelled);
+  CHECK(st.message() == "m.safetensors: header: parse cancelled");
 }
 
 TEST_CASE("A shard index over the tensor cap is refused", "[safetensors]") {
@@ -240,7 +251,7 @@ TEST_CASE("A shard index over the tensor cap is refused", "[safetensors]") {
   }
   json += "}}";
   ShardIndex idx;
-  CHECK(Has(ParseShardIndex("i.json", json, &idx),
+  CHECK(Has(Answer(ParseShardIndex("i.json", json, &idx)),
             "i.json: weight_map lists " + std::to_string(kMaxTensors + 1) +
                 " tensors, more than the " + std::to_string(kMaxTensors)));
 }
@@ -272,12 +283,12 @@ TEST_CASE("PlanBase refuses more than the tensor cap over all shards", "[base_lo
   AddShard(ManyTensors(kMaxTensors / 2), &sources);
   BasePlan plan;
   REQUIRE(ParseBaseFormat("none", 0, &plan).ok());
-  grpc::Status st = PlanBase(sources, &plan);
+  trainstream::Status st = PlanBase(sources, &plan);
   // Each shard alone is under the cap; together they are not. (The second
   // repeats the first's names: the cap is checked before the names are.)
-  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  CHECK(Has(st.error_message(), "/models/m: the shards list more than " +
-                                    std::to_string(kMaxTensors) + " tensors together"));
+  CHECK(st.code() == trainstream::StatusCode::kInvalidArgument);
+  CHECK(Has(st.message(), "/models/m: the shards list more than " + std::to_string(kMaxTensors) +
+                              " tensors together"));
 }
 
 TEST_CASE("PlanBase and FillBase stop with CANCELLED when asked", "[base_loader]") {
@@ -286,9 +297,9 @@ TEST_CASE("PlanBase and FillBase stop with CANCELLED when asked", "[base_loader]
   BasePlan plan;
   REQUIRE(ParseBaseFormat("none", 0, &plan).ok());
   int left = 2;
-  grpc::Status st = PlanBase(sources, &plan, [&] { return --left < 0; });
-  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
-  CHECK(st.error_message() == kLoadCancelled);
+  trainstream::Status st = PlanBase(sources, &plan, [&] { return --left < 0; });
+  CHECK(st.code() == trainstream::StatusCode::kCancelled);
+  CHECK(st.message() == kLoadCancelled);
   REQUIRE(PlanBase(sources, &plan).ok());
 
   // Cancelled after the first tensor.
@@ -302,7 +313,7 @@ TEST_CASE("PlanBase and FillBase stop with CANCELLED when asked", "[base_loader]
         return false;
       },
       &peak);
-  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
+  CHECK(st.code() == trainstream::StatusCode::kCancelled);
   CHECK(done == std::vector<uint32_t>{1});
 }
 
@@ -320,14 +331,14 @@ TEST_CASE("FillBase polls between the pieces of a large tensor", "[base_loader]"
   std::vector<char> segment(plan.total_bytes);
   uint64_t peak = 0;
   std::vector<LoadProgress> seen;
-  grpc::Status st = FillBase(
+  trainstream::Status st = FillBase(
       sources, plan, "k", segment.data(),
       [&](const LoadProgress& p) {
         seen.push_back(p);
         return false;
       },
       &peak);
-  CHECK(st.error_code() == grpc::StatusCode::CANCELLED);
+  CHECK(st.code() == trainstream::StatusCode::kCancelled);
   REQUIRE(seen.size() == 1);
   CHECK(seen[0].tensors_done == 0);  // mid-tensor
 }

@@ -115,9 +115,9 @@ TEST_CASE("A failing posix_fallocate is a clear error and leaves no file", "[seg
   setrlimit(RLIMIT_FSIZE, &old);
   CHECK_FALSE(s.ok());
   CHECK_FALSE(seg);
-  CHECK(s.error_message().find("posix_fallocate") != std::string::npos);
-  CHECK(s.error_message().find(dir.path) != std::string::npos);
-  CHECK(s.error_message().find("free") != std::string::npos);
+  CHECK(s.message().find("posix_fallocate") != std::string::npos);
+  CHECK(s.message().find(dir.path) != std::string::npos);
+  CHECK(s.message().find("free") != std::string::npos);
   CHECK(dir.count() == 0);
 }
 
@@ -125,5 +125,5 @@ TEST_CASE("Creating in a missing directory fails without side effects", "[segmen
   std::unique_ptr<ShmSegment> seg;
   auto s = ShmSegment::Create("/nonexistent-dir-ts", 2, 8192, SegmentOwner{}, false, &seg);
   CHECK_FALSE(s.ok());
-  CHECK(s.error_message().find("/nonexistent-dir-ts") != std::string::npos);
+  CHECK(s.message().find("/nonexistent-dir-ts") != std::string::npos);
 }

@@ -18,19 +18,19 @@ TEST_CASE("VramExporter resolves, refuses and exports as documented", "[vram]") 
   first.index = 0;
   int device = -1;
   std::string bus;
-  const grpc::Status st = vram.Resolve(first, &device, &bus);
+  const trainstream::Status st = vram.Resolve(first, &device, &bus);
   if (!st.ok()) {
     // No CUDA in this build, or no GPU / driver on this machine.
-    CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
-    CHECK(st.error_message().find("share_vram") != std::string::npos);
+    CHECK(st.code() == trainstream::StatusCode::kFailedPrecondition);
+    CHECK(st.message().find("share_vram") != std::string::npos);
     const std::string why =
         VramExporter::built_with_cuda() ? "no usable CUDA device" : "built without CUDA";
-    CHECK(st.error_message().find(why) != std::string::npos);
+    CHECK(st.message().find(why) != std::string::npos);
     // Asking again gives the same answer (no sticky state), by bus id too.
     VramDevice by_bus;
     by_bus.pci_bus_id = "0000:01:00.0";
-    const grpc::Status again = vram.Resolve(by_bus, &device, &bus);
-    CHECK(again.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    const trainstream::Status again = vram.Resolve(by_bus, &device, &bus);
+    CHECK(again.code() == trainstream::StatusCode::kFailedPrecondition);
     CHECK(device == -1);
     vram.Free(VramAllocation{});  // nothing allocated: a no-op
     return;
@@ -40,10 +40,10 @@ TEST_CASE("VramExporter resolves, refuses and exports as documented", "[vram]") 
   CHECK(!bus.empty());
   VramDevice missing;
   missing.index = 4096;
-  CHECK(vram.Resolve(missing, &device, &bus).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(vram.Resolve(missing, &device, &bus).code() == trainstream::StatusCode::kInvalidArgument);
   VramDevice bad_bus;
   bad_bus.pci_bus_id = "ffff:ff:1f.7";
-  CHECK(vram.Resolve(bad_bus, &device, &bus).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(vram.Resolve(bad_bus, &device, &bus).code() == trainstream::StatusCode::kInvalidArgument);
   std::vector<unsigned char> host(1 << 20, 0x5a);
   VramAllocation a;
   REQUIRE(vram.Export(0, host.data(), host.size(), &a).ok());
@@ -53,8 +53,8 @@ TEST_CASE("VramExporter resolves, refuses and exports as documented", "[vram]") 
   vram.Free(a);
   // Far more than any GPU holds: RESOURCE_EXHAUSTED, and the exporter still works.
   VramAllocation huge;
-  CHECK(vram.Export(0, host.data(), uint64_t{1} << 50, &huge).error_code() ==
-        grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(vram.Export(0, host.data(), uint64_t{1} << 50, &huge).code() ==
+        trainstream::StatusCode::kResourceExhausted);
   REQUIRE(vram.Export(0, host.data(), host.size(), &a).ok());
   vram.Free(a);
 }

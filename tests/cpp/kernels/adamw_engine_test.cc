@@ -107,9 +107,9 @@ void Bind(AdamWEngine& engine, Fixture& f) {
     b.exp_avg_sq = x.v.data();
     b.grad_slot = x.grad.data();
     b.param_slot = x.slot.data();
-    REQUIRE(engine.AddParam(b).empty());
+    REQUIRE(engine.AddParam(b).ok());
   }
-  REQUIRE(engine.Init().empty());
+  REQUIRE(engine.Init().ok());
 }
 
 struct Recorder {
@@ -160,8 +160,8 @@ TEST_CASE("eager engine on 3 threads equals the scalar kernel", "[engine]") {
     for (uint64_t step = 1; step <= 4; ++step) {
       got.NewGrads(static_cast<uint32_t>(step));
       want.NewGrads(static_cast<uint32_t>(step));
-      for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).empty());
-      REQUIRE(engine.StepEnd(step).empty());
+      for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).ok());
+      REQUIRE(engine.StepEnd(step).ok());
       engine.WaitIdle();
       ReferenceStep(want, step, 1.0f);
     }
@@ -179,14 +179,14 @@ TEST_CASE("eager engine on 3 threads equals the scalar kernel", "[engine]") {
     // state export/import round trip
     std::vector<float> ma(4097), ea(4097), eb(4097);
     uint64_t step = 0;
-    REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).empty());
+    REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).ok());
     CHECK(step == 4);
     CHECK(ma == want.t[2].master);
     CHECK(eb == want.t[2].v);
     ma[0] = 5.0f;
-    REQUIRE(engine.ImportState(2, ma.data(), ea.data(), eb.data(), 9).empty());
+    REQUIRE(engine.ImportState(2, ma.data(), ea.data(), eb.data(), 9).ok());
     CHECK(got.t[2].slot[0] == 5.0f);
-    REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).empty());
+    REQUIRE(engine.ExportState(2, ma.data(), ea.data(), eb.data(), &step).ok());
     CHECK(step == 9);
   }
 }
@@ -205,8 +205,8 @@ TEST_CASE("deferred engine clips by the global norm like clip_grad_norm_", "[eng
   for (uint64_t step = 1; step <= 3; ++step) {
     got.NewGrads(static_cast<uint32_t>(step + 10));
     want.NewGrads(static_cast<uint32_t>(step + 10));
-    for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).empty());
-    REQUIRE(engine.StepEnd(step).empty());
+    for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).ok());
+    REQUIRE(engine.StepEnd(step).ok());
     engine.WaitIdle();
     const float norm = static_cast<float>(GlobalNorm(want));
     const float coef = (1.0f / (norm + 1e-6f)) * 1.0f;
@@ -235,14 +235,14 @@ TEST_CASE("non-finite gradient: eager skips that parameter, deferred skips the s
     f.NewGrads(5);
     f.t[3].grad[150000] = NAN;
     const Fixture before = f;
-    for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, 1, Hp(i)).empty());
-    REQUIRE(engine.StepEnd(1).empty());
+    for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, 1, Hp(i)).ok());
+    REQUIRE(engine.StepEnd(1).ok());
     engine.WaitIdle();
     REQUIRE(rec.steps.size() == 1);
     const StepResult& r = rec.steps[0];
     CHECK(r.skipped_nonfinite);
     CHECK(r.nonfinite_params == std::vector<uint64_t>{3});
-    CHECK_FALSE(r.error.empty());
+    CHECK_FALSE(r.error.ok());
     CHECK(f.t[3].master == before.t[3].master);
     CHECK(f.t[3].m == before.t[3].m);
     CHECK(f.t[3].v == before.t[3].v);
@@ -251,9 +251,9 @@ TEST_CASE("non-finite gradient: eager skips that parameter, deferred skips the s
     CHECK((f.t[0].master == before.t[0].master) == deferred);
     std::vector<float> a(200003), b(200003), c(200003);
     uint64_t step = 99;
-    REQUIRE(engine.ExportState(3, a.data(), b.data(), c.data(), &step).empty());
+    REQUIRE(engine.ExportState(3, a.data(), b.data(), c.data(), &step).ok());
     CHECK(step == 0);  // the skipped parameter's step count did not advance
-    REQUIRE(engine.ExportState(0, a.data(), b.data(), c.data(), &step).empty());
+    REQUIRE(engine.ExportState(0, a.data(), b.data(), c.data(), &step).ok());
     CHECK(step == (deferred ? 0u : 1u));
   }
 }
@@ -273,15 +273,15 @@ TEST_CASE("eager per-chunk check leaves exactly the non-finite chunk untouched",
   want.NewGrads(5);
   f.t[3].grad[150000] = NAN;  // chunk 2 of parameter 3: elements [131072, 196608)
   const Fixture before = f;
-  for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, 1, Hp(i)).empty());
-  REQUIRE(engine.StepEnd(1).empty());
+  for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, 1, Hp(i)).ok());
+  REQUIRE(engine.StepEnd(1).ok());
   engine.WaitIdle();
   ReferenceStep(want, 1, 1.0f);
   REQUIRE(rec.steps.size() == 1);
   const StepResult& r = rec.steps[0];
   CHECK(r.skipped_nonfinite);
   CHECK(r.nonfinite_params == std::vector<uint64_t>{3});
-  CHECK(r.error.find("non-finite") != std::string::npos);
+  CHECK(r.error.message().find("non-finite") != std::string::npos);
   CHECK(r.params_updated == 4u);
   for (size_t i = 0; i < 3; ++i) CHECK(f.t[i].master == want.t[i].master);
   for (size_t e = 0; e < f.t[3].master.size(); ++e) {
@@ -294,7 +294,7 @@ TEST_CASE("eager per-chunk check leaves exactly the non-finite chunk untouched",
   }
   std::vector<float> a(200003), b(200003), c(200003);
   uint64_t step = 0;
-  REQUIRE(engine.ExportState(3, a.data(), b.data(), c.data(), &step).empty());
+  REQUIRE(engine.ExportState(3, a.data(), b.data(), c.data(), &step).ok());
   CHECK(step == 1);  // other chunks were applied
 }
 
@@ -320,8 +320,8 @@ TEST_CASE("an engine limited to some workers runs only on them and still equals 
   for (uint64_t step = 1; step <= 3; ++step) {
     got.NewGrads(static_cast<uint32_t>(step));
     want.NewGrads(static_cast<uint32_t>(step));
-    for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).empty());
-    REQUIRE(engine.StepEnd(step).empty());
+    for (size_t i = 0; i < got.t.size(); ++i) REQUIRE(engine.SubmitGrad(i, step, Hp(i)).ok());
+    REQUIRE(engine.StepEnd(step).ok());
     engine.WaitIdle();
     ReferenceStep(want, step, 1.0f);
   }
@@ -333,22 +333,22 @@ TEST_CASE("an engine limited to some workers runs only on them and still equals 
   using Array = AdamWEngine::StateArray;
   const size_t n = want.t[2].master.size();
   std::vector<float> v(n), m(n);
-  REQUIRE(engine.ExportArray(2, Array::kExpAvgSq, v.data()).empty());
+  REQUIRE(engine.ExportArray(2, Array::kExpAvgSq, v.data()).ok());
   CHECK(v == want.t[2].v);
-  REQUIRE(engine.ExportArray(2, Array::kExpAvg, m.data()).empty());
+  REQUIRE(engine.ExportArray(2, Array::kExpAvg, m.data()).ok());
   std::vector<float> ones(n, 1.0f);
-  REQUIRE(engine.ImportArray(2, Array::kExpAvg, ones.data()).empty());
-  REQUIRE(engine.ExportArray(2, Array::kExpAvgSq, v.data()).empty());
+  REQUIRE(engine.ImportArray(2, Array::kExpAvg, ones.data()).ok());
+  REQUIRE(engine.ExportArray(2, Array::kExpAvgSq, v.data()).ok());
   CHECK(v == want.t[2].v);
-  REQUIRE(engine.ImportArray(2, Array::kMaster, ones.data()).empty());
+  REQUIRE(engine.ImportArray(2, Array::kMaster, ones.data()).ok());
   CHECK(got.t[2].slot == ones);  // the param slot follows the master
   uint64_t step = 0;
-  REQUIRE(engine.GetStep(2, &step).empty());
+  REQUIRE(engine.GetStep(2, &step).ok());
   CHECK(step == 3);
-  REQUIRE(engine.SetStep(2, 11).empty());
-  REQUIRE(engine.GetStep(2, &step).empty());
+  REQUIRE(engine.SetStep(2, 11).ok());
+  REQUIRE(engine.GetStep(2, &step).ok());
   CHECK(step == 11);
-  CHECK_FALSE(engine.ExportArray(99, Array::kMaster, v.data()).empty());
+  CHECK_FALSE(engine.ExportArray(99, Array::kMaster, v.data()).ok());
 }
 
 // Regression: a client that died between its gradients and STEP_END left a
@@ -362,7 +362,7 @@ TEST_CASE("destroying a deferred engine with a step never ended returns", "[engi
   auto engine = std::make_unique<AdamWEngine>(&pool, opt);
   Bind(*engine, f);
   f.NewGrads(5);
-  for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine->SubmitGrad(i, 1, Hp(i)).empty());
+  for (size_t i = 0; i < f.t.size(); ++i) REQUIRE(engine->SubmitGrad(i, 1, Hp(i)).ok());
   engine.reset();  // no StepEnd(1): must not hang
   SUCCEED("destroyed");
 }
@@ -398,8 +398,8 @@ TEST_CASE("a split-master engine trains like an fp32-master engine with a bf16 c
     ParamBinding s{k,           n,           DType::kBFloat16, DType::kBFloat16, nullptr,
                    b.m2.data(), b.v2.data(), b.grad.data(),    b.slot2.data()};
     s.master_lo = b.lo.data();
-    REQUIRE(full.AddParam(a).empty());
-    REQUIRE(split.AddParam(s).empty());
+    REQUIRE(full.AddParam(a).ok());
+    REQUIRE(split.AddParam(s).ok());
   }
   ParamBinding bad{99,
                    4,
@@ -411,16 +411,16 @@ TEST_CASE("a split-master engine trains like an fp32-master engine with a bf16 c
                    bufs[0].grad.data(),
                    bufs[0].slot.data()};
   bad.master_lo = bufs[0].lo.data();
-  CHECK(split.AddParam(bad).find("bf16 param_slot") != std::string::npos);
-  REQUIRE(full.Init().empty());
-  REQUIRE(split.Init().empty());
+  CHECK(split.AddParam(bad).message().find("bf16 param_slot") != std::string::npos);
+  REQUIRE(full.Init().ok());
+  REQUIRE(split.Init().ok());
   for (uint64_t step = 1; step <= 5; ++step) {
     for (size_t k = 0; k < sizes.size(); ++k) {
       for (uint16_t& g : bufs[k].grad) g = FloatToBf16Rne(normal(rng));
     }
     for (AdamWEngine* e : {&full, &split}) {
-      for (size_t k = 0; k < sizes.size(); ++k) REQUIRE(e->SubmitGrad(k, step, Hp(k)).empty());
-      REQUIRE(e->StepEnd(step).empty());
+      for (size_t k = 0; k < sizes.size(); ++k) REQUIRE(e->SubmitGrad(k, step, Hp(k)).ok());
+      REQUIRE(e->StepEnd(step).ok());
       e->WaitIdle();
     }
   }
@@ -432,7 +432,7 @@ TEST_CASE("a split-master engine trains like an fp32-master engine with a bf16 c
     CHECK(b.m2 == b.m);
     CHECK(b.v2 == b.v);
     std::vector<float> exported(n);
-    REQUIRE(split.ExportArray(k, AdamWEngine::StateArray::kMaster, exported.data()).empty());
+    REQUIRE(split.ExportArray(k, AdamWEngine::StateArray::kMaster, exported.data()).ok());
     for (size_t i = 0; i < n; ++i) {
       // A tie-up moves a master one ulp; later steps can carry that to a few ulps.
       ulp_off += FloatBits(exported[i]) != FloatBits(b.master[i]);
@@ -441,8 +441,8 @@ TEST_CASE("a split-master engine trains like an fp32-master engine with a bf16 c
     }
     total += n;
     // Importing an fp32 master writes both halves; exporting gives it back.
-    REQUIRE(split.ImportArray(k, AdamWEngine::StateArray::kMaster, b.master.data()).empty());
-    REQUIRE(split.ExportArray(k, AdamWEngine::StateArray::kMaster, exported.data()).empty());
+    REQUIRE(split.ImportArray(k, AdamWEngine::StateArray::kMaster, b.master.data()).ok());
+    REQUIRE(split.ExportArray(k, AdamWEngine::StateArray::kMaster, exported.data()).ok());
     for (size_t i = 0; i < n; ++i) {
       CHECK(bufs[k].slot2[i] == FloatToBf16Rne(b.master[i]));
       CHECK(std::abs(static_cast<int64_t>(FloatBits(exported[i])) -

@@ -185,7 +185,7 @@ class PyAdamWEngine {
       d["skipped_nonfinite"] = r.skipped_nonfinite;
       d["params_updated"] = r.params_updated;
       d["nonfinite_params"] = r.nonfinite_params;
-      d["error"] = r.error;
+      d["error"] = r.error.message();
       out.append(d);
     }
     return out;
@@ -219,8 +219,8 @@ class PyAdamWEngine {
   bool deferred() const { return engine_->deferred(); }
 
  private:
-  static void Check(const std::string& err) {
-    if (!err.empty()) throw pybind11::value_error(err);
+  static void Check(const trainstream::Status& st) {
+    if (!st.ok()) throw pybind11::value_error(st.message());
   }
   std::unique_ptr<to::WorkerPool> pool_;
   std::unique_ptr<to::AdamWEngine> engine_;

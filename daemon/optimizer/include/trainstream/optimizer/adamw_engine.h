@@ -33,6 +33,7 @@
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/kernels/cpu_features.h"
 #include "trainstream/optimizer/worker_pool.h"
+#include "trainstream/status.h"
 
 namespace trainstream::optimizer {
 
@@ -92,7 +93,7 @@ struct StepResult {
   bool skipped_nonfinite = false;  // some gradient was non-finite
   uint32_t params_updated = 0;
   std::vector<uint64_t> nonfinite_params;  // ids with a non-finite gradient
-  std::string error;                       // human-readable, empty when all is well
+  Status error;                            // ok when all is well, else what was skipped
 };
 
 // updated == false: the parameter was skipped (non-finite); its slot is unchanged.
@@ -115,23 +116,25 @@ class AdamWEngine {
   // Set before the first SubmitGrad; either may be empty.
   void SetCallbacks(ParamDoneCallback param_done, StepDoneCallback step_done);
 
-  // Registers a parameter. Not concurrent with SubmitGrad/StepEnd. Returns "" or
-  // an error naming what is wrong (duplicate id, null pointer, unsupported dtype).
-  std::string AddParam(const ParamBinding& binding);
+  // Registers a parameter. Not concurrent with SubmitGrad/StepEnd. Returns OK or
+  // an error naming what is wrong: ALREADY_EXISTS (duplicate id), else
+  // INVALID_ARGUMENT (no elements, null pointer, unsupported dtype).
+  Status AddParam(const ParamBinding& binding);
 
   // Blocking: for every parameter added since the last Init, sets master from the
   // param slot (any dtype) and zeroes the moments, each chunk on the worker that
   // will later update it (first touch).
-  std::string Init();
+  Status Init();
 
   // The gradient of `param_id` for step `step` is complete in its slot. The slot
-  // must not change until the parameter's ParamDone callback. Returns "" or an
-  // error (unknown id, parameter busy, bad hyper-parameters, step already ended).
-  std::string SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp);
+  // must not change until the parameter's ParamDone callback. Returns OK or an
+  // error: NOT_FOUND (unknown id), FAILED_PRECONDITION (not initialised, busy,
+  // step already ended), INVALID_ARGUMENT (bad hyper-parameters).
+  Status SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp);
 
   // All gradients of `step` are submitted. StepDone fires once every update of
   // the step is done (possibly before this returns).
-  std::string StepEnd(uint64_t step);
+  Status StepEnd(uint64_t step);
 
   // Blocks until every submitted parameter and every ended step is finished.
   void WaitIdle();
@@ -143,23 +146,24 @@ class AdamWEngine {
   size_t ParamNumel(uint64_t param_id) const;
 
   // state_dict support; call only while idle. Arrays hold numel floats; `step`
-  // is torch's state['step'] (updates applied to this parameter).
-  std::string ExportState(uint64_t param_id, float* master, float* exp_avg, float* exp_avg_sq,
-                          uint64_t* step) const;
+  // is torch's state['step'] (updates applied to this parameter). These and the
+  // array calls below are NOT_FOUND for an unknown id.
+  Status ExportState(uint64_t param_id, float* master, float* exp_avg, float* exp_avg_sq,
+                     uint64_t* step) const;
   // Sets master, moments (bf16 storage: rounded to nearest even) and step, and
   // rewrites the param slot from the new master.
-  std::string ImportState(uint64_t param_id, const float* master, const float* exp_avg,
-                          const float* exp_avg_sq, uint64_t step);
+  Status ImportState(uint64_t param_id, const float* master, const float* exp_avg,
+                     const float* exp_avg_sq, uint64_t step);
 
   // One array of a parameter's state, as numel fp32 values (call only while
   // idle). These move one field without touching the others, for state_dict
   // transfers of one field at a time.
   enum class StateArray { kMaster, kExpAvg, kExpAvgSq };
-  std::string ExportArray(uint64_t param_id, StateArray which, float* out) const;
+  Status ExportArray(uint64_t param_id, StateArray which, float* out) const;
   // Importing kMaster also rewrites the param slot from it.
-  std::string ImportArray(uint64_t param_id, StateArray which, const float* in);
-  std::string GetStep(uint64_t param_id, uint64_t* step) const;
-  std::string SetStep(uint64_t param_id, uint64_t step);
+  Status ImportArray(uint64_t param_id, StateArray which, const float* in);
+  Status GetStep(uint64_t param_id, uint64_t* step) const;
+  Status SetStep(uint64_t param_id, uint64_t step);
 
  private:
   struct Param;

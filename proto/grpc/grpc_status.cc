@@ -1,6 +1,44 @@
-#include "grpc_status.h"
+#include "trainstream/grpc_status.h"
 
-namespace trainstream::internal {
+namespace trainstream {
+
+grpc::StatusCode ToGrpcCode(StatusCode code) {
+  using G = grpc::StatusCode;
+  switch (code) {
+    case StatusCode::kOk:
+      return G::OK;
+    case StatusCode::kInvalidArgument:
+      return G::INVALID_ARGUMENT;
+    case StatusCode::kNotFound:
+      return G::NOT_FOUND;
+    case StatusCode::kAlreadyExists:
+      return G::ALREADY_EXISTS;
+    case StatusCode::kPermissionDenied:
+      return G::PERMISSION_DENIED;
+    case StatusCode::kResourceExhausted:
+      return G::RESOURCE_EXHAUSTED;
+    case StatusCode::kFailedPrecondition:
+      return G::FAILED_PRECONDITION;
+    case StatusCode::kUnavailable:
+      return G::UNAVAILABLE;
+    case StatusCode::kDeadlineExceeded:
+      return G::DEADLINE_EXCEEDED;
+    case StatusCode::kInternal:
+      return G::INTERNAL;
+    case StatusCode::kCancelled:
+      return G::CANCELLED;
+    case StatusCode::kDataLoss:
+      return G::DATA_LOSS;
+  }
+  return G::UNKNOWN;
+}
+
+grpc::Status ToGrpc(const Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(ToGrpcCode(s.code()), s.message());
+}
+
+namespace internal {
 
 Status FromGrpc(const grpc::Status& s, const std::string& socket_path) {
   using G = grpc::StatusCode;
@@ -34,4 +72,5 @@ Status FromGrpc(const grpc::Status& s, const std::string& socket_path) {
   }
 }
 
-}  // namespace trainstream::internal
+}  // namespace internal
+}  // namespace trainstream
