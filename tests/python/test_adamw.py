@@ -29,7 +29,8 @@ def isa_param(name):
         name,
         marks=pytest.mark.skipif(
             not ext.adamw_isa_supported(name),
-            reason=f"this CPU cannot run the {name} path (needs {'AVX-512 F/BW/VL/DQ' if name == 'avx512' else 'AVX2+FMA+F16C'})",
+            reason=f"this CPU cannot run the {name} path "
+            f"(needs {'AVX-512 F/BW/VL/DQ' if name == 'avx512' else 'AVX2+FMA+F16C'})",
         ),
     )
 
