@@ -104,6 +104,20 @@ class ClientRingConsumer {
     return r;
   }
 
+  // Sleeps until the client posts (it wakes sleepers on every push), the ring
+  // is woken (Wake), or `timeout_ns` passes. Pops nothing: the caller then
+  // looks at this ring and its others (Note [How the plane waits],
+  // optimizer_plane.cc).
+  void Wait(int64_t timeout_ns) {
+    if (!error_.empty()) return;
+    const timespec ts{static_cast<time_t>(timeout_ns / 1000000000), timeout_ns % 1000000000};
+    header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = header_->wake_seq.load(std::memory_order_acquire);
+    if (header_->tail.load(std::memory_order_acquire) == head_)
+      wire::FutexWait(&header_->wake_seq, seen, &ts);
+    header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+
   void Wake() { WakeRing(header_); }
   const std::string& error() const { return error_; }
 
@@ -168,7 +182,7 @@ using CompletionProducer = ClientRingProducer<wire::CompletionRecord>;
 inline constexpr size_t kMaxQueuedCompletions = size_t{1} << 16;
 
 // One session's completion ring with the bounded queue behind it (Note
-// [Completions never block a worker], optimizer_service.cc): a completion goes
+// [Completions never block a worker], optimizer_plane.cc): a completion goes
 // to the ring when nothing waits before it, else to the queue, which Flush()
 // moves into the ring as the client drains it. Not thread-safe: the plane holds
 // its completion mutex around every call.
@@ -207,6 +221,9 @@ class CompletionQueue {
 
   // Drops what waits (a faulted session's completions go nowhere).
   void Clear() { queued_.clear(); }
+
+  // Whether completions wait for room on the ring.
+  bool backlogged() const { return !queued_.empty(); }
 
  private:
   CompletionProducer ring_;

@@ -1,5 +1,4 @@
-// What the per-session optimizer plane (optimizer_service.cc) and the
-// data-parallel group plane (group_plane.cc) share: dtype mapping, completion
+// The optimizer plane's helpers (optimizer_plane.cc): dtype mapping, completion
 // messages, and moving one field of a parameter's optimizer state between the
 // AdamW engine and a client region (kLoadState / kExportState).
 #pragma once
@@ -7,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "planes/optimizer_service.h"
+#include "planes/optimizer_plane.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/wire/session_control.h"
 
@@ -18,8 +17,8 @@ kernels::DType ToKernelDType(WireDType d);
 // Copies `message` into rec->message, truncated and NUL-terminated.
 void SetCompletionMessage(wire::CompletionRecord* rec, const std::string& message);
 
-// kParamFromSlot is not handled by MoveOptimizerState: initialisation depends
-// on who may trigger it (the session, or a group's local rank 0).
+// kParamFromSlot is not handled by MoveOptimizerState: initialisation is the
+// plane's (local rank 0 triggers it).
 
 // Applies `cmd` (field kMaster, kExpAvg, kExpAvgSq or kStep; load or export)
 // to `engine`, which must be idle. `resolver` maps the command's region of the
