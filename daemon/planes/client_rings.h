@@ -18,7 +18,11 @@
 // them can at worst cost itself a wakeup, since every wait is bounded.
 #pragma once
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <ctime>
@@ -121,6 +125,11 @@ class ClientRingConsumer {
   void Wake() { WakeRing(header_); }
   const std::string& error() const { return error_; }
 
+  // For WaitForAnyRecord: whether a record (or a corrupt tail) waits, and the
+  // shared header whose futex word the client wakes.
+  bool HasRecord() const { return header_->tail.load(std::memory_order_acquire) != head_; }
+  wire::RingHeader* header() const { return header_; }
+
  private:
   const void* Slot(uint64_t counter) const {
     return reinterpret_cast<const char*>(header_ + 1) +
@@ -172,6 +181,53 @@ class ClientRingProducer {
   uint64_t tail_ = 0;  // ours: the shared copy is only written
   std::string error_;
 };
+
+// Sleeps until the client posts on any of `rings` (it wakes sleepers on every
+// push), one of them is woken (Wake), or `timeout_ns` passes; pops nothing
+// (Note [How the plane waits], optimizer_plane.cc). Returns false, at once,
+// where the kernel has no futex_waitv (before Linux 5.16) or n is 0 or above
+// kMaxWaitRings: the caller then waits on one ring at a time. Rings that
+// reported kCorrupt must not be passed.
+inline constexpr size_t kMaxWaitRings = 128;  // FUTEX_WAITV_MAX
+template <typename Record>
+bool WaitForAnyRecord(ClientRingConsumer<Record>* const* rings, size_t n, int64_t timeout_ns) {
+  static std::atomic<bool> unsupported{false};
+  if (n == 0 || n > kMaxWaitRings || unsupported.load(std::memory_order_relaxed)) return false;
+  struct Waiter {  // struct futex_waitv (linux/futex.h, 5.16)
+    uint64_t val;
+    uint64_t uaddr;
+    uint32_t flags;
+    uint32_t reserved;
+  };
+  constexpr uint32_t kFutex32 = 2;  // FUTEX_32; no FUTEX_PRIVATE_FLAG: the words are shared
+  constexpr long kSysFutexWaitv = 449;  // the same number on every architecture
+  Waiter w[kMaxWaitRings];
+  bool ready = false;
+  for (size_t i = 0; i < n; ++i) {
+    wire::RingHeader* h = rings[i]->header();
+    h->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    w[i] = Waiter{h->wake_seq.load(std::memory_order_acquire),
+                  reinterpret_cast<uint64_t>(&h->wake_seq), kFutex32, 0};
+  }
+  for (size_t i = 0; i < n && !ready; ++i) ready = rings[i]->HasRecord();
+  if (!ready) {
+    timespec deadline{};
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += static_cast<time_t>(timeout_ns / 1000000000);
+    deadline.tv_nsec += timeout_ns % 1000000000;
+    if (deadline.tv_nsec >= 1000000000) {
+      deadline.tv_nsec -= 1000000000;
+      ++deadline.tv_sec;
+    }
+    if (syscall(kSysFutexWaitv, w, static_cast<unsigned>(n), 0u, &deadline, CLOCK_MONOTONIC) < 0 &&
+        errno == ENOSYS) {
+      unsupported.store(true, std::memory_order_relaxed);
+    }
+  }
+  for (size_t i = 0; i < n; ++i)
+    rings[i]->header()->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  return !unsupported.load(std::memory_order_relaxed);
+}
 
 using CommandConsumer = ClientRingConsumer<wire::CommandRecord>;
 using CompletionProducer = ClientRingProducer<wire::CompletionRecord>;

@@ -11,29 +11,37 @@
 // bounded (kMaxQueuedCompletions): a client that stops draining past it is
 // ended (client_rings.h), so it cannot grow the daemon's memory.
 //
-// Note [How the plane waits]. A futex waits on one word, and each member's ring
-// has its own, so a thread serving N rings cannot sleep on all of them at once.
-// The plane drains every ring in turn (at most kCommandsPerTurn commands each,
-// so one rank cannot starve the rest); when all are empty it spins over them
-// for kSpinTurns more turns (a command crosses in well under 10 us during
-// backward, when they arrive back to back), then sleeps in a futex wait on one
-// ring, taking the rings in turn. The wait is bounded by how long a command on
-// another ring may go unnoticed:
-//   - one member (every solo session): nothing else to watch, so the slice is
-//     kSoloSliceNs (20 ms) and only bounds how late a stop is noticed (Stop
-//     wakes the ring anyway);
-//   - several: kGroupSliceNs (50 us), then kGroupLongSliceNs (500 us) once the
-//     group has been idle for about 0.1 s (a forward pass, evaluation,
-//     checkpointing). A command on the watched ring wakes the plane at once;
-//   - while completions wait in an overflow queue, kGroupSliceNs: a client
-//     draining its completion ring does not wake the plane.
-// Measured with trainstream-bench-plane-wait (benchmarks/plane_wait; medians
-// of 5 runs on a 2-core machine shared with other builds, so the figures are
-// noisy): see the table there. Against the two loops this replaces (a futex
-// pop with a 20 ms slice for solo sessions; yields, then 50/500 us sleeps for
-// groups) the futex wait keeps the solo figures (idle CPU near 0, a wake in
-// tens of microseconds) and, for groups, answers a command on the watched
-// ring without waiting out a sleep, at the sleep loop's idle CPU.
+// Note [How the plane waits]. One thread serves every member's command ring
+// (one for a solo session, up to 64 for a group). It drains the rings in turn
+// (at most kCommandsPerTurn commands each, so one rank cannot starve the
+// rest); when all are empty it spins over them for kSpinTurns more turns
+// (during backward commands arrive back to back), then sleeps in one
+// futex_waitv on every ring's wake word at once (the client wakes sleepers on
+// each push; Stop wakes them too), for at most kSliceNs, or kShortSliceNs
+// while completions wait in an overflow queue (a client draining its
+// completion ring does not wake the plane). Where the kernel has no
+// futex_waitv (before Linux 5.16) it sleeps on one ring at a time, taking them
+// in turn: kSliceNs for a solo session, else kShortSliceNs, then kLongSliceNs
+// once the group has been idle for about 0.1 s, so a command on another ring
+// waits at most that long.
+//
+// Chosen by measurement (trainstream-bench-plane-wait, benchmarks/plane_wait;
+// results-cpu-2026-12-01.log: a 2-core machine shared with other builds, load
+// 5 to 9, so medians over 5 to 7 runs, and still noisy) against the two loops
+// this plane replaces: the solo plane's futex pop with 20 ms slices and the
+// group plane's yields, then 50/500 us sleeps. Round trip of a SYNC:
+//                          back to back   after 1 ms idle   after 20 ms   idle CPU
+//   futex, 20 ms slice     6 us           11-15 us          17-22 us      0.13-0.17 %
+//   yield/sleep back-off   5 us           6.5-9 us          11-16 us      2.2-2.6 %
+//   this plane, 1 ring     5 us           9-40 us           22-53 us      0.11-0.15 %
+//   this plane, 2 rings    0.2-5.6 us     8-41 us           69-82 us      0.12-0.14 %
+// (one ring at a time for 2 rings, the fallback: 5 us, 14 us, 23 us, 2.6 %).
+// The back-off answers an idle plane a few microseconds sooner because it
+// never sleeps for long: 20 times the idle CPU of a futex wait, per session
+// or group, for ever. A wake after idleness costs tens of microseconds once
+// per idle period (a forward pass, evaluation), against steps of hundreds of
+// milliseconds; back to back the plane never sleeps, and the figures match.
+// So the plane sleeps in the kernel, on every ring.
 #include "planes/optimizer_plane.h"
 
 #include <spdlog/spdlog.h>
@@ -66,9 +74,9 @@ using wire::StateField;
 // See Note [How the plane waits].
 constexpr size_t kCommandsPerTurn = 64;
 constexpr int kSpinTurns = 2000;
-constexpr int64_t kSoloSliceNs = 20'000'000;
-constexpr int64_t kGroupSliceNs = 50'000;
-constexpr int64_t kGroupLongSliceNs = 500'000;
+constexpr int64_t kSliceNs = 20'000'000;
+constexpr int64_t kShortSliceNs = 50'000;
+constexpr int64_t kLongSliceNs = 500'000;
 constexpr int kWaitsBeforeLong = 2000;  // ~0.1 s of short slices
 
 constexpr size_t kSumBlockElems = 4096;        // summed block by block, in cache
@@ -173,14 +181,22 @@ struct OptimizerPlane::Impl {
         ++spins;
         continue;
       }
-      int64_t slice = kSoloSliceNs;
-      if (backlog) {
-        slice = kGroupSliceNs;  // the client drains without waking us: look again soon
-      } else if (members.size() > 1) {
-        if (waits <= kWaitsBeforeLong) ++waits;  // capped: no overflow
-        slice = waits > kWaitsBeforeLong ? kGroupLongSliceNs : kGroupSliceNs;
+      // The client drains its completion ring without waking us: while
+      // completions wait for room, look again soon.
+      const int64_t slice = backlog ? kShortSliceNs : kSliceNs;
+      CommandConsumer* rings[kMaxWaitRings];
+      size_t n = 0;
+      for (auto& mem : members) {
+        if (n < kMaxWaitRings && mem->commands.error().empty()) rings[n++] = &mem->commands;
       }
-      members[watch]->commands.Wait(slice);
+      if (WaitForAnyRecord(rings, n, slice)) continue;
+      // No futex_waitv: one ring at a time, the others looked at every slice.
+      int64_t one = slice;
+      if (members.size() > 1 && !backlog) {
+        if (waits <= kWaitsBeforeLong) ++waits;  // capped: no overflow
+        one = waits > kWaitsBeforeLong ? kLongSliceNs : kShortSliceNs;
+      }
+      members[watch]->commands.Wait(one);
       watch = (watch + 1) % members.size();
     }
   }
