@@ -185,9 +185,10 @@ class ClientRingProducer {
 // Sleeps until the client posts on any of `rings` (it wakes sleepers on every
 // push), one of them is woken (Wake), or `timeout_ns` passes; pops nothing
 // (Note [How the plane waits], optimizer_plane.cc). Returns false, at once,
-// where the kernel has no futex_waitv (before Linux 5.16) or n is 0 or above
-// kMaxWaitRings: the caller then waits on one ring at a time. Rings that
-// reported kCorrupt must not be passed.
+// where futex_waitv cannot be used (before Linux 5.16, or refused by a seccomp
+// filter; known after the first call) or n is 0 or above kMaxWaitRings: the
+// caller then waits on one ring at a time. Rings that reported kCorrupt must
+// not be passed.
 inline constexpr size_t kMaxWaitRings = 128;  // FUTEX_WAITV_MAX
 template <typename Record>
 bool WaitForAnyRecord(ClientRingConsumer<Record>* const* rings, size_t n, int64_t timeout_ns) {
@@ -219,8 +220,12 @@ bool WaitForAnyRecord(ClientRingConsumer<Record>* const* rings, size_t n, int64_
       deadline.tv_nsec -= 1000000000;
       ++deadline.tv_sec;
     }
+    // ENOSYS on an old kernel; EPERM or ENOSYS where a seccomp filter (a
+    // container's) does not know the call. Anything but a wake, a timeout, a
+    // changed word or a signal means it cannot be used: never retry, or the
+    // plane would spin.
     if (syscall(kSysFutexWaitv, w, static_cast<unsigned>(n), 0u, &deadline, CLOCK_MONOTONIC) < 0 &&
-        errno == ENOSYS) {
+        errno != ETIMEDOUT && errno != EAGAIN && errno != EINTR) {
       unsupported.store(true, std::memory_order_relaxed);
     }
   }
