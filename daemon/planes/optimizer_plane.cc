@@ -48,7 +48,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -78,33 +77,6 @@ constexpr int64_t kSliceNs = 20'000'000;
 constexpr int64_t kShortSliceNs = 50'000;
 constexpr int64_t kLongSliceNs = 500'000;
 constexpr int kWaitsBeforeLong = 2000;  // ~0.1 s of short slices
-
-constexpr size_t kSumBlockElems = 4096;        // summed block by block, in cache
-constexpr size_t kParallelSumElems = 1 << 18;  // larger sums are split over the worker pool
-
-// dst[i] = (sum over r of srcs[r][i]) / divisor for i in [begin, end).
-void SumBlock(const std::vector<void*>& srcs, kernels::DType dtype, float* dst, size_t begin,
-              size_t end, float divisor) {
-  float tmp[kSumBlockElems];
-  const size_t es = kernels::DTypeSize(dtype);
-  for (size_t b = begin; b < end; b += kSumBlockElems) {
-    const size_t n = std::min(kSumBlockElems, end - b);
-    float* out = dst + b;
-    kernels::ConvertToFloat(static_cast<const char*>(srcs[0]) + b * es, dtype, out, n);
-    for (size_t r = 1; r < srcs.size(); ++r) {
-      const float* in = tmp;
-      if (dtype == kernels::DType::kFloat32) {
-        in = static_cast<const float*>(srcs[r]) + b;
-      } else {
-        kernels::ConvertToFloat(static_cast<const char*>(srcs[r]) + b * es, dtype, tmp, n);
-      }
-      for (size_t i = 0; i < n; ++i) out[i] += in[i];
-    }
-    if (divisor != 1.0f) {
-      for (size_t i = 0; i < n; ++i) out[i] /= divisor;
-    }
-  }
-}
 
 bool SameHyper(const kernels::AdamWHyperParams& a, const kernels::AdamWHyperParams& b) {
   return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps &&
@@ -389,27 +361,8 @@ struct OptimizerPlane::Impl {
   }
 
   void Sum(Slot& s) {
-    const size_t n = s.binding.numel;
-    const auto divisor = static_cast<float>(options.world_size);
-    if (n < kParallelSumElems || pool->size() < 2) {
-      SumBlock(s.binding.rank_grads, s.grad_dtype, s.binding.sum_slot, 0, n, divisor);
-      return;
-    }
-    const size_t parts = std::min<size_t>(pool->size(), n / (kParallelSumElems / 4));
-    const size_t per = (n + parts - 1) / parts;
-    std::mutex mu;
-    std::condition_variable cv;
-    size_t left = parts;
-    for (size_t i = 0; i < parts; ++i) {
-      const size_t begin = i * per, end = std::min(n, begin + per);
-      pool->Submit(static_cast<unsigned>(i), [&, begin, end] {
-        SumBlock(s.binding.rank_grads, s.grad_dtype, s.binding.sum_slot, begin, end, divisor);
-        std::lock_guard<std::mutex> lock(mu);
-        if (--left == 0) cv.notify_one();
-      });
-    }
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return left == 0; });
+    SumRankGradients(s.binding.rank_grads, s.grad_dtype, s.binding.sum_slot, s.binding.numel,
+                     static_cast<float>(options.world_size), pool);
   }
 
   void Submit(Slot& s) {

@@ -1,10 +1,12 @@
 // The optimizer plane's helpers (optimizer_plane.cc): dtype mapping, completion
-// messages, and moving one field of a parameter's optimizer state between the
+// messages, a group's gradient sum, and moving one field of a parameter's optimizer state between the
 // AdamW engine and a client region (kLoadState / kExportState).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "planes/optimizer_plane.h"
 #include "trainstream/optimizer/adamw_engine.h"
@@ -13,6 +15,12 @@
 namespace trainstream::daemon {
 
 kernels::DType ToKernelDType(WireDType d);
+
+// dst[i] = (sum over r of srcs[r][i]) / divisor for i in [0, n): a group's
+// gradients (dtype[n] each) into its fp32 sum slot. Large sums are split over
+// `pool`'s workers; returns when all is summed.
+void SumRankGradients(const std::vector<void*>& srcs, kernels::DType dtype, float* dst, size_t n,
+                      float divisor, optimizer::WorkerPool* pool);
 
 // Copies `message` into rec->message, truncated and NUL-terminated.
 void SetCompletionMessage(wire::CompletionRecord* rec, const std::string& message);

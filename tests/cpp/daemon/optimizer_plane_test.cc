@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "catch_compat.h"
+#include "planes/plane_common.h"
 #include "sessions/param_binding.h"
 #include "trainstream/optimizer/worker_pool.h"
 #include "trainstream/wire/session_control.h"
@@ -260,4 +261,22 @@ TEST_CASE("BindRegistration: a group's layout binds every rank's slot, the sum a
   CHECK(s.params[0].grad_slot == staging1.data() + solo.params[0].grad_offset);
   CHECK(s.params[0].rank_grads.empty());
   CHECK(s.params[0].sum_slot == nullptr);
+}
+
+TEST_CASE("SumRankGradients: small and pool-split sums are the mean of every rank's slot",
+          "[group]") {
+  optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
+  for (size_t n : {size_t{5}, size_t{1} << 19}) {  // below and above the split size
+    std::vector<float> a(n), b(n), c(n), sum(n, -1.f);
+    for (size_t i = 0; i < n; ++i) {
+      a[i] = static_cast<float>(i % 7);
+      b[i] = 1.0f;
+      c[i] = -static_cast<float>(i % 3);
+    }
+    SumRankGradients({a.data(), b.data(), c.data()}, kernels::DType::kFloat32, sum.data(), n, 4.0f,
+                     &pool);
+    size_t wrong = 0;
+    for (size_t i = 0; i < n; ++i) wrong += sum[i] != (a[i] + b[i] + c[i]) / 4.0f;
+    CHECK(wrong == 0);
+  }
 }
