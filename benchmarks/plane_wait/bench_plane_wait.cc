@@ -11,6 +11,7 @@
 // back to back and after idle gaps of 1 ms and 20 ms, and the process's CPU
 // while no command comes (2 s, in % of one core). With --runs N every figure is
 // the median over N runs: the machine may be shared, so look at medians.
+#include <spdlog/spdlog.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -24,8 +25,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <spdlog/spdlog.h>
 
 #include "planes/client_rings.h"
 #include "planes/optimizer_plane.h"
@@ -248,12 +247,10 @@ int main(int argc, char** argv) {
   const std::vector<Case> cases = {
       {"futex-slice", 1,
        [](std::vector<Region*> r) { return std::make_shared<EchoServer>(r, true); }},
-      {"backoff", 1,
-       [](std::vector<Region*> r) { return std::make_shared<EchoServer>(r, false); }},
+      {"backoff", 1, [](std::vector<Region*> r) { return std::make_shared<EchoServer>(r, false); }},
       {"plane", 1,
        [&pool](std::vector<Region*> r) { return std::make_shared<PlaneServer>(r, &pool); }},
-      {"backoff", 2,
-       [](std::vector<Region*> r) { return std::make_shared<EchoServer>(r, false); }},
+      {"backoff", 2, [](std::vector<Region*> r) { return std::make_shared<EchoServer>(r, false); }},
       {"plane", 2,
        [&pool](std::vector<Region*> r) { return std::make_shared<PlaneServer>(r, &pool); }},
   };

@@ -200,7 +200,7 @@ bool WaitForAnyRecord(ClientRingConsumer<Record>* const* rings, size_t n, int64_
     uint32_t flags;
     uint32_t reserved;
   };
-  constexpr uint32_t kFutex32 = 2;  // FUTEX_32; no FUTEX_PRIVATE_FLAG: the words are shared
+  constexpr uint32_t kFutex32 = 2;      // FUTEX_32; no FUTEX_PRIVATE_FLAG: the words are shared
   constexpr long kSysFutexWaitv = 449;  // the same number on every architecture
   Waiter w[kMaxWaitRings];
   bool ready = false;

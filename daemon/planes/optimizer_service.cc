@@ -43,8 +43,8 @@ void OptimizerService::StartSession(uint64_t session_id, const ControlRings& rin
   options.on_fault = impl_->on_fault;
   std::vector<PlaneMember> members;
   members.push_back(PlaneMember{0, session_id, rings, std::move(resolver)});
-  auto plane = std::make_unique<OptimizerPlane>(std::move(options), std::move(members),
-                                                &impl_->pool);
+  auto plane =
+      std::make_unique<OptimizerPlane>(std::move(options), std::move(members), &impl_->pool);
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->sessions[session_id] = std::move(plane);
 }

@@ -1,6 +1,6 @@
 // The optimizer plane's helpers (optimizer_plane.cc): dtype mapping, completion
-// messages, a group's gradient sum, and moving one field of a parameter's optimizer state between the
-// AdamW engine and a client region (kLoadState / kExportState).
+// messages, a group's gradient sum, and moving one field of a parameter's optimizer state between
+// the AdamW engine and a client region (kLoadState / kExportState).
 #pragma once
 
 #include <cstddef>
