@@ -14,16 +14,16 @@
 // Note [How the plane waits]. One thread serves every member's command ring
 // (one for a solo session, up to 64 for a group). It drains the rings in turn
 // (at most kCommandsPerTurn commands each, so one rank cannot starve the
-// rest); when all are empty it spins over them for kSpinTurns more turns
-// (during backward commands arrive back to back), then sleeps in one
-// futex_waitv on every ring's wake word at once (the client wakes sleepers on
-// each push; Stop wakes them too), for at most kSliceNs, or kShortSliceNs
-// while completions wait in an overflow queue (a client draining its
-// completion ring does not wake the plane). Where the kernel has no
-// futex_waitv (before Linux 5.16) it sleeps on one ring at a time, taking them
-// in turn: kSliceNs for a solo session, else kShortSliceNs, then kLongSliceNs
-// once the group has been idle for about 0.1 s, so a command on another ring
-// waits at most that long.
+// rest); when all are empty it keeps looking for kSpinLooks ring looks in all,
+// however many rings (during backward commands arrive back to back), then
+// sleeps in one futex_waitv on every ring's wake word at once (the client
+// wakes sleepers on each push; Stop wakes them too), for at most kSliceNs, or
+// kShortSliceNs while completions wait in an overflow queue (a client
+// draining its completion ring does not wake the plane). Where futex_waitv
+// cannot be used (before Linux 5.16, or refused by a seccomp filter) it sleeps
+// on one ring at a time, taking them in turn: kSliceNs for a solo session,
+// else kShortSliceNs, then kLongSliceNs once the group has been idle for about
+// 0.1 s, so a command on another ring waits at most that long.
 //
 // Chosen by measurement (trainstream-bench-plane-wait, benchmarks/plane_wait;
 // results-cpu-2026-12-01.log: a 2-core machine shared with other builds, load
@@ -72,7 +72,7 @@ using wire::StateField;
 
 // See Note [How the plane waits].
 constexpr size_t kCommandsPerTurn = 64;
-constexpr int kSpinTurns = 2000;
+constexpr int kSpinLooks = 2000;  // empty rings looked at before sleeping
 constexpr int64_t kSliceNs = 20'000'000;
 constexpr int64_t kShortSliceNs = 50'000;
 constexpr int64_t kLongSliceNs = 500'000;
@@ -149,8 +149,8 @@ struct OptimizerPlane::Impl {
         spins = waits = 0;
         continue;
       }
-      if (spins < kSpinTurns) {
-        ++spins;
+      if (spins < kSpinLooks) {
+        spins += static_cast<int>(members.size());  // as long for 64 rings as for one
         continue;
       }
       // The client drains its completion ring without waking us: while
