@@ -27,21 +27,24 @@
 //
 // Chosen by measurement (trainstream-bench-plane-wait, benchmarks/plane_wait;
 // results-cpu-2026-12-01.log: a 2-core machine shared with other builds, load
-// 5 to 9, so medians over 5 to 7 runs, and still noisy) against the two loops
+// 1 to 9, so medians over 5 to 7 runs, and still noisy) against the two loops
 // this plane replaces: the solo plane's futex pop with 20 ms slices and the
 // group plane's yields, then 50/500 us sleeps. Round trip of a SYNC:
 //                          back to back   after 1 ms idle   after 20 ms   idle CPU
-//   futex, 20 ms slice     6 us           11-15 us          17-22 us      0.13-0.17 %
-//   yield/sleep back-off   5 us           6.5-9 us          11-16 us      2.2-2.6 %
-//   this plane, 1 ring     5 us           9-40 us           22-53 us      0.11-0.15 %
-//   this plane, 2 rings    0.2-5.6 us     8-41 us           69-82 us      0.12-0.14 %
+//   futex, 20 ms slice     6 us           9-15 us           14-22 us      0.13-0.17 %
+//   yield/sleep back-off   0.4-5.5 us     5.4-9 us          6-16 us       2.2-2.7 %
+//   this plane, 1 ring     4.7-5.7 us     6.7-40 us         22-53 us      0.11-0.15 %
+//   this plane, 2 rings    0.2-5.6 us     6.8-41 us         41-82 us      0.12-0.14 %
 // (one ring at a time for 2 rings, the fallback: 5 us, 14 us, 23 us, 2.6 %).
-// The back-off answers an idle plane a few microseconds sooner because it
-// never sleeps for long: 20 times the idle CPU of a futex wait, per session
-// or group, for ever. A wake after idleness costs tens of microseconds once
-// per idle period (a forward pass, evaluation), against steps of hundreds of
-// milliseconds; back to back the plane never sleeps, and the figures match.
-// So the plane sleeps in the kernel, on every ring.
+// The two old loops only echo; the plane's figures also hold the engine's
+// SYNC and, after an idle gap, often a futex wake of the client itself (the
+// answer comes after the client's spin). The back-off answers an idle plane a
+// few microseconds sooner because it never sleeps for long: 20 times the idle
+// CPU of a futex wait, per session or group, for ever. A wake after idleness
+// costs tens of microseconds once per idle period (a forward pass,
+// evaluation), against steps of hundreds of milliseconds; back to back the
+// plane does not sleep, and the figures match. So the plane sleeps in the
+// kernel, on every ring.
 #include "planes/optimizer_plane.h"
 
 #include <spdlog/spdlog.h>
