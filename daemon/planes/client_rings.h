@@ -18,7 +18,11 @@
 // them can at worst cost itself a wakeup, since every wait is bounded.
 #pragma once
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <ctime>
@@ -105,8 +109,27 @@ class ClientRingConsumer {
     return r;
   }
 
+  // Sleeps until the client posts (it wakes sleepers on every push), the ring
+  // is woken (Wake), or `timeout_ns` passes. Pops nothing: the caller then
+  // looks at this ring and its others (Note [How the plane waits],
+  // optimizer_plane.cc).
+  void Wait(int64_t timeout_ns) {
+    if (!error_.empty()) return;
+    const timespec ts{static_cast<time_t>(timeout_ns / 1000000000), timeout_ns % 1000000000};
+    header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = header_->wake_seq.load(std::memory_order_acquire);
+    if (header_->tail.load(std::memory_order_acquire) == head_)
+      wire::FutexWait(&header_->wake_seq, seen, &ts);
+    header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+
   void Wake() { WakeRing(header_); }
   const std::string& error() const { return error_; }
+
+  // For WaitForAnyRecord: whether a record (or a corrupt tail) waits, and the
+  // shared header whose futex word the client wakes.
+  bool HasRecord() const { return header_->tail.load(std::memory_order_acquire) != head_; }
+  wire::RingHeader* header() const { return header_; }
 
  private:
   const void* Slot(uint64_t counter) const {
@@ -160,6 +183,58 @@ class ClientRingProducer {
   std::string error_;
 };
 
+// Sleeps until the client posts on any of `rings` (it wakes sleepers on every
+// push), one of them is woken (Wake), or `timeout_ns` passes; pops nothing
+// (Note [How the plane waits], optimizer_plane.cc). Returns false, at once,
+// where futex_waitv cannot be used (before Linux 5.16, or refused by a seccomp
+// filter; known after the first call) or n is 0 or above kMaxWaitRings: the
+// caller then waits on one ring at a time. Rings that reported kCorrupt must
+// not be passed.
+inline constexpr size_t kMaxWaitRings = 128;  // FUTEX_WAITV_MAX
+template <typename Record>
+bool WaitForAnyRecord(ClientRingConsumer<Record>* const* rings, size_t n, int64_t timeout_ns) {
+  static std::atomic<bool> unsupported{false};
+  if (n == 0 || n > kMaxWaitRings || unsupported.load(std::memory_order_relaxed)) return false;
+  struct Waiter {  // struct futex_waitv (linux/futex.h, 5.16)
+    uint64_t val;
+    uint64_t uaddr;
+    uint32_t flags;
+    uint32_t reserved;
+  };
+  constexpr uint32_t kFutex32 = 2;      // FUTEX_32; no FUTEX_PRIVATE_FLAG: the words are shared
+  constexpr long kSysFutexWaitv = 449;  // the same number on every architecture
+  Waiter w[kMaxWaitRings];
+  bool ready = false;
+  for (size_t i = 0; i < n; ++i) {
+    wire::RingHeader* h = rings[i]->header();
+    h->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    w[i] = Waiter{h->wake_seq.load(std::memory_order_acquire),
+                  reinterpret_cast<uint64_t>(&h->wake_seq), kFutex32, 0};
+  }
+  for (size_t i = 0; i < n && !ready; ++i) ready = rings[i]->HasRecord();
+  if (!ready) {
+    timespec deadline{};
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += static_cast<time_t>(timeout_ns / 1000000000);
+    deadline.tv_nsec += timeout_ns % 1000000000;
+    if (deadline.tv_nsec >= 1000000000) {
+      deadline.tv_nsec -= 1000000000;
+      ++deadline.tv_sec;
+    }
+    // ENOSYS on an old kernel; EPERM or ENOSYS where a seccomp filter (a
+    // container's) does not know the call. Anything but a wake, a timeout, a
+    // changed word or a signal means it cannot be used: never retry, or the
+    // plane would spin.
+    if (syscall(kSysFutexWaitv, w, static_cast<unsigned>(n), 0u, &deadline, CLOCK_MONOTONIC) < 0 &&
+        errno != ETIMEDOUT && errno != EAGAIN && errno != EINTR) {
+      unsupported.store(true, std::memory_order_relaxed);
+    }
+  }
+  for (size_t i = 0; i < n; ++i)
+    rings[i]->header()->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  return !unsupported.load(std::memory_order_relaxed);
+}
+
 using CommandConsumer = ClientRingConsumer<wire::CommandRecord>;
 using CompletionProducer = ClientRingProducer<wire::CompletionRecord>;
 
@@ -169,7 +244,7 @@ using CompletionProducer = ClientRingProducer<wire::CompletionRecord>;
 inline constexpr size_t kMaxQueuedCompletions = size_t{1} << 16;
 
 // One session's completion ring with the bounded queue behind it (Note
-// [Completions never block a worker], optimizer_service.cc): a completion goes
+// [Completions never block a worker], optimizer_plane.cc): a completion goes
 // to the ring when nothing waits before it, else to the queue, which Flush()
 // moves into the ring as the client drains it. Not thread-safe: the plane holds
 // its completion mutex around every call.
@@ -211,6 +286,9 @@ class CompletionQueue {
 
   // Drops what waits (a faulted session's completions go nowhere).
   void Clear() { queued_.clear(); }
+
+  // Whether completions wait for room on the ring.
+  bool backlogged() const { return !queued_.empty(); }
 
  private:
   CompletionProducer ring_;

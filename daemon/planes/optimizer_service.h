@@ -1,59 +1,25 @@
-// OptimizerService: the daemon's data plane for optimizer sessions. For each
-// session with registered parameters it runs one thread that consumes the
-// session's command ring (GRAD_READY, STEP_END, LOAD/EXPORT_STATE), hands the
-// work to the AdamW engine (daemon/optimizer/) and answers on the completion
-// ring. The session layer (sessions, segments, RPC handlers) owns all memory;
-// this service only borrows pointers between AddParameters and EndSession.
+// OptimizerService: the AdamW worker pool and the optimizer planes of solo
+// sessions. Each session with a data plane gets one OptimizerPlane
+// (optimizer_plane.h) of one member, created at StartSession and stopped at
+// EndSession. Data-parallel groups create their planes on the same pool
+// (GroupRegistry). The session layer (sessions, segments, RPC handlers) owns
+// all memory; the planes only borrow pointers between StartSession and
+// EndSession.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
-#include "planes/client_rings.h"
+#include "planes/optimizer_plane.h"
 #include "trainstream/status.h"
-#include "trainstream/wire/dtype.h"
-#include "trainstream/wire/session_control.h"
 
 namespace trainstream::optimizer {
 class WorkerPool;
 }
 
 namespace trainstream::daemon {
-
-class AdamWSessionPlane;  // optimizer_service.cc
-
-// One registered parameter, with every pointer it needs (all owned by the
-// session layer, valid until EndSession returns).
-struct ParamBinding {
-  uint64_t param_id = 0;
-  std::string name;
-  uint64_t numel = 0;
-  uint32_t group = 0;
-  wire::DType param_dtype = wire::DType::kFloat32;  // checked by ValidateRegistration
-  wire::DType grad_dtype = wire::DType::kFloat32;
-  float* master = nullptr;           // fp32[numel], state segment
-  void* exp_avg = nullptr;           // moment dtype[numel], state segment
-  void* exp_avg_sq = nullptr;        // moment dtype[numel], state segment
-  void* grad_slot = nullptr;         // grad dtype[numel], session staging segment
-  void* param_slot = nullptr;        // param dtype[numel], session staging segment
-  uint64_t* step_counter = nullptr;  // the manifest entry's step, kept current
-};
-
-struct SessionOptimizerOptions {
-  wire::DType moment_dtype = wire::DType::kFloat32;
-  double max_grad_norm = 0;  // 0: no clipping
-  uint64_t seed = 0;
-  uint32_t threads = 0;  // worker threads for this session (0: the whole pool)
-};
-
-// Resolves a (region_id, offset, bytes) of this session to a pointer, or
-// nullptr when out of range. Provided by the session layer.
-using RegionResolver = std::function<void*(uint64_t region_id, uint64_t offset, uint64_t bytes)>;
 
 class OptimizerService {
  public:
@@ -71,21 +37,19 @@ class OptimizerService {
   // copy, see Note [Rings a client can write]).
   void StartSession(uint64_t session_id, const ControlRings& rings, RegionResolver resolver);
 
-  // Adds parameters to a started session (RegisterParameters). The moments and
-  // master are initialised by the worker threads (first touch), master from the
-  // param slot's contents (which the client wrote before registering).
-  // Returns OK, else INVALID_ARGUMENT naming what is wrong (RegisterParameters
-  // answers with it as it is).
+  // Adds parameters to a started session (RegisterParameters; see
+  // OptimizerPlane::AddParameters). Returns OK, else INVALID_ARGUMENT naming
+  // what is wrong (RegisterParameters answers with it as it is).
   Status AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
                        std::vector<ParamBinding> params);
 
-  // Stops the session's thread and waits for in-flight work; afterwards no
+  // Stops the session's plane and waits for in-flight work; afterwards no
   // pointer of the session is touched. Safe to call for unknown ids.
   void EndSession(uint64_t session_id);
 
   unsigned worker_threads() const;
 
-  // The AdamW worker pool (data-parallel groups run their engines on it too).
+  // The AdamW worker pool (data-parallel groups run their planes on it too).
   optimizer::WorkerPool* pool();
 
  private:

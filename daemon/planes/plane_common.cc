@@ -1,12 +1,71 @@
 #include "planes/plane_common.h"
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
+#include "trainstream/kernels/adamw.h"
+#include "trainstream/optimizer/worker_pool.h"
+
 namespace trainstream::daemon {
+namespace {
+
+constexpr size_t kSumBlockElems = 4096;        // summed block by block, in cache
+constexpr size_t kParallelSumElems = 1 << 18;  // larger sums are split over the worker pool
+
+// dst[i] = (sum over r of srcs[r][i]) / divisor for i in [begin, end).
+void SumBlock(const std::vector<void*>& srcs, kernels::DType dtype, float* dst, size_t begin,
+              size_t end, float divisor) {
+  float tmp[kSumBlockElems];
+  const size_t es = kernels::DTypeSize(dtype);
+  for (size_t b = begin; b < end; b += kSumBlockElems) {
+    const size_t n = std::min(kSumBlockElems, end - b);
+    float* out = dst + b;
+    kernels::ConvertToFloat(static_cast<const char*>(srcs[0]) + b * es, dtype, out, n);
+    for (size_t r = 1; r < srcs.size(); ++r) {
+      const float* in = tmp;
+      if (dtype == kernels::DType::kFloat32) {
+        in = static_cast<const float*>(srcs[r]) + b;
+      } else {
+        kernels::ConvertToFloat(static_cast<const char*>(srcs[r]) + b * es, dtype, tmp, n);
+      }
+      for (size_t i = 0; i < n; ++i) out[i] += in[i];
+    }
+    if (divisor != 1.0f) {
+      for (size_t i = 0; i < n; ++i) out[i] /= divisor;
+    }
+  }
+}
+
+}  // namespace
 
 using wire::Opcode;
 using wire::StateField;
+
+void SumRankGradients(const std::vector<void*>& srcs, kernels::DType dtype, float* dst, size_t n,
+                      float divisor, optimizer::WorkerPool* pool) {
+  if (n < kParallelSumElems || pool->size() < 2) {
+    SumBlock(srcs, dtype, dst, 0, n, divisor);
+    return;
+  }
+  const size_t parts = std::min<size_t>(pool->size(), n / (kParallelSumElems / 4));
+  const size_t per = (n + parts - 1) / parts;
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t left = parts;
+  for (size_t i = 0; i < parts; ++i) {
+    const size_t begin = i * per, end = std::min(n, begin + per);
+    pool->Submit(static_cast<unsigned>(i), [&, begin, end] {
+      SumBlock(srcs, dtype, dst, begin, end, divisor);
+      std::lock_guard<std::mutex> lock(mu);
+      if (--left == 0) cv.notify_one();
+    });
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return left == 0; });
+}
 
 void SetCompletionMessage(wire::CompletionRecord* rec, const std::string& message) {
   std::strncpy(rec->message, message.c_str(), sizeof(rec->message) - 1);

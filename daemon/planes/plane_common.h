@@ -1,23 +1,30 @@
-// What the per-session optimizer plane (optimizer_service.cc) and the
-// data-parallel group plane (group_plane.cc) share: completion messages, and
-// moving one field of a parameter's optimizer state between the
-// AdamW engine and a client region (kLoadState / kExportState).
+// The optimizer plane's helpers (optimizer_plane.cc): dtype mapping, completion
+// messages, a group's gradient sum, and moving one field of a parameter's optimizer state between
+// the AdamW engine and a client region (kLoadState / kExportState).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
-#include "planes/optimizer_service.h"
+#include "planes/optimizer_plane.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/wire/session_control.h"
 
 namespace trainstream::daemon {
 
+// dst[i] = (sum over r of srcs[r][i]) / divisor for i in [0, n): a group's
+// gradients (dtype[n] each) into its fp32 sum slot. Large sums are split over
+// `pool`'s workers; returns when all is summed.
+void SumRankGradients(const std::vector<void*>& srcs, kernels::DType dtype, float* dst, size_t n,
+                      float divisor, optimizer::WorkerPool* pool);
+
 // Copies `message` into rec->message, truncated and NUL-terminated.
 void SetCompletionMessage(wire::CompletionRecord* rec, const std::string& message);
 
-// kParamFromSlot is not handled by MoveOptimizerState: initialisation depends
-// on who may trigger it (the session, or a group's local rank 0).
+// kParamFromSlot is not handled by MoveOptimizerState: initialisation is the
+// plane's (local rank 0 triggers it).
 
 // Applies `cmd` (field kMaster, kExpAvg, kExpAvgSq or kStep; load or export)
 // to `engine`, which must be idle. `resolver` maps the command's region of the

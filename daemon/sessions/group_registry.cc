@@ -8,7 +8,8 @@
 #include <set>
 #include <vector>
 
-#include "planes/group_plane.h"
+#include "planes/optimizer_plane.h"
+#include "sessions/param_binding.h"
 #include "sessions/param_layout.h"
 #include "trainstream/wire/segment_header.h"
 
@@ -96,7 +97,7 @@ class Group {
   RegistrationLayout layout;                    // Guarded by mu: valid while running
   std::unique_ptr<ShmSegment> state_segment;    // Guarded by mu.
   std::unique_ptr<ShmSegment> staging_segment;  // Guarded by mu.
-  std::unique_ptr<GroupPlane> plane;            // Guarded by mu.
+  std::unique_ptr<OptimizerPlane> plane;        // Guarded by mu.
 
   Member* FindSession(uint64_t session_id, int32_t* rank) {
     for (auto& [r, m] : members) {
@@ -335,45 +336,20 @@ Status GroupRegistry::Form(Group& g) {
     Break(g, "could not allocate its memory: " + st.message(), -1);
     return st;
   }
-  wire::StateManifestEntry* entries = WriteStateManifest(g.state_segment->base(), g.layout, req);
-  char* state = g.state_segment->base();
-  char* staging = g.staging_segment->base();
-  std::vector<GroupParamBinding> bindings;
-  for (int i = 0; i < req.params_size(); ++i) {
-    const auto& p = req.params(i);
-    const ParamPlacement& pl = g.layout.params[static_cast<size_t>(i)];
-    GroupParamBinding b;
-    b.param.param_id = p.param_id();
-    b.param.name = p.name();
-    b.param.numel = pl.numel;
-    b.param.group = p.group();
-    b.param.param_dtype = static_cast<wire::DType>(p.dtype());
-    b.param.grad_dtype = static_cast<wire::DType>(
-        p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype() : p.grad_dtype());
-    b.param.master = reinterpret_cast<float*>(state + pl.master_offset);
-    b.param.exp_avg = state + pl.exp_avg_offset;
-    b.param.exp_avg_sq = state + pl.exp_avg_sq_offset;
-    b.param.param_slot = staging + pl.param_offset;
-    b.param.step_counter = &entries[i].step;
-    for (uint32_t r = 0; r < ranks; ++r)
-      b.rank_grads.push_back(staging + pl.grad_offset + r * pl.grad_stride);
-    b.sum_slot = reinterpret_cast<float*>(staging + pl.sum_offset);
-    bindings.push_back(std::move(b));
-  }
-  std::vector<GroupMemberRings> rings;
+  PlaneRegistration registration =
+      BindRegistration(req, g.layout, g.state_segment->base(), g.staging_segment->base());
+  std::vector<PlaneMember> members;
   for (const auto& [r, m] : g.members)
-    rings.push_back(GroupMemberRings{r, m.joiner.session_id, m.joiner.rings, m.joiner.resolver});
-  GroupPlaneOptions options;
-  options.name = g.key;
+    members.push_back(PlaneMember{r, m.joiner.session_id, m.joiner.rings, m.joiner.resolver});
+  PlaneOptions options;
+  options.name = name;
+  options.group = true;
   options.world_size = static_cast<uint32_t>(g.membership.world_size());
   options.cross_node = g.membership.nnodes() > 1;
   options.on_fault = on_fault_;
-  options.optimizer.moment_dtype = static_cast<wire::DType>(
-      req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype());
-  options.optimizer.max_grad_norm = req.max_grad_norm();
-  options.optimizer.seed = req.seed();
-  g.plane = std::make_unique<GroupPlane>(std::move(options), std::move(rings), std::move(bindings),
-                                         pool_);
+  g.plane = std::make_unique<OptimizerPlane>(std::move(options), std::move(members), pool_);
+  // The plane's first parameters: nothing to disagree with.
+  g.plane->AddParameters(registration.options, std::move(registration.params));
   g.state = Group::State::kRunning;
   spdlog::info("{} formed: {} local ranks, {} parameters (state {} bytes, staging {} bytes)", name,
                ranks, req.params_size(), g.layout.state_bytes, g.layout.staging_bytes);

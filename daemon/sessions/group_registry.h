@@ -1,14 +1,15 @@
 // GroupRegistry: data-parallel groups (docs/data-parallel.md). The ranks of one
 // job on this machine attach with the same GroupMembership key; together they
 // hold ONE optimizer state, one shared staging segment (a grad slot per rank,
-// an fp32 sum slot and one param slot per parameter) and one GroupPlane.
+// an fp32 sum slot and one param slot per parameter) and one OptimizerPlane
+// (a group plane, optimizer_plane.h).
 //
 // Life of a group:
 //   forming   ranks attach (Join) and register their parameters (Register).
 //             Register is a barrier: it returns once every local rank has
 //             registered the same parameters with the same initial weights
 //             (checksums), or fails for all of them, naming the difference.
-//   running   the GroupPlane serves every member's rings.
+//   running   the plane serves every member's rings.
 //   broken    a member left (detached, or its process died), a registration
 //             disagreed, or the barrier timed out. The plane stops before the
 //             leaver's memory is unmapped, every other member is sent
@@ -33,7 +34,7 @@
 #include <string>
 
 #include "memory/shm_segment.h"
-#include "planes/optimizer_service.h"
+#include "planes/optimizer_plane.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 

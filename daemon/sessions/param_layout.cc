@@ -135,6 +135,8 @@ RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest
   constexpr uint64_t kSlotAlign = 64;
   constexpr uint64_t kPage = 4096;
   RegistrationLayout layout;
+  layout.grad_slots = grad_slots;
+  layout.sum_slot = sum_slot;
   layout.params.resize(static_cast<size_t>(req.params_size()));
   const uint64_t moment_bytes = DTypeBytes(MomentDType(req));
 

@@ -60,6 +60,8 @@ struct RegistrationLayout {
   uint64_t state_bytes = 0;            // total state segment size (page multiple)
   uint64_t manifest_offset = 0;
   uint64_t manifest_bytes = 0;
+  uint32_t grad_slots = 1;  // per parameter: a group's local world size, else 1
+  bool sum_slot = false;    // per parameter: an fp32 sum slot (groups)
 };
 
 // Layout for a validated request. A group's staging has `grad_slots` (its

@@ -11,6 +11,7 @@
 #include "memory/client_memory_guard.h"
 #include "planes/optimizer_service.h"
 #include "sessions/group_registry.h"
+#include "sessions/param_binding.h"
 #include "sessions/param_layout.h"
 #include "token.h"
 #include "trainstream/wire/segment_header.h"
@@ -441,44 +442,17 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
     return st;
   }
 
-  const int moment =
-      req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype();
-  wire::StateManifestEntry* entries = WriteStateManifest(state->base(), layout, req);
-
-  std::vector<ParamBinding> bindings;
   for (int i = 0; i < req.params_size(); ++i) {
-    const auto& p = req.params(i);
     const ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
-    wire::StateManifestEntry& e = entries[i];
-
     auto* slot = resp->add_slots();
-    slot->set_param_id(p.param_id());
+    slot->set_param_id(req.params(i).param_id());
     slot->set_grad_offset(pl.grad_offset);
     slot->set_param_offset(pl.param_offset);
     slot->set_numel(pl.numel);
-    ParamBinding b;
-    b.param_id = p.param_id();
-    b.name = p.name();
-    b.numel = pl.numel;
-    b.group = p.group();
-    b.param_dtype = static_cast<wire::DType>(p.dtype());
-    b.grad_dtype = static_cast<wire::DType>(p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype()
-                                                                                  : p.grad_dtype());
-    b.master = reinterpret_cast<float*>(state->base() + pl.master_offset);
-    b.exp_avg = state->base() + pl.exp_avg_offset;
-    b.exp_avg_sq = state->base() + pl.exp_avg_sq_offset;
-    b.grad_slot = staging->base() + pl.grad_offset;
-    b.param_slot = staging->base() + pl.param_offset;
-    b.step_counter = &e.step;
-    bindings.push_back(std::move(b));
   }
-
-  SessionOptimizerOptions options;
-  options.moment_dtype = static_cast<wire::DType>(moment);
-  options.max_grad_norm = req.max_grad_norm();
-  options.seed = req.seed();
-  options.threads = req.threads();
-  if (Status added = optimizer_->AddParameters(s.id, options, std::move(bindings)); !added.ok()) {
+  PlaneRegistration plane = BindRegistration(req, layout, state->base(), staging->base());
+  if (Status added = optimizer_->AddParameters(s.id, plane.options, std::move(plane.params));
+      !added.ok()) {
     DropSegment(std::move(staging));
     DropSegment(std::move(state));
     return added;

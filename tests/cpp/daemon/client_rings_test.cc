@@ -2,8 +2,10 @@
 // that does not (Note [Rings a client can write], daemon/planes/client_rings.h).
 #include "planes/client_rings.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "catch_compat.h"
@@ -16,6 +18,7 @@ using trainstream::wire::Opcode;
 using trainstream::wire::RingBytes;
 using trainstream::wire::RingHeader;
 using trainstream::wire::RingView;
+
 
 namespace {
 
@@ -102,4 +105,40 @@ TEST_CASE("the producer ignores a tail the client rewrites", "[client_rings]") {
   CHECK(got.seq == 1);
   REQUIRE(ring.client.TryPop(&got));
   CHECK(got.seq == 2);
+}
+
+TEST_CASE("WaitForAnyRecord wakes for a push on any ring and times out otherwise",
+          "[client_rings]") {
+  using Clock = std::chrono::steady_clock;
+  Ring a(sizeof(CommandRecord)), b(sizeof(CommandRecord));
+  CommandConsumer ca(a.header(), kCapacity), cb(b.header(), kCapacity);
+  CommandConsumer* rings[] = {&ca, &cb};
+  auto t0 = Clock::now();
+  const bool waited = WaitForAnyRecord(rings, 2, 30'000'000);  // nothing comes: 30 ms
+  if (!waited) {
+    TS_SKIP("futex_waitv is not available here (kernel before 5.16, or a seccomp filter)");
+  }
+  CHECK(Clock::now() - t0 >= std::chrono::milliseconds(25));
+  CHECK(a.header()->sleepers.load() == 0);  // every sleeper count given back
+  CHECK(b.header()->sleepers.load() == 0);
+
+  // A push on the second ring ends the wait long before its 10 s.
+  std::thread client([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CommandRecord rec{};
+    rec.opcode = Opcode::kSync;
+    REQUIRE(b.client.TryPush(&rec));
+  });
+  t0 = Clock::now();
+  CHECK(WaitForAnyRecord(rings, 2, 10'000'000'000));
+  CHECK(Clock::now() - t0 < std::chrono::seconds(5));
+  client.join();
+  CommandRecord got{};
+  CHECK(cb.TryPop(&got) == RingResult::kOk);
+  CHECK(got.opcode == Opcode::kSync);
+  // A ring that already holds a record is not slept on at all.
+  REQUIRE(a.client.TryPush(&got));
+  t0 = Clock::now();
+  CHECK(WaitForAnyRecord(rings, 2, 10'000'000'000));
+  CHECK(Clock::now() - t0 < std::chrono::seconds(5));
 }

@@ -12,16 +12,6 @@
 
 using namespace trainstream::kernels;
 
-#ifdef SKIP
-#define TS_SKIP(msg) SKIP(msg)
-#else
-#define TS_SKIP(msg) \
-  do {               \
-    WARN(msg);       \
-    return;          \
-  } while (0)
-#endif
-
 namespace {
 
 struct Buffers {

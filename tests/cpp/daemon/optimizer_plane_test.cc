@@ -1,6 +1,7 @@
-// GroupPlane against two in-process "ranks": their rings live in ordinary memory,
-// the test plays the clients' side of session_control.h.
-#include "planes/group_plane.h"
+// OptimizerPlane as a data-parallel group's plane against two in-process
+// "ranks": their rings live in ordinary memory, the test plays the clients'
+// side of session_control.h. (The solo plane: optimizer_service_test.cc.)
+#include "planes/optimizer_plane.h"
 
 #include <chrono>
 #include <cmath>
@@ -14,6 +15,8 @@
 #include <vector>
 
 #include "catch_compat.h"
+#include "planes/plane_common.h"
+#include "sessions/param_binding.h"
 #include "trainstream/optimizer/worker_pool.h"
 #include "trainstream/wire/session_control.h"
 
@@ -83,31 +86,33 @@ struct Fixture {
       g1[i] = 3.0f - i;  // sums to 4 everywhere; rank 1's is negative for i > 2
     }
   }
-  void Start() {
-    GroupParamBinding b;
-    b.param.param_id = 0;
-    b.param.name = "w";
-    b.param.numel = kNumel;
-    b.param.master = master.data();
-    b.param.exp_avg = m.data();
-    b.param.exp_avg_sq = v.data();
-    b.param.param_slot = param_slot.data();
-    b.param.step_counter = &step_counter;
+  void Start(const SessionOptimizerOptions& optimizer = {}) {
+    ParamBinding b;
+    b.param_id = 0;
+    b.name = "w";
+    b.numel = kNumel;
+    b.master = master.data();
+    b.exp_avg = m.data();
+    b.exp_avg_sq = v.data();
+    b.param_slot = param_slot.data();
+    b.step_counter = &step_counter;
     b.rank_grads = {g0.data(), g1.data()};
     b.sum_slot = sum.data();
-    std::vector<GroupMemberRings> members;
+    std::vector<PlaneMember> members;
     members.push_back({0, 1, rank[0].rings(), nullptr});
     members.push_back({1, 2, rank[1].rings(), nullptr});
-    GroupPlaneOptions o;
-    o.name = "test";
+    PlaneOptions o;
+    o.name = "group 'test'";
+    o.group = true;
     o.world_size = 2;
     o.on_fault = [this](uint64_t session_id, const std::string& why) {
       std::lock_guard<std::mutex> lock(fault_mu);
       faults.emplace_back(session_id, why);
     };
-    std::vector<GroupParamBinding> params;
+    std::vector<ParamBinding> params;
     params.push_back(std::move(b));
-    plane = std::make_unique<GroupPlane>(o, std::move(members), std::move(params), &pool);
+    plane = std::make_unique<OptimizerPlane>(o, std::move(members), &pool);
+    REQUIRE(plane->AddParameters(optimizer, std::move(params)).ok());
     rank[0].Post(Opcode::kLoadState, 0, 0, wire::StateField::kParamFromSlot);
     REQUIRE(rank[0].Next().opcode == Opcode::kStateDone);
   }
@@ -117,7 +122,7 @@ struct Fixture {
   uint64_t step_counter = 0;
   std::mutex fault_mu;
   std::vector<std::pair<uint64_t, std::string>> faults;  // Guarded by fault_mu.
-  std::unique_ptr<GroupPlane> plane;  // last: stopped before the memory above goes
+  std::unique_ptr<OptimizerPlane> plane;  // last: stopped before the memory above goes
 };
 
 }  // namespace
@@ -191,4 +196,87 @@ TEST_CASE("Group: a member whose ring is corrupt is reported by its session id",
   REQUIRE(f.faults.size() == 1);
   CHECK(f.faults[0].first == 2);
   CHECK(f.faults[0].second.find("command ring corrupt") != std::string::npos);
+}
+
+TEST_CASE("Group: the engine runs on `threads` workers, as a solo session's does", "[group]") {
+  // Groups dropped RegisterParameters.threads once (the registries each had
+  // their own request-to-binding code); both now go through BindRegistration.
+  v1::RegisterParametersRequest req;
+  req.set_threads(1);
+  req.set_seed(3);
+  const SessionOptimizerOptions options = OptimizerOptionsOf(req);
+  CHECK(options.threads == 1);
+  CHECK(options.seed == 3);
+  Fixture f;
+  REQUIRE(f.pool.size() == 2);
+  f.Start(options);
+  CHECK(f.plane->engine_workers() == 1);
+  // And it still trains: one averaged update, announced to both ranks.
+  for (int r = 0; r < 2; ++r) f.rank[r].Post(Opcode::kGradReady, 1);
+  for (int r = 0; r < 2; ++r) f.rank[r].Post(Opcode::kStepEnd, 1);
+  for (int r = 0; r < 2; ++r) {
+    CHECK(f.rank[r].Next().opcode == Opcode::kParamReady);
+    CHECK(f.rank[r].Next().opcode == Opcode::kStepDone);
+  }
+  CHECK(f.step_counter == 1);
+}
+
+TEST_CASE("Group: without `threads` the engine uses the whole pool", "[group]") {
+  Fixture f;
+  f.Start();
+  CHECK(f.plane->engine_workers() == f.pool.size());
+}
+
+TEST_CASE("BindRegistration: a group's layout binds every rank's slot, the sum and the options",
+          "[group]") {
+  v1::RegisterParametersRequest req;
+  req.set_threads(1);
+  req.set_max_grad_norm(1.5);
+  auto* p = req.add_params();
+  p->set_param_id(9);
+  p->set_name("w");
+  p->add_shape(static_cast<int64_t>(kNumel));
+  p->set_dtype(v1::DTYPE_BFLOAT16);
+  const RegistrationLayout layout = ComputeRegistrationLayout(req, 2, /*sum_slot=*/true);
+  std::vector<char> state(layout.state_bytes), staging(layout.staging_bytes);
+  const PlaneRegistration r = BindRegistration(req, layout, state.data(), staging.data());
+  CHECK(r.options.threads == 1);
+  CHECK(r.options.max_grad_norm == 1.5);
+  CHECK(r.options.moment_dtype == wire::DType::kFloat32);  // unspecified: fp32
+  REQUIRE(r.params.size() == 1);
+  const ParamBinding& b = r.params[0];
+  const ParamPlacement& pl = layout.params[0];
+  CHECK(b.param_id == 9);
+  CHECK(b.grad_dtype == wire::DType::kBFloat16);  // unspecified: the param's
+  CHECK(b.grad_slot == nullptr);
+  REQUIRE(b.rank_grads.size() == 2);
+  CHECK(b.rank_grads[1] == staging.data() + pl.grad_offset + pl.grad_stride);
+  CHECK(reinterpret_cast<char*>(b.sum_slot) == staging.data() + pl.sum_offset);
+  CHECK(reinterpret_cast<char*>(b.step_counter) > state.data());
+
+  const RegistrationLayout solo = ComputeRegistrationLayout(req);
+  std::vector<char> state1(solo.state_bytes), staging1(solo.staging_bytes);
+  const PlaneRegistration s = BindRegistration(req, solo, state1.data(), staging1.data());
+  CHECK(s.options.threads == 1);
+  CHECK(s.params[0].grad_slot == staging1.data() + solo.params[0].grad_offset);
+  CHECK(s.params[0].rank_grads.empty());
+  CHECK(s.params[0].sum_slot == nullptr);
+}
+
+TEST_CASE("SumRankGradients: small and pool-split sums are the mean of every rank's slot",
+          "[group]") {
+  optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
+  for (size_t n : {size_t{5}, size_t{1} << 19}) {  // below and above the split size
+    std::vector<float> a(n), b(n), c(n), sum(n, -1.f);
+    for (size_t i = 0; i < n; ++i) {
+      a[i] = static_cast<float>(i % 7);
+      b[i] = 1.0f;
+      c[i] = -static_cast<float>(i % 3);
+    }
+    SumRankGradients({a.data(), b.data(), c.data()}, kernels::DType::kFloat32, sum.data(), n, 4.0f,
+                     &pool);
+    size_t wrong = 0;
+    for (size_t i = 0; i < n; ++i) wrong += sum[i] != (a[i] + b[i] + c[i]) / 4.0f;
+    CHECK(wrong == 0);
+  }
 }

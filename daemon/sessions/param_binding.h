@@ -1,0 +1,33 @@
+// The one place a RegisterParameters request becomes the optimizer plane's
+// input (optimizer_plane.h): its options and one ParamBinding per parameter.
+// SessionRegistry (a solo session) and GroupRegistry (a data-parallel group)
+// both call it, so every option of the request reaches both kinds of plane.
+#pragma once
+
+#include "planes/optimizer_plane.h"
+#include "sessions/param_layout.h"
+#include "trainstream/v1/control.pb.h"
+
+namespace trainstream::daemon {
+
+struct PlaneRegistration {
+  SessionOptimizerOptions options;
+  std::vector<ParamBinding> params;  // request order
+};
+
+// The plane's options from a validated request (moment dtype, clipping, seed,
+// worker threads).
+SessionOptimizerOptions OptimizerOptionsOf(const v1::RegisterParametersRequest& req);
+
+// For validated `req` laid out as `layout` (ComputeRegistrationLayout) in a
+// state segment mapped at `state_base` and a staging segment mapped at
+// `staging_base` (each with its SegmentHeader first): writes the state
+// manifest (WriteStateManifest) and returns the plane's options and bindings.
+// A layout with a sum slot (a group's) binds each local rank's grad slot and
+// the sum slot; else the one grad slot. The pointers are into the two
+// mappings: they live as long as those do.
+PlaneRegistration BindRegistration(const v1::RegisterParametersRequest& req,
+                                   const RegistrationLayout& layout, char* state_base,
+                                   char* staging_base);
+
+}  // namespace trainstream::daemon
