@@ -56,6 +56,8 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "log_limiter.h"
 #include "planes/plane_common.h"
@@ -206,6 +208,10 @@ struct OptimizerPlane::Impl {
         HandleState(r, cmd);
         return;
       case Opcode::kSync:
+        if (options.group && r != 0 && !initialised) {
+          held_syncs.emplace_back(r, cmd.seq);  // Note [A member waits for the first weights]
+          return;
+        }
         engine->WaitIdle();
         Post(r, Opcode::kSyncDone, CompletionStatus::kOk, cmd.seq, 0, 0, "");
         return;
@@ -438,6 +444,7 @@ struct OptimizerPlane::Impl {
         // all slots first and then posts these; only the first one works.
         needs_init = false;
         st = engine->Init();
+        ReleaseHeldSyncs();
       }
     } else {
       bool imported = false;
@@ -451,6 +458,26 @@ struct OptimizerPlane::Impl {
       SetCompletionMessage(&rec, st.message());
     }
     Complete(static_cast<size_t>(r), rec);
+  }
+
+  // Note [A member waits for the first weights]. A group's param slots are
+  // shared by its members, and local rank 0 alone writes the initial weights
+  // into them (then posts kParamFromSlot, whose first one initialises the
+  // masters from the slots). The other members use those slots as soon as
+  // their registration ends: a paged weight's home is its param slot
+  // (streaming/weights.py), so a member whose first forward ran before local
+  // rank 0 had written the slots trained on what the new segment held (zeros)
+  // and, through the group's sums, every rank's update went wrong (a failure
+  // seen only under load: test_dp.py's paged case). So the SYNC that ends a
+  // registration (DaemonBackend.register) is answered to every member but
+  // local rank 0 only once local rank 0's slots are written, the masters
+  // initialised from them: until then it is held here (a group that fails
+  // first answers it with GROUP_BROKEN, as every member gets then).
+  void ReleaseHeldSyncs() {
+    initialised = true;
+    for (const auto& [r, seq] : held_syncs)
+      Post(r, Opcode::kSyncDone, CompletionStatus::kOk, seq, 0, 0, "");
+    held_syncs.clear();
   }
 
   // ------------------------------------------------- engine callbacks (workers)
@@ -593,6 +620,11 @@ struct OptimizerPlane::Impl {
   std::unique_ptr<optimizer::AdamWEngine> engine;
   std::atomic<unsigned> engine_workers{0};
   bool needs_init = false;
+  // Group planes: whether local rank 0 has initialised the masters from the slots,
+  // and the other members' SYNCs held until then (member, seq): see
+  // Note [A member waits for the first weights].
+  bool initialised = false;
+  std::vector<std::pair<int, uint64_t>> held_syncs;
   std::vector<std::unique_ptr<Slot>> slots;  // group planes
   std::unordered_map<uint64_t, Slot*> by_id;
   std::map<uint64_t, uint64_t> step_ends;  // step -> mask of ranks that posted STEP_END

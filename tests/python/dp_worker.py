@@ -30,6 +30,19 @@ def param_groups(model):
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _late_slot_writes(delay_s: float) -> None:
+    """Delays this rank (local rank 0) after the daemon has mapped the group's staging
+    slots and before it writes the initial weights into them (DaemonBackend.register):
+    the other ranks must not train on the slots before that."""
+    from trainstream.optim.daemon_session import DaemonSession  # noqa: PLC0415
+    map_staging = DaemonSession.map_staging
+
+    def late(self, *a, **k):
+        map_staging(self, *a, **k)
+        time.sleep(delay_s)
+    DaemonSession.map_staging = late
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -46,6 +59,9 @@ def main() -> int:
     ap.add_argument("--cuda", action="store_true", help="the model on cuda:<LOCAL_RANK>")
     ap.add_argument("--param-offload", action="store_true",
                     help="page every block's weights (their gradients bypass p.grad)")
+    ap.add_argument("--leader-late-slots", type=float, default=0.0,
+                    help="local rank 0 waits this long between its registration's answer and "
+                         "writing the group's initial weights into the param slots")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -74,6 +90,8 @@ def main() -> int:
             options["max_grad_norm"] = args.max_grad_norm
         if args.param_offload:
             options.update(param_offload=True, min_offload_bytes=0)
+        if args.leader_late_slots and local_rank == 0:
+            _late_slot_writes(args.leader_late_slots)
         model, opt = trainstream.wrap(model, opt, **options)
         batches = text_batches(corpus(), cfg, batch=args.batch * world, steps=args.steps)
         for step, (x, y) in enumerate(batches, start=1):

@@ -182,6 +182,20 @@ def test_paged_weights_match_one_process(daemon, tmp_path, shm):
     _assert_equal_to_reference(ref, r1["params"], "rank 1")
 
 
+def test_paged_weights_wait_for_local_rank_0s_initial_weights(daemon, tmp_path):
+    """A paged weight's home is the group's param slot, which local rank 0 alone fills
+    with the initial weights: the other rank's registration must not end before that
+    (Note [A member waits for the first weights]), however late local rank 0 writes."""
+    proc = _torchrun(daemon, tmp_path, 2, "--param-offload", "--leader-late-slots", "2",
+                     env_extra={"TRAINSTREAM_SHM": "1"})
+    ref = _reference(2)
+    _finish(proc, "torchrun --nproc-per-node 2 --param-offload --leader-late-slots 2")
+    r0, r1 = _results(tmp_path, 2)
+    assert r0["stats"]["data_parallel"]["mode"] == "group"
+    _assert_equal_to_reference(ref, r1["params"], "rank 1")
+    _assert_equal_to_reference(ref, r0["params"], "rank 0")
+
+
 def test_two_machines_two_daemons(daemon_factory, tmp_path):
     """Also clips: the global norm is that of the gradient all-reduced across machines."""
     daemons = [daemon_factory(), daemon_factory()]

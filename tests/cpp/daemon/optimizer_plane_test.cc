@@ -86,7 +86,9 @@ struct Fixture {
       g1[i] = 3.0f - i;  // sums to 4 everywhere; rank 1's is negative for i > 2
     }
   }
-  void Start(const SessionOptimizerOptions& optimizer = {}) {
+  // `init`: local rank 0 initialises the masters from the slots, as a client's
+  // registration does (DaemonBackend.register).
+  void Start(const SessionOptimizerOptions& optimizer = {}, bool init = true) {
     ParamBinding b;
     b.param_id = 0;
     b.name = "w";
@@ -113,6 +115,9 @@ struct Fixture {
     params.push_back(std::move(b));
     plane = std::make_unique<OptimizerPlane>(o, std::move(members), &pool);
     REQUIRE(plane->AddParameters(optimizer, std::move(params)).ok());
+    if (init) Init();
+  }
+  void Init() {
     rank[0].Post(Opcode::kLoadState, 0, 0, wire::StateField::kParamFromSlot);
     REQUIRE(rank[0].Next().opcode == Opcode::kStateDone);
   }
@@ -144,6 +149,26 @@ TEST_CASE("Group: gradients of all ranks are averaged, updated once, announced t
     CHECK(std::fabs(f.param_slot[i] - (static_cast<float>(i + 1) - 0.1f)) < 1e-5f);
   }
   CHECK(f.step_counter == 1);
+}
+
+TEST_CASE("Group: another rank's SYNC is answered once local rank 0 has written the weights",
+          "[group]") {
+  // Note [A member waits for the first weights]: the param slots are the group's, and
+  // only local rank 0 writes the initial weights into them.
+  Fixture f;
+  f.Start({}, /*init=*/false);
+  f.rank[1].Post(Opcode::kSync, 0);
+  CompletionRecord early{};
+  CHECK_FALSE(f.rank[1].completions.Pop(&early, 200'000'000));  // held: slots not written yet
+  f.Init();
+  CompletionRecord done = f.rank[1].Next();
+  CHECK(done.opcode == Opcode::kSyncDone);
+  for (size_t i = 0; i < kNumel; ++i) CHECK(f.master[i] == static_cast<float>(i + 1));
+  // From then on a SYNC is answered at once.
+  f.rank[1].Post(Opcode::kSync, 0);
+  CHECK(f.rank[1].Next().opcode == Opcode::kSyncDone);
+  f.rank[0].Post(Opcode::kSync, 0);
+  CHECK(f.rank[0].Next().opcode == Opcode::kSyncDone);
 }
 
 TEST_CASE("Group: ranks that disagree get GROUP_BROKEN naming the rank", "[group]") {
