@@ -86,7 +86,10 @@ class DaemonBackend:
                 e.sum_slot = c.tensor_from_address(staging.base_address + s["sum_offset"],
                                                    [s["numel"]], "float32")
         # A group's masters come from local rank 0's weights (the daemon checked
-        # every rank's checksum against them); the param slot is the group's one.
+        # every rank's checksum against them); the param slot is the group's one, and
+        # the other ranks' sync below ends only once local rank 0 has written it (a
+        # paged weight reads its slot from the first forward on): Note [A member waits
+        # for the first weights] (optimizer_plane.cc).
         writes_slots = not t.in_group() or t.dp.leader
         if writes_slots:
             with torch.no_grad():
