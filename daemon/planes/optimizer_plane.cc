@@ -82,6 +82,9 @@ constexpr int64_t kSliceNs = 20'000'000;
 constexpr int64_t kShortSliceNs = 50'000;
 constexpr int64_t kLongSliceNs = 500'000;
 constexpr int kWaitsBeforeLong = 2000;  // ~0.1 s of short slices
+// SYNCs one member may have held before the group's first weights (Note [A
+// member waits for the first weights]); the client posts one.
+constexpr long kMaxHeldSyncsPerMember = 64;
 
 bool SameHyper(const kernels::AdamWHyperParams& a, const kernels::AdamWHyperParams& b) {
   return a.lr == b.lr && a.beta1 == b.beta1 && a.beta2 == b.beta2 && a.eps == b.eps &&
@@ -209,7 +212,18 @@ struct OptimizerPlane::Impl {
         return;
       case Opcode::kSync:
         if (options.group && r != 0 && !initialised) {
-          held_syncs.emplace_back(r, cmd.seq);  // Note [A member waits for the first weights]
+          // Note [A member waits for the first weights]; a client waits for its
+          // one SYNC, so a member that keeps posting them is ended, not queued.
+          const auto held = std::count_if(held_syncs.begin(), held_syncs.end(),
+                                          [r](const auto& h) { return h.first == r; });
+          if (held >= kMaxHeldSyncsPerMember) {
+            std::lock_guard<std::mutex> lock(completion_mu);
+            MemberFault(static_cast<size_t>(r),
+                        "more than " + std::to_string(kMaxHeldSyncsPerMember) +
+                            " SYNCs posted before the group's first weights");
+            return;
+          }
+          held_syncs.emplace_back(r, cmd.seq);
           return;
         }
         engine->WaitIdle();

@@ -171,6 +171,37 @@ TEST_CASE("Group: another rank's SYNC is answered once local rank 0 has written 
   CHECK(f.rank[0].Next().opcode == Opcode::kSyncDone);
 }
 
+TEST_CASE("Group: a member that keeps posting SYNCs before the first weights is ended", "[group]") {
+  // Held SYNCs live in daemon memory (Note [A member waits for the first weights]):
+  // past 64 per member the member is reported, never queued without bound.
+  Fixture f;
+  f.Start({}, /*init=*/false);
+  for (int i = 0; i < 65; ++i) {
+    // The plane drains the ring as it goes; wait for room rather than overrun it.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    CommandRecord c{};
+    c.opcode = Opcode::kSync;
+    while (!f.rank[1].commands.TryPush(&c)) {
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(f.fault_mu);
+      if (!f.faults.empty()) break;
+    }
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::lock_guard<std::mutex> lock(f.fault_mu);
+  REQUIRE(f.faults.size() == 1);
+  CHECK(f.faults[0].first == 2);  // local rank 1's session
+  CHECK(f.faults[0].second.find("SYNCs posted before the group's first weights") !=
+        std::string::npos);
+}
+
 TEST_CASE("Group: ranks that disagree get GROUP_BROKEN naming the rank", "[group]") {
   Fixture f;
   f.Start();
