@@ -121,6 +121,18 @@ struct Fixture {
     rank[0].Post(Opcode::kLoadState, 0, 0, wire::StateField::kParamFromSlot);
     REQUIRE(rank[0].Next().opcode == Opcode::kStateDone);
   }
+  // The faults reported so far, once there is one (fails the test after 5 s).
+  std::vector<std::pair<uint64_t, std::string>> Faults() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(fault_mu);
+        if (!faults.empty()) return faults;
+      }
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
   optimizer::WorkerPool pool;
   FakeRank rank[2];
   std::vector<float> master, m, v, sum, param_slot, g0, g1;
@@ -186,19 +198,10 @@ TEST_CASE("Group: a member that keeps posting SYNCs before the first weights is 
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  for (;;) {
-    {
-      std::lock_guard<std::mutex> lock(f.fault_mu);
-      if (!f.faults.empty()) break;
-    }
-    REQUIRE(std::chrono::steady_clock::now() < deadline);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  std::lock_guard<std::mutex> lock(f.fault_mu);
-  REQUIRE(f.faults.size() == 1);
-  CHECK(f.faults[0].first == 2);  // local rank 1's session
-  CHECK(f.faults[0].second.find("SYNCs posted before the group's first weights") !=
+  const auto faults = f.Faults();
+  REQUIRE(faults.size() == 1);
+  CHECK(faults[0].first == 2);  // local rank 1's session
+  CHECK(faults[0].second.find("SYNCs posted before the group's first weights") !=
         std::string::npos);
 }
 
@@ -239,19 +242,10 @@ TEST_CASE("Group: a member whose ring is corrupt is reported by its session id",
   // Local rank 1 (session 2) pushes its tail 2^40 records ahead (client_rings.h).
   auto* h = reinterpret_cast<wire::RingHeader*>(f.rank[1].rings().command_ring());
   h->tail.store(uint64_t{1} << 40);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  for (;;) {
-    {
-      std::lock_guard<std::mutex> lock(f.fault_mu);
-      if (!f.faults.empty()) break;
-    }
-    REQUIRE(std::chrono::steady_clock::now() < deadline);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  std::lock_guard<std::mutex> lock(f.fault_mu);
-  REQUIRE(f.faults.size() == 1);
-  CHECK(f.faults[0].first == 2);
-  CHECK(f.faults[0].second.find("command ring corrupt") != std::string::npos);
+  const auto faults = f.Faults();
+  REQUIRE(faults.size() == 1);
+  CHECK(faults[0].first == 2);
+  CHECK(faults[0].second.find("command ring corrupt") != std::string::npos);
 }
 
 TEST_CASE("Group: the engine runs on `threads` workers, as a solo session's does", "[group]") {
