@@ -144,6 +144,19 @@ class ParamTable:
                 "to wrap() for clipping, or grad_post='step' to hand gradients over in step()")
 
 
+def begin_step(table: "ParamTable", session, closure) -> Tuple[Any, int]:
+    """What every backend's ``step()`` does first: the session must be attached, the
+    closure (if any) runs with gradients enabled, and every group's hyper-parameters
+    are checked again. Returns the closure's loss and the number of the step taken."""
+    session.require_attached()
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    table.check_groups(force=True)
+    return loss, table.step_id + 1
+
+
 class Backend(Protocol):
     """Where the update runs. One per attached ``OffloadAdamW``; ``close()`` ends it."""
     mode: str  # "cpu", "gpu" or "local": OffloadAdamW.optimizer_mode

@@ -28,7 +28,7 @@ from .._native.wire import (FIELD_EXP_AVG, FIELD_EXP_AVG_SQ, FIELD_MASTER,
                             OP_STEP_DONE, STATUS_OK, STATUS_SKIPPED_NONFINITE)
 from ..errors import NonFiniteGradientError, TrainStreamError
 from . import data_parallel
-from .backend import DTYPE_NAMES, ParamEntry, ParamTable, pack_groups, unpack_state
+from .backend import DTYPE_NAMES, ParamEntry, ParamTable, begin_step, pack_groups, unpack_state
 from .daemon_session import STEP_REPLIES, DaemonSession
 
 
@@ -163,13 +163,7 @@ class DaemonBackend:
     # ------------------------------------------------------------------ step
     def step(self, closure):
         t = self._table
-        self._session.require_attached()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        step = t.step_id + 1
-        t.check_groups(force=True)
+        loss, step = begin_step(t, self._session, closure)
         posted = []
         if t.replicated():
             # A paged weight's gradient is its external one (p.grad never holds it).

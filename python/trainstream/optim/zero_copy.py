@@ -24,7 +24,7 @@ import torch
 from .._native import C as _C
 from .._native.pinning import register_fresh
 from ..errors import NonFiniteGradientError, TrainStreamError
-from .backend import ParamEntry, ParamTable, pack_groups, unpack_state
+from .backend import ParamEntry, ParamTable, begin_step, pack_groups, unpack_state
 from .daemon_session import DaemonSession
 
 _ALIGN = 256
@@ -198,13 +198,7 @@ class ZeroCopyBackend:
 
     def step(self, closure):
         t = self._table
-        self._session.require_attached()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        step = t.step_id + 1
-        t.check_groups(force=True)
+        loss, step = begin_step(t, self._session, closure)
         entries = list(t.entries.values())
         result = self._update(entries)
         for e in entries:
