@@ -1,10 +1,14 @@
-"""ActivationOffloader: activation paging through saved-tensor hooks.
+"""SavedTensorPager: the saved-tensor hooks that page activations to host memory.
 
-    with trainstream.ActivationOffloader(model, min_offload_bytes=1 << 20):
+    pager = SavedTensorPager(model, min_offload_bytes=1 << 20)
+    with pager:
         loss = model(x).loss
     loss.backward()
 
-While active, every tensor autograd saves for backward that is at least
+It is the mechanism under both users of activation paging: wrap()'s ``BlockPager``
+enters it around each block whose policy is "offload", and the standalone
+``trainstream.ActivationOffloader`` (activations.py, a subclass) adds the per-block
+policy and its tuner. While active, every tensor autograd saves for backward that is at least
 ``min_offload_bytes`` big and on the device, and dense or a non-overlapping strided
 view reaching at most ``VIEW_SPAN_RATIO`` times its elements (q, k and v sliced from
 one projection), is copied to host memory on a D2H stream (the device copy is released
@@ -31,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .._native.host_memory import track
 from .._native.streams import CopyEngine
 from ..options import check_value, default
 
@@ -45,8 +50,10 @@ class HostArena:
     out are valid until ``reset()``.
     """
 
-    def __init__(self, new_chunk: Callable[[int], torch.Tensor], chunk_bytes: int = 64 << 20):
+    def __init__(self, new_chunk: Callable[[int], torch.Tensor], chunk_bytes: int = 64 << 20,
+                 tag: str = "activations"):
         self._new_chunk = new_chunk
+        self._tag = tag  # pinned_stats()["by_tag"]
         self._chunk_bytes = chunk_bytes
         self._chunks: List[torch.Tensor] = []
         self._current = 0
@@ -65,7 +72,9 @@ class HostArena:
                 return page
             self._current += 1
             self._offset = 0
-        self._chunks.append(self._new_chunk(max(nbytes, self._chunk_bytes)))
+        chunk = self._new_chunk(max(nbytes, self._chunk_bytes))
+        track(chunk, chunk.numel(), self._tag)
+        self._chunks.append(chunk)
         self._current, self._offset = len(self._chunks) - 1, 0
         return self.allocate(nbytes)
 
@@ -130,9 +139,9 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-class ActivationOffloader:
+class SavedTensorPager:
     """Pages saved activations to host memory (module docstring). Use as a context
-    manager (re-enterable, once per forward) or call ``pack``/``unpack`` from your own
+    manager (re-enterable, nestable) or call ``pack``/``unpack`` from your own
     ``saved_tensors_hooks``; ``remove()`` releases its host memory."""
 
     def __init__(self, model: Optional[nn.Module] = None, *, device=None,
@@ -161,26 +170,28 @@ class ActivationOffloader:
         self._inflight_bytes = 0
         self._prefetched_bytes = 0
         self._seen: Dict[int, Tuple[Any, int, _Page]] = {}  # id(t) -> (weakref, version, page)
-        self._hooks = None
+        self._hooks: List[Any] = []  # one saved_tensors_hooks per entered context
         self.stats: Dict[str, int] = {"tensors_offloaded": 0, "bytes_offloaded": 0,
                                       "tensors_kept": 0, "bytes_kept": 0, "prefetch_hits": 0,
                                       "prefetch_misses": 0, "peak_host_bytes": 0}
 
     # ------------------------------------------------------------ context manager
-    def __enter__(self) -> "ActivationOffloader":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self._hooks.__enter__()
+    def __enter__(self) -> "SavedTensorPager":
+        # A stack: a block's pager context may open inside the user's own one.
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks, self._hooks = self._hooks, None
-        if hooks is not None:
-            hooks.__exit__(*exc)
+        if self._hooks:
+            self._hooks.pop().__exit__(*exc)
 
     def remove(self) -> None:
         """Stops paging (if active as a context) and frees the host memory it holds.
         Saved tensors already paged stay valid until their backward has run."""
-        self.__exit__(None, None, None)
+        while self._hooks:
+            self.__exit__(None, None, None)
         self._drain()
         self._seen.clear()
         if self._live == 0:
