@@ -50,7 +50,11 @@ POLICIES = (KEEP, OFFLOAD, RECOMPUTE)
 class BlockPager:
     """Pages the weights of ``paged`` blocks and applies ``policy[i]`` (keep /
     offload / recompute) to each block's activations. Caller owns it; ``remove()``
-    restores the blocks (their paged tensors stay in host memory)."""
+    restores the blocks (their paged tensors stay in host memory).
+
+    Exported as ``trainstream.ParamPager``: wrap() builds it (memory/install.py), and
+    ``ActivationOffloader`` builds one with no paged weights; not meant to be
+    constructed by hand."""
 
     def __init__(self, blocks: Sequence[nn.Module], device, *, paged: Sequence[int] = (),
                  policy: Optional[Sequence[str]] = None,
