@@ -129,7 +129,7 @@ class ActivationOffloader(SavedTensorPager):
         self._handles: List[Any] = []
         self._t_start: Optional[float] = None
         self._counting: List[Any] = []
-        self._saved_bytes = [0] * (len(blocks) if blocks is not None else 0)
+        self._saved_bytes: List[int] = []  # per block, counted while calibrating
         if blocks is None:
             if not (offload == "auto" or offload is True) or recompute not in ("auto", False):
                 raise ValueError("ActivationOffloader: offload and recompute choose among "
