@@ -24,6 +24,7 @@ from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
 from .api import (TrainStreamSession, memory_report, pinned_stats, transfer_stats, unwrap,
                   wrap)
 from .blocks import find_blocks
+from .losses import causal_lm_loss, chunked_cross_entropy
 from .memory.capacity import HardwareProfile, profile_hardware
 from .optim import OffloadAdamW
 from .optim.daemon_backend import DaemonBackend as GradientOffloader
@@ -41,7 +42,7 @@ __all__ = [
     "ActivationOffloader", "DaemonError", "NonFiniteGradientError", "OffloadAdamW", "TrainStreamError",
     "TrainStreamSession", "find_blocks", "memory_report", "pinned_stats", "transfer_stats",
     "unwrap", "wrap", "quantize_tensor", "quantize_model", "QuantizedTensor", "profile_hardware",
-    "HardwareProfile", "ParamPager", "GradientOffloader",
+    "HardwareProfile", "ParamPager", "GradientOffloader", "chunked_cross_entropy", "causal_lm_loss",
 ]
 
 

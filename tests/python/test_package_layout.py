@@ -147,4 +147,4 @@ def test_the_public_names_stay():
         "TrainStreamError", "TrainStreamSession", "find_blocks", "memory_report",
         "pinned_stats", "transfer_stats", "unwrap", "wrap", "quantize_tensor",
         "quantize_model", "QuantizedTensor", "profile_hardware", "HardwareProfile", "ParamPager",
-        "GradientOffloader"])
+        "GradientOffloader", "chunked_cross_entropy", "causal_lm_loss"])
