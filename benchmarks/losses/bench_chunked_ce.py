@@ -82,7 +82,7 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--chunks", default="1024,4096")
+    ap.add_argument("--chunks", default="256,1024,4096")
     ap.add_argument("--out", default=None, help="JSON lines of every figure")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()

@@ -4,12 +4,14 @@
 
 A causal LM's loss is usually ``F.cross_entropy(lm_head(hidden).float(), labels)``: the
 logits of every token, ``tokens x vocab`` values (2,048 tokens of a 152k vocabulary are
-1.2 GB in fp32), and autograd keeps them for backward. Here the tokens go through the
-output layer ``chunk_size`` at a time; forward keeps only one float per token (its
-log-sum-exp), and backward computes each chunk's logits again to form its gradient. The
-memory of the loss is then one chunk's logits, at the cost of one more matmul (the
-recomputation). Values and gradients equal ``F.cross_entropy`` on the upcast logits
-(tests/python/test_losses.py); docs/losses.md has the figures.
+1.2 GB in fp32), kept by autograd for backward. Here the tokens go through the output
+layer ``chunk_size`` at a time, and each chunk's logits become its loss and, in the same
+pass, its gradients (softmax minus one-hot, times the gradients of ``hidden``, ``weight``
+and ``bias``); then they are freed. Backward only scales those gradients by the incoming
+one (a scalar loss's gradient is linear in it). Three matmuls, as the full-logits loss
+does; recomputing the logits in backward instead cost a fourth and measured 1.6-1.9x
+the full loss's time on the H200 (docs/losses.md). Values and gradients equal
+``F.cross_entropy`` on the upcast logits (tests/python/test_losses.py).
 """
 from __future__ import annotations
 
@@ -35,76 +37,71 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum over the counted tokens of ``logsumexp(logits) - logits[target]``, times
-    ``scale`` (1, or 1 / the denominator of a mean). The matmuls run in ``cdtype``
-    with explicit casts (autocast is off inside, so forward and the recomputation in
-    backward see the same logits); softmax and sums are fp32."""
+    """Sum over the counted tokens of ``-log_softmax(logits)[target]``, times ``scale``
+    (1, or 1 / the denominator of a mean). With ``grads`` the gradients are formed in
+    the same pass over each chunk's logits (a scalar loss's gradient is linear in the
+    incoming gradient, so backward only scales them); the matmuls run in ``cdtype``
+    with explicit casts (autocast is off inside); log-softmax is fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, ignore_index, cdtype):
-        n = hidden.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        picked = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, ignore_index, cdtype,
+                grads):
+        need_h, need_w, need_b = grads
+        n, v = hidden.shape[0], weight.shape[0]
         counted = targets != ignore_index
         safe = torch.where(counted, targets, torch.zeros_like(targets))
+        row_scale = torch.where(counted, scale.expand(n), torch.zeros((), device=hidden.device))
+        picked = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # The weight's gradient is summed over the chunks in its own dtype (for bf16,
+        # one rounding per chunk, each product accumulated in fp32 by the matmul).
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
+        rows = torch.arange(min(n, chunk_size), device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(cdtype)
             b = bias.to(cdtype) if bias is not None else None
             for start in range(0, n, chunk_size):
                 stop = min(n, start + chunk_size)
-                logits = F.linear(hidden[start:stop].to(cdtype), w, b).float()
-                picked[start:stop] = logits.gather(1, safe[start:stop, None]).squeeze(1)
-                # logsumexp in place: the chunk's logits are the only chunk-sized buffer.
-                peak = logits.amax(1, keepdim=True)
-                lse[start:stop] = logits.sub_(peak).exp_().sum(1).log_().add_(peak.squeeze(1))
-                del logits
-        per_token = torch.where(counted, lse - picked, torch.zeros_like(lse))
-        ctx.save_for_backward(hidden, weight, bias, safe, counted, lse, scale)
-        ctx.chunk_size, ctx.cdtype = chunk_size, cdtype
+                h = hidden[start:stop].to(cdtype)
+                logits = F.linear(h, w, b)
+                logp = torch.log_softmax(logits, 1, dtype=torch.float32)
+                picked[start:stop] = logp.gather(1, safe[start:stop, None]).squeeze(1)
+                if not any(grads):
+                    continue
+                # d(loss)/d(logits) = (softmax - onehot) * row scale, written over the
+                # chunk's own logits buffer in the matmul dtype.
+                p = logp.exp_()
+                p[rows[:stop - start], safe[start:stop]] -= 1.0
+                g = torch.mul(p, row_scale[start:stop, None], out=logits)
+                if need_b:
+                    grad_b += p.mul_(row_scale[start:stop, None]).sum(0)
+                del logp, p
+                if need_h:
+                    if grad_h.dtype == cdtype:
+                        torch.matmul(g, w, out=grad_h[start:stop])
+                    else:
+                        grad_h[start:stop] = g @ w
+                if need_w:
+                    gw = g.t() if g.dtype == weight.dtype else g.t().to(weight.dtype)
+                    grad_w.addmm_(gw, h.to(weight.dtype))
+                del g, logits
+        per_token = torch.where(counted, -picked, torch.zeros_like(picked))
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return per_token.sum() * scale
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        hidden, weight, bias, safe, counted, lse, scale = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        n, cdtype = hidden.shape[0], ctx.cdtype
-        # d(loss)/d(logits) of a counted token: (softmax - onehot) * grad_out * scale.
-        row_scale = torch.where(counted, grad_out.float() * scale, torch.zeros_like(lse))
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if need_b else None
-        rows = torch.arange(min(n, ctx.chunk_size), device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(cdtype)
-            b = bias.to(cdtype) if bias is not None else None
-            for start in range(0, n, ctx.chunk_size):
-                stop = min(n, start + ctx.chunk_size)
-                h = hidden[start:stop].to(cdtype)
-                g = F.linear(h, w, b).float()
-                g.sub_(lse[start:stop, None]).exp_()                       # softmax
-                g[rows[:stop - start], safe[start:stop]] -= 1.0
-                g.mul_(row_scale[start:stop, None])
-                gc = g if cdtype == torch.float32 else g.to(cdtype)
-                if need_h:
-                    if grad_h.dtype == cdtype:
-                        torch.matmul(gc, w, out=grad_h[start:stop])
-                    else:
-                        grad_h[start:stop] = gc @ w
-                if need_w:
-                    if cdtype == torch.float32:
-                        grad_w.addmm_(gc.t(), h)
-                    else:  # bf16/fp16 products, summed over the chunks in fp32
-                        grad_w += gc.t() @ h
-                if need_b:
-                    grad_b += g.sum(0)
-                del g, gc
-        if need_w:
-            grad_w = grad_w.to(weight.dtype)
-        if need_b:
-            grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h * grad_out.to(grad_h.dtype)
+        if grad_w is not None:
+            grad_w = grad_w * grad_out.to(grad_w.dtype)
+        if grad_b is not None:
+            grad_b = (grad_b * grad_out).to(ctx.bias_dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _check(hidden, weight, targets, bias, chunk_size, reduction, num_items):
@@ -173,8 +170,12 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         scale = 1.0 / torch.as_tensor(num_items, dtype=torch.float32, device=hidden.device)
     else:
         scale = 1.0 / (t1 != ignore_index).sum().to(torch.float32)
+    cdtype = _compute_dtype(hidden, weight)
+    on = torch.is_grad_enabled()
+    grads = (on and hidden.requires_grad, on and weight.requires_grad,
+             on and bias is not None and bias.requires_grad)
     return _ChunkedCrossEntropy.apply(h2, weight, bias, t1, scale.reshape(()), chunk_size,
-                                      ignore_index, _compute_dtype(hidden, weight))
+                                      ignore_index, cdtype, grads)
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
