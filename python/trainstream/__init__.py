@@ -25,8 +25,12 @@ from .api import (TrainStreamSession, memory_report, pinned_stats, transfer_stat
 from .blocks import find_blocks
 from .optim import OffloadAdamW
 from .streaming.activations import ActivationOffloader
+from ._native.runtime_check import check_torch as _check_torch
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place (CMakeLists.txt and pyproject.toml read it)
+
+_check_torch()  # an installed package must run the torch it was built for (_C's ABI)
+del _check_torch
 
 __all__ = [
     "ActivationOffloader", "DaemonError", "NonFiniteGradientError", "OffloadAdamW", "TrainStreamError",
