@@ -80,7 +80,7 @@ def venv():
     if _run([py, "-c", "import scikit_build_core"], check=False, env=_clean_env()).returncode != 0:
         _run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", SKBUILD_CORE], timeout=300)
 
-    config = [f"-Cbuild-dir={BUILD_DIR / 'build'}"]
+    config = [f"-Cbuild-dir={BUILD_DIR}"]
     launcher = shutil.which("ccache")
     if launcher:
         config += [f"-Ccmake.define.CMAKE_CXX_COMPILER_LAUNCHER={launcher}",
