@@ -54,6 +54,7 @@ test-python:
 # checkout, then uninstalled (tests/install/test_install.py).
 test-install: venv
 	env -u PYTHONPATH -u TRAINSTREAM_BUILD_DIR TRAINSTREAM_INSTALL_BUILD_DIR=$(abspath $(BUILD))-pip \
+	  TRAINSTREAM_INSTALL_LIKE=$(abspath $(BUILD)) \
 	  $(VENV_PY) -m pytest -q -s -p no:cacheprovider tests/install $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml; installed into the venv on first use (pinned).

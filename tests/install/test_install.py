@@ -17,6 +17,10 @@ Run by `make test-install` (part of `make test`). Settings (environment):
                                  <repo>/build-pip, at the depth of build/ so the two
                                  builds' compile lines match for ccache)
   TRAINSTREAM_INSTALL_VENV       where the venv is made (default: <build dir>/venv)
+  TRAINSTREAM_INSTALL_LIKE       a CMake build dir (make build's) whose compilers the wheel
+                                 build uses: scikit-build-core would otherwise take
+                                 Python's (g++ where CMake chose c++), and ccache keys
+                                 on the compiler
 """
 from __future__ import annotations
 
@@ -85,6 +89,13 @@ def venv():
     if launcher:
         config += [f"-Ccmake.define.CMAKE_CXX_COMPILER_LAUNCHER={launcher}",
                    f"-Ccmake.define.CMAKE_CUDA_COMPILER_LAUNCHER={launcher}"]
+    like = os.environ.get("TRAINSTREAM_INSTALL_LIKE")
+    if like and (Path(like) / "CMakeCache.txt").exists():
+        cache = (Path(like) / "CMakeCache.txt").read_text()
+        for lang in ("C", "CXX", "CUDA"):
+            for line in cache.splitlines():
+                if line.startswith(f"CMAKE_{lang}_COMPILER:"):
+                    config.append(f"-Ccmake.define.CMAKE_{lang}_COMPILER={line.split('=', 1)[1]}")
     env = _clean_env(CCACHE_BASEDIR=os.environ.get("CCACHE_BASEDIR", str(REPO)), CCACHE_NOHASHDIR="1")
     r = _run([py, "-m", "pip", "install", "-v", "--disable-pip-version-check", "--no-build-isolation",
               *config, REPO], timeout=1800, env=env)
