@@ -61,6 +61,7 @@ if [ $rc != 0 ]; then tail -40 "$OUT/pip-install.log"; exit 1; fi
 work=$(mktemp -d /tmp/ts-install-tests.XXXXXX)
 mkdir -p "$work/tests"
 cp -r tests/python "$work/tests/"
+cp -r docs "$work/"  # quant_helpers.py checks docs/quantization.md
 cd "$work"
 "$VENV/bin/python" - <<'PY' 2>&1 | tee "$OUT/where.txt"
 import trainstream, trainstream._native as n
