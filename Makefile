@@ -11,12 +11,13 @@ VENV_PY := $(abspath $(VENV))/bin/python
 PYTEST_ARGS ?=
 # ccache, when installed, for every build: `make test`'s second build (the wheel's,
 # in $(BUILD)-pip, at the depth of $(BUILD)) then reuses the first one's objects.
-CCACHE := $(shell command -v ccache 2>/dev/null)
-ifneq ($(CCACHE),)
-LAUNCHER_ARGS := -DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE) -DCMAKE_CUDA_COMPILER_LAUNCHER=$(CCACHE)
-export CCACHE_BASEDIR ?= $(CURDIR)
+# Looked up when a configure recipe runs (`=`), after `make deps` has installed it.
+CCACHE = $(shell command -v ccache 2>/dev/null)
+LAUNCHER_ARGS = $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE) -DCMAKE_CUDA_COMPILER_LAUNCHER=$(CCACHE))
+# Paths under base_dir are hashed relative to the build dir: the checkout, unless the
+# ccache configuration already names a base_dir (one above several checkouts).
+export CCACHE_BASEDIR ?= $(or $(shell ccache -k base_dir 2>/dev/null),$(CURDIR))
 export CCACHE_NOHASHDIR ?= 1
-endif
 
 .PHONY: all deps venv configure build test test-cpp test-python test-install lint demo clean format gpu-check
 

@@ -96,7 +96,7 @@ def venv():
             for line in cache.splitlines():
                 if line.startswith(f"CMAKE_{lang}_COMPILER:"):
                     config.append(f"-Ccmake.define.CMAKE_{lang}_COMPILER={line.split('=', 1)[1]}")
-    env = _clean_env(CCACHE_BASEDIR=os.environ.get("CCACHE_BASEDIR", str(REPO)), CCACHE_NOHASHDIR="1")
+    env = _clean_env(CCACHE_NOHASHDIR="1")  # (the Makefile sets CCACHE_BASEDIR)
     r = _run([py, "-m", "pip", "install", "-v", "--disable-pip-version-check", "--no-build-isolation",
               *config, REPO], timeout=1800, env=env)
     (BUILD_DIR / "pip-install.log").write_text(r.stdout + r.stderr)
