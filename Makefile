@@ -14,9 +14,11 @@ PYTEST_ARGS ?=
 # Looked up when a configure recipe runs (`=`), after `make deps` has installed it.
 CCACHE = $(shell command -v ccache 2>/dev/null)
 LAUNCHER_ARGS = $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE) -DCMAKE_CUDA_COMPILER_LAUNCHER=$(CCACHE))
-# Paths under base_dir are hashed relative to the build dir: the checkout, unless the
-# ccache configuration already names a base_dir (one above several checkouts).
-export CCACHE_BASEDIR ?= $(or $(shell ccache -k base_dir 2>/dev/null),$(CURDIR))
+# Paths under base_dir are hashed relative to the build dir, so it must hold the
+# checkout: the configured base_dir when it does (one above several checkouts), else
+# the checkout itself.
+ccache_conf_base = $(shell ccache -k base_dir 2>/dev/null)
+export CCACHE_BASEDIR ?= $(if $(and $(ccache_conf_base),$(filter $(ccache_conf_base)/%,$(CURDIR)/)),$(ccache_conf_base),$(CURDIR))
 export CCACHE_NOHASHDIR ?= 1
 
 .PHONY: all deps venv configure build test test-cpp test-python test-install lint demo clean format gpu-check
