@@ -30,13 +30,17 @@ from .optim import OffloadAdamW
 from .optim.daemon_backend import DaemonBackend as GradientOffloader
 from .streaming.activations import ActivationOffloader
 from .streaming.weights import BlockPager as ParamPager
+from ._native.runtime_check import check_torch as _check_torch
 
 # GradientOffloader and ParamPager are the reference API's names for parts wrap() and
 # OffloadAdamW build (the gradients' path to the daemon during backward; weight
 # paging of the block stack); exported for inspection and isinstance checks, not meant
 # to be constructed by hand.
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place (CMakeLists.txt and pyproject.toml read it)
+
+_check_torch()  # an installed package must run the torch it was built for (_C's ABI)
+del _check_torch
 
 __all__ = [
     "ActivationOffloader", "DaemonError", "NonFiniteGradientError", "OffloadAdamW", "TrainStreamError",
