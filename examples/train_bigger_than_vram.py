@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     report = trainstream.memory_report(model)
     plan = report.get("plan") or {}
     paged = plan.get("paged_blocks") or []
-    print(f"wrap: device {device}, cap {gib(options.get("vram_limit"))}, optimizer_mode "
+    print(f"wrap: device {device}, cap {gib(options.get('vram_limit'))}, optimizer_mode "
           f"{optimizer.optimizer_mode}, blocks paged from host memory: {len(paged)} of "
           f"{args.layers}", flush=True)
 
