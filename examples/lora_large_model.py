@@ -75,7 +75,7 @@ def build_model(args, device: str):
     model = peft.get_peft_model(model, peft.LoraConfig(
         r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS,
         task_type="CAUSAL_LM"))
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # adapters train in fp32 under bf16 autocast
     return model, cfg.vocab_size
