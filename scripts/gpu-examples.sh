@@ -8,7 +8,8 @@ OUT=${OUT:-/tmp/gpu-examples}
 mkdir -p "$OUT"
 [ -f .deps/unpack.sh ] && source .deps/unpack.sh
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-BUILD=${TRAINSTREAM_BUILD_DIR:-$PWD/build}
+# gpu-check.sh builds into build-gpu/; a plain `make build` into build/.
+BUILD=${TRAINSTREAM_BUILD_DIR:-$( [ -d build-gpu/bin ] && echo "$PWD/build-gpu" || echo "$PWD/build" )}
 export PYTHONPATH=$PWD/python:$BUILD/python:${PYTHONPATH:-}
 export TRAINSTREAM_BUILD_DIR=$BUILD
 # A private daemon with room for a 1.8B fp32 state (masters, moments, staging).
@@ -29,7 +30,7 @@ run() {  # name, seconds, command...
   [ $rc -eq 0 ] || status=1
 }
 run bigger_than_vram 120 examples/train_bigger_than_vram.py --vram-gb 4 --moments bf16
-run bigger_than_vram_fp32 100 examples/train_bigger_than_vram.py --vram-gb 4 --steps 4
+run bigger_than_vram_fp32 80 examples/train_bigger_than_vram.py --vram-gb 4 --steps 4
 run verify_gpt 60 examples/verify_ram_offload.py --gpt --vram-cap-gb 24
 run verify_hf 60 examples/verify_ram_offload.py --hf --vram-cap-gb 24
 run lora_14b_nf4 110 examples/lora_large_model.py --size 14b --quantize nf4 --prefer speed --vram-gb 24 --steps 8
