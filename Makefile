@@ -9,8 +9,19 @@ CMAKE_ARGS ?=
 JOBS ?= $(shell nproc)
 VENV_PY := $(abspath $(VENV))/bin/python
 PYTEST_ARGS ?=
+# ccache, when installed, for every build: `make test`'s second build (the wheel's,
+# in $(BUILD)-pip, at the depth of $(BUILD)) then reuses the first one's objects.
+# Looked up when a configure recipe runs (`=`), after `make deps` has installed it.
+CCACHE = $(shell command -v ccache 2>/dev/null)
+LAUNCHER_ARGS = $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE) -DCMAKE_CUDA_COMPILER_LAUNCHER=$(CCACHE))
+# Paths under base_dir are hashed relative to the build dir, so it must hold the
+# checkout: the configured base_dir when it does (one above several checkouts), else
+# the checkout itself.
+ccache_conf_base = $(shell ccache -k base_dir 2>/dev/null)
+export CCACHE_BASEDIR ?= $(if $(and $(ccache_conf_base),$(filter $(ccache_conf_base)/%,$(CURDIR)/)),$(ccache_conf_base),$(CURDIR))
+export CCACHE_NOHASHDIR ?= 1
 
-.PHONY: all deps venv configure build test test-cpp test-python lint demo clean format gpu-check
+.PHONY: all deps venv configure build test test-cpp test-python test-install lint demo clean format gpu-check
 
 all: build
 
@@ -23,17 +34,17 @@ venv: deps
 $(BUILD)/CMakeCache.txt:
 	@$(MAKE) --no-print-directory venv
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
-	  -DPython_EXECUTABLE=$(VENV_PY) $(CMAKE_ARGS)
+	  -DPython_EXECUTABLE=$(VENV_PY) $(LAUNCHER_ARGS) $(CMAKE_ARGS)
 
 configure: venv
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
-	  -DPython_EXECUTABLE=$(VENV_PY) $(CMAKE_ARGS)
+	  -DPython_EXECUTABLE=$(VENV_PY) $(LAUNCHER_ARGS) $(CMAKE_ARGS)
 
 build: venv $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
 test: build
-	@$(MAKE) --no-print-directory test-cpp test-python
+	@$(MAKE) --no-print-directory test-cpp test-python test-install
 
 test-cpp:
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
@@ -41,6 +52,13 @@ test-cpp:
 test-python:
 	PYTHONPATH=$(abspath $(BUILD))/python TRAINSTREAM_BUILD_DIR=$(abspath $(BUILD)) \
 	  $(VENV_PY) -m pytest -q tests/python $(PYTEST_ARGS)
+
+# `pip install --no-build-isolation .` into a fresh venv, used from outside the
+# checkout, then uninstalled (tests/install/test_install.py).
+test-install: venv
+	env -u PYTHONPATH -u TRAINSTREAM_BUILD_DIR TRAINSTREAM_INSTALL_BUILD_DIR=$(abspath $(BUILD))-pip \
+	  TRAINSTREAM_INSTALL_LIKE=$(abspath $(BUILD)) \
+	  $(VENV_PY) -m pytest -q -s -p no:cacheprovider tests/install $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml; installed into the venv on first use (pinned).
 RUFF_VERSION ?= 0.17.6
@@ -60,4 +78,4 @@ gpu-check:
 	scripts/gpu-check.sh
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(BUILD)-pip

@@ -10,20 +10,28 @@
 # or, as verified for the GPU host, Debian 12 packages unpacked into a private
 # prefix on Ubuntu 24.04.
 #
-# Usage: deploy/bundle-deps.sh DEST [--binaries BUILD_DIR] [extra-package ...]
+# Usage: deploy/bundle-deps.sh DEST [--binaries BUILD_DIR] [--wheel WHEEL] [extra-package ...]
 #   --binaries BUILD_DIR  also copy BUILD_DIR/bin/{trainstreamd,trainstreamctl},
 #                         the unit and the example config into DEST/trainstream/
+#   --wheel WHEEL         also copy a trainstream wheel (pip wheel --no-build-isolation .)
+#                         into DEST, and its two binaries, the unit and the config into
+#                         DEST/trainstream/ (so install-bundle.sh --system works from it);
+#                         on the host: source env.sh, then pip install --no-deps DEST/*.whl
 set -euo pipefail
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 [ $# -ge 1 ] || usage 1
 case "$1" in -h|--help) usage 0 ;; esac
 dest=$1; shift
 binaries=""
+wheel=""
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --binaries) binaries=${2:?--binaries needs a build directory}; shift 2 ;;
+    --wheel) wheel=${2:?--wheel needs a .whl file}; shift 2
+             [ -f "$wheel" ] && [[ $wheel == *.whl ]] ||
+               { echo "bundle-deps.sh: --wheel $wheel is not a .whl file" >&2; exit 1; } ;;
     *) extra+=("$1"); shift ;;
   esac
 done
@@ -65,6 +73,22 @@ if [ -n "$binaries" ]; then
     [ -x "$binaries/bin/$b" ] || { echo "bundle-deps.sh: $binaries/bin/$b is missing (build first)" >&2; exit 1; }
     cp "$binaries/bin/$b" "$dest/trainstream/"
   done
+  cp "$here/trainstreamd.service" "$here/trainstreamd.conf.example" "$dest/trainstream/"
+fi
+
+if [ -n "$wheel" ]; then
+  mkdir -p "$dest/trainstream"
+  cp "$wheel" "$dest/"
+  # The wheel is a zip: its trainstream/bin/ holds the same two binaries.
+  python3 - "$wheel" "$dest/trainstream" <<'PY'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in ("trainstreamd", "trainstreamctl"):
+        out = os.path.join(sys.argv[2], name)
+        with z.open(f"trainstream/bin/{name}") as src, open(out, "wb") as dst:
+            dst.write(src.read())
+        os.chmod(out, 0o755)
+PY
   cp "$here/trainstreamd.service" "$here/trainstreamd.conf.example" "$dest/trainstream/"
 fi
 

@@ -75,3 +75,6 @@ if [ "$system" = 1 ]; then
   echo "install-bundle.sh: installed; start with: systemctl enable --now trainstreamd"
 fi
 echo "next: source $prefix/env.sh"
+for whl in "$bundle"/trainstream-*.whl; do
+  [ -f "$whl" ] && echo "  then, in the environment with torch: pip install --no-deps $whl"
+done

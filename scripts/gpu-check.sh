@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, capdiag
+STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, capdiag, frontdoor
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -139,6 +139,23 @@ if [[ $STAGES == *paging* ]]; then
       > "$OUT/bench-paging-$c.log" 2>&1 || { rc=1; echo "bench paging $c failed"; }
     tail -8 "$OUT/bench-paging-$c.log" | tee -a "$OUT/bench.log"
   done
+fi
+# The Hugging Face front door under a 24 GiB cap (issue 18): the reference's QLoRA recipe
+# through TrainStreamTrainer at 512 and 2,048 tokens, a 1.5B full fine-tune through it,
+# then the chunked loss against F.cross_entropy (and Liger's, when its wheel is carried
+# in .whl/).
+if [[ $STAGES == *frontdoor* ]]; then
+  export PYTHONPATH=${TS_PYTHONPATH:-$PWD/build-gpu/python}${PYTHONPATH:+:$PYTHONPATH} TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
+  echo "== frontdoor" | tee -a "$OUT/bench.log"
+  timeout ${FRONTDOOR_TIMEOUT:-420} python3 benchmarks/huggingface/bench_trainer.py \
+    --cases "${FRONTDOOR_CASES:-qlora14b:512,qlora14b:2048,full1.5b}" --cap-gib 24 \
+    --dir "${BASE_DIR:-/tmp/ts-bench-14b}" > "$OUT/bench-trainer.log" 2>&1 || { rc=1; echo "bench trainer failed"; }
+  tail -8 "$OUT/bench-trainer.log" | tee -a "$OUT/bench.log"
+  if [ -f benchmarks/losses/bench_chunked_ce.py ]; then
+    timeout 180 python3 benchmarks/losses/bench_chunked_ce.py --out "$OUT/bench-losses.jsonl" \
+      > "$OUT/bench-losses.log" 2>&1 || { rc=1; echo "bench losses failed"; }
+    tail -20 "$OUT/bench-losses.log" | tee -a "$OUT/bench.log"
+  fi
 fi
 # The CUDA cap test's scenario with the allocator's history recorded (diag_cap.py).
 if [[ $STAGES == *capdiag* ]]; then

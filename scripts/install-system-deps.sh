@@ -6,7 +6,7 @@
 set -euo pipefail
 [ "${TRAINSTREAM_SKIP_SYSTEM_DEPS:-0}" = 1 ] && exit 0
 
-pkgs=(build-essential cmake ninja-build pkg-config
+pkgs=(build-essential cmake ninja-build pkg-config ccache
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
       libboost-dev libspdlog-dev libcli11-dev nlohmann-json3-dev catch2
       python3)  # the system interpreter: tests run clients as an unprivileged uid with it

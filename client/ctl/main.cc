@@ -1,5 +1,8 @@
 // trainstreamctl: the command-line face of trainstreamd (status, ping, shutdown).
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -23,6 +26,27 @@ int Fail(const trainstream::Status& s) {
     default:
       return 1;
   }
+}
+
+// The trainstreamd installed beside this binary (the same bin/ of a build tree, a
+// prefix or a Python environment): what a systemd unit's ExecStart should name.
+int PrintDaemonPath() {
+  char self[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) {
+    std::fprintf(stderr, "trainstreamctl: cannot read /proc/self/exe\n");
+    return 1;
+  }
+  std::string path(self, static_cast<size_t>(n));
+  path = path.substr(0, path.rfind('/') + 1) + "trainstreamd";
+  if (access(path.c_str(), X_OK) != 0) {
+    std::fprintf(stderr,
+                 "trainstreamctl: no executable trainstreamd beside this trainstreamctl (%s)\n",
+                 path.c_str());
+    return 1;
+  }
+  std::printf("%s\n", path.c_str());
+  return 0;
 }
 
 }  // namespace
@@ -65,7 +89,11 @@ int main(int argc, char** argv) {
   auto* base_drop = base_cmd->add_subcommand("drop", "Remove an unreferenced base now");
   std::string drop_key;
   base_drop->add_option("key", drop_key, "The base's key (from `base list`)")->required();
+  auto* daemon_path_cmd = app.add_subcommand(
+      "daemon-path",
+      "Print the trainstreamd installed beside this trainstreamctl (no daemon needed)");
   CLI11_PARSE(app, argc, argv);
+  if (daemon_path_cmd->parsed()) return PrintDaemonPath();
 
   std::unique_ptr<trainstream::Client> client;
   trainstream::Status s = trainstream::Client::Connect(socket, timeout_ms, &client);

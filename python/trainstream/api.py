@@ -1,5 +1,6 @@
 """``trainstream.wrap()``: one line that moves an optimizer's state and update to the daemon
-(and pages what does not fit); ``unwrap()``; ``memory_report()`` and its parts."""
+(and pages what does not fit); ``unwrap()``. ``memory_report()``, ``pinned_stats()`` and
+``transfer_stats()`` live in report.py and are re-exported here."""
 from __future__ import annotations
 
 import time
@@ -12,8 +13,11 @@ from torch import nn
 from . import memory
 from .optim import OffloadAdamW
 from .options import validate
+from .report import SESSION_ATTR as _SESSION_ATTR
+from .report import memory_report, pinned_stats, transfer_stats
 
-_SESSION_ATTR = "_trainstream_session"
+__all__ = ["TrainStreamSession", "wrap", "unwrap", "memory_report", "pinned_stats",
+           "transfer_stats"]
 
 
 @dataclass
@@ -153,57 +157,3 @@ def unwrap(model: nn.Module) -> nn.Module:
         session.optimizer.release_hooks()
     delattr(model, _SESSION_ATTR)
     return model
-
-
-def memory_report(model: nn.Module) -> Dict[str, Any]:
-    """Where the model's training memory is: events, gpu, pinned, transfers, optimizer, resident."""
-    session = getattr(model, _SESSION_ATTR, None)
-    if session is None:
-        raise ValueError("model is not wrapped by trainstream.wrap()")
-    opt = session.optimizer
-    stats = opt.stats() if opt is not None else {}
-    gpu = {}
-    if torch.cuda.is_available():
-        gpu = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-               "peak_allocated": torch.cuda.max_memory_allocated()}
-    params = list(model.parameters())
-    return {
-        **memory.report_sections(session),
-        "events": list(session.events),
-        "gpu": gpu,
-        "pinned": pinned_stats(opt),
-        "transfers": transfer_stats(opt),
-        "optimizer": {
-            "params": stats.get("params", 0),
-            "numel": stats.get("numel", 0),
-            "moment_dtype": stats.get("moment_dtype"),
-            "optimizer_mode": stats.get("optimizer_mode"),
-            "state_bytes_in_daemon": opt.state_bytes() if opt is not None else 0,
-            "steps": stats.get("steps", 0),
-            "skipped_steps": stats.get("skipped_steps", 0),
-            "last_grad_norm": opt.last_grad_norm if opt is not None else None,
-        },
-        "resident": {
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "devices": sorted({str(p.device) for p in params}),
-        },
-    }
-
-
-def pinned_stats(opt: Optional[OffloadAdamW] = None) -> Dict[str, Any]:
-    """Staging memory this process maps, and how much of it is registered with CUDA."""
-    if opt is None:
-        return {"mapped_bytes": 0, "registered_bytes": 0}
-    regions = [r for r in opt.regions() if r["purpose"] == "staging"]
-    return {"mapped_bytes": sum(r["bytes"] for r in regions),
-            "registered_bytes": sum(r["bytes"] for r in regions if r["registered"])}
-
-
-def transfer_stats(opt: Optional[OffloadAdamW] = None) -> Dict[str, Any]:
-    """Bytes copied to (d2h) and from (h2d) the daemon's staging slots so far."""
-    if opt is None:
-        return {"bytes_d2h": 0, "bytes_h2d": 0, "steps": 0}
-    s = opt.stats()
-    # bytes_pcie: moments (and masters) the zero-copy kernel moved (optimizer_mode="gpu").
-    return {"bytes_d2h": s["bytes_d2h"], "bytes_h2d": s["bytes_h2d"], "steps": s["steps"],
-            "step_wait_s": s["step_wait_s"], "bytes_pcie": s.get("bytes_pcie", 0)}

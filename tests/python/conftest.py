@@ -10,7 +10,8 @@ Fixtures (usable from any test in tests/python):
   daemon_factory   call it with extra trainstreamd flags to start more
                    (e.g. daemon_factory("--budget", "64M")); each is torn down
                    like `daemon`.
-  build_dir        Path of $TRAINSTREAM_BUILD_DIR (default: <repo>/build).
+  build_dir        Path of $TRAINSTREAM_BUILD_DIR (default: <repo>/build, else an
+                   installed package's directory, whose bin/ has the binaries).
 
 The test-only torch extension `trainstream_testing` (tests/python/ext: the CPU
 AdamW kernel and the daemon's engine on tensors) is built into <build>/testing,
@@ -38,7 +39,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _build_dir() -> Path:
-    return Path(os.environ.get("TRAINSTREAM_BUILD_DIR", REPO / "build")).resolve()
+    """$TRAINSTREAM_BUILD_DIR, else <repo>/build; with neither built, an installed
+    package (pip install .: its trainstream/bin holds the two binaries), so the tests
+    run against what pip installed (scripts/gpu-install-check.sh)."""
+    if os.environ.get("TRAINSTREAM_BUILD_DIR"):
+        return Path(os.environ["TRAINSTREAM_BUILD_DIR"]).resolve()
+    build = (REPO / "build").resolve()
+    if not (build / "bin" / "trainstreamd").exists():
+        import importlib.util
+        spec = importlib.util.find_spec("trainstream")  # the package's location; nothing imported
+        if spec is not None and spec.origin is not None:
+            installed = Path(spec.origin).resolve().parent
+            if (installed / "bin" / "trainstreamd").exists():
+                return installed
+    return build
 
 
 sys.path.insert(0, str(_build_dir() / "testing"))  # trainstream_testing (see above)

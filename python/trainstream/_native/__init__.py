@@ -5,7 +5,8 @@
 * ``wire``: the shared-memory wire constants (pinned to the C++ headers by
   tests/python/test_wire_constants.py);
 * ``pinning``: registering host memory with CUDA; ``streams``: the copy streams;
-* ``daemon``: finding the daemon, or starting one for this user.
+* ``daemon``: finding the daemon, or starting one for this user;
+* ``runtime_check``: the installed package's torch and system-library checks.
 
 Both extensions load on first use, never at ``import trainstream`` (DESIGN.md, "Never
 put protobuf/gRPC and libtorch in one shared object": each loads on its own, and a
@@ -16,11 +17,20 @@ CUDA). The built modules stay at ``trainstream._C`` and ``trainstream._control``
 
 def C():
     """``trainstream._C``, imported on first use."""
-    from .. import _C  # noqa: PLC0415 (it loads libtorch's extension and CUDA)
+    try:
+        from .. import _C  # noqa: PLC0415 (it loads libtorch's extension and CUDA)
+    except ImportError as e:
+        from .runtime_check import import_error  # noqa: PLC0415
+        raise import_error(e, "_C") from e
     return _C
 
 
 def control():
-    """``trainstream._control``, imported on first use."""
-    from .. import _control  # noqa: PLC0415 (it loads gRPC)
+    """``trainstream._control``, imported on first use. A missing system library
+    (gRPC, protobuf, abseil) is named with the package that ships it."""
+    try:
+        from .. import _control  # noqa: PLC0415 (it loads gRPC)
+    except ImportError as e:
+        from .runtime_check import import_error  # noqa: PLC0415
+        raise import_error(e, "_control") from e
     return _control

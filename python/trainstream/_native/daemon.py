@@ -9,18 +9,25 @@ from typing import Optional
 
 from ..errors import DaemonError
 from . import control as _control
+from .runtime_check import explain_missing_library
 
 _EMBEDDED_IDLE_EXIT_S = 300  # TRAINSTREAM_IDLE_EXIT_S overrides
 
 
-
-
 def daemon_binary() -> Optional[str]:
-    """The trainstreamd to start: $TRAINSTREAM_DAEMON, the build tree beside this
-    package, $TRAINSTREAM_BUILD_DIR/bin, or PATH."""
-    candidates = [os.environ.get("TRAINSTREAM_DAEMON")]
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../python/trainstream
-    candidates.append(os.path.join(package, "..", "..", "bin", "trainstreamd"))
+    """The trainstreamd to start, first found of: $TRAINSTREAM_DAEMON (which must then be
+    an executable file), the installed package's ``trainstream/bin``, the build tree
+    beside this package (``build/python/trainstream`` -> ``build/bin``),
+    $TRAINSTREAM_BUILD_DIR/bin, then PATH."""
+    override = os.environ.get("TRAINSTREAM_DAEMON")
+    if override:
+        if os.path.isfile(override) and os.access(override, os.X_OK):
+            return os.path.abspath(override)
+        raise DaemonError(f"TRAINSTREAM_DAEMON={override!r} is not an executable file; set it to "
+                          f"a trainstreamd binary, or unset it to use the installed one")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../trainstream
+    candidates = [os.path.join(package, "bin", "trainstreamd"),
+                  os.path.join(package, "..", "..", "bin", "trainstreamd")]
     if os.environ.get("TRAINSTREAM_BUILD_DIR"):
         candidates.append(os.path.join(os.environ["TRAINSTREAM_BUILD_DIR"], "bin", "trainstreamd"))
     candidates.append(shutil.which("trainstreamd"))
@@ -68,7 +75,8 @@ def _spawn_embedded(c, path: str, timeout_s: float):
     if binary is None:
         raise DaemonError(
             "no TrainStream daemon is running and trainstreamd was not found (looked at "
-            "$TRAINSTREAM_DAEMON, the build tree, $TRAINSTREAM_BUILD_DIR/bin and PATH)")
+            "$TRAINSTREAM_DAEMON, the installed package's bin/, the build tree, "
+            "$TRAINSTREAM_BUILD_DIR/bin and PATH); `pip install --no-build-isolation .` installs it")
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     log_path = os.path.join(os.path.dirname(path), "trainstreamd.log")
     with open(log_path, "ab") as log:
@@ -87,8 +95,10 @@ def _spawn_embedded(c, path: str, timeout_s: float):
         # A daemon another process started at the same moment wins the socket;
         # ours then exits, and the loop connects to theirs.
         if code is not None and code != 0 and time.monotonic() > deadline - timeout_s + 2:
-            raise DaemonError(f"the embedded trainstreamd exited with code {code}; "
-                              f"its log: {log_path}\n{_tail(log_path)}")
+            tail = _tail(log_path)
+            hint = explain_missing_library(tail)  # the loader's "cannot open shared object file"
+            raise DaemonError(f"the embedded trainstreamd ({binary}) exited with code {code}"
+                              f"{': ' + hint if hint else ''}; its log: {log_path}\n{tail}")
         if time.monotonic() > deadline:
             raise DaemonError(f"the embedded trainstreamd did not answer at {path} within "
                               f"{timeout_s:.0f} s; its log: {log_path}\n{_tail(log_path)}")

@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import C
+from .host_memory import track
 
 
 def registered_host(t: torch.Tensor) -> bool:
@@ -59,10 +60,11 @@ class _RegisteredMapping(mmap.mmap):
             self.unregister(address)  # bound at creation: no import at interpreter exit
 
 
-def registered_empty(nbytes: int) -> Optional[torch.Tensor]:
+def registered_empty(nbytes: int, tag: str = "weights") -> Optional[torch.Tensor]:
     """A flat uint8 host tensor of exactly ``nbytes`` (no power-of-two rounding, unlike
     torch's pinned allocator), registered with CUDA for as long as any view of it lives;
-    None when registration fails (the caller falls back to ``pin_memory()``)."""
+    None when registration fails (the caller falls back to ``pin_memory()``). Counted
+    under ``tag`` in ``pinned_stats()["by_tag"]`` while it lives."""
     _C = C()
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
@@ -75,4 +77,5 @@ def registered_empty(nbytes: int) -> Optional[torch.Tensor]:
         return None
     memory.unregister = _C.unregister_host
     memory.registered_address = buf.data_ptr()
+    track(memory, nbytes, tag)  # the mapping lives as long as any view of it
     return buf

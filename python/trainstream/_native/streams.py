@@ -8,9 +8,27 @@ paged code path runs unchanged and its results can be compared bit for bit.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
+
+# Process-wide copies per device (transfer_stats(device)): every CopyEngine of a device
+# adds to one entry, so weight and activation paging and every wrapped model count.
+_TOTALS: Dict[str, Dict[str, int]] = {}
+
+
+def _totals(device: torch.device) -> Dict[str, int]:
+    return _TOTALS.setdefault(str(device), {"bytes_h2d": 0, "bytes_d2h": 0, "copies_h2d": 0,
+                                            "copies_d2h": 0})
+
+
+def copy_totals(device) -> Dict[str, int]:
+    """Bytes and copies this process's copy engines have issued to (h2d) and from (d2h)
+    ``device`` so far (zeros for a device that none used)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return dict(_totals(device))
 
 
 class CopyEngine:
@@ -27,6 +45,7 @@ class CopyEngine:
             self.d2h = torch.cuda.Stream(self.device)
         self.bytes_h2d = 0
         self.bytes_d2h = 0
+        self._totals = _totals(self.device)
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.device) if self.cuda else None
@@ -39,7 +58,10 @@ class CopyEngine:
         """dst.copy_(src) after every compute-stream write to src issued so far.
         Returns the event that marks the copy done (None: already done). The caller
         keeps src alive until then."""
-        self.bytes_d2h += src.numel() * src.element_size()
+        nbytes = src.numel() * src.element_size()
+        self.bytes_d2h += nbytes
+        self._totals["bytes_d2h"] += nbytes
+        self._totals["copies_d2h"] += 1
         if not self.cuda or not src.is_cuda:
             dst.copy_(src)
             return None
@@ -54,7 +76,10 @@ class CopyEngine:
     def to_device_many(self, pairs) -> Optional[torch.cuda.Event]:
         """``to_device`` for several (src, dst) pairs, with one event for all."""
         pairs = list(pairs)
-        self.bytes_h2d += sum(src.numel() * src.element_size() for src, _ in pairs)
+        nbytes = sum(src.numel() * src.element_size() for src, _ in pairs)
+        self.bytes_h2d += nbytes
+        self._totals["bytes_h2d"] += nbytes
+        self._totals["copies_h2d"] += len(pairs)
         if not self.cuda:
             for src, dst in pairs:
                 dst.copy_(src)

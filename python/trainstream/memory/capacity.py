@@ -3,7 +3,7 @@
 ``measure_capacity(device, ...)`` reads the device memory free for this process (and,
 with ``vram_limit``, caps the allocator there), the host RAM available and the PCIe
 H2D bandwidth; ``profile_hardware()`` measures the bandwidths and throughputs once
-and caches them. The planner (planner.py) decides from a ``Capacity`` and touches no
+and caches them (a ``HardwareProfile``). The planner (planner.py) decides from a ``Capacity`` and touches no
 device itself.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Optional
 
 import torch
@@ -42,31 +42,132 @@ def _cache_path() -> str:
     return os.path.join(base, "trainstream", "hardware.json")
 
 
-def _key() -> str:
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+def _key(device: Optional[torch.device]) -> str:
+    dev = torch.cuda.get_device_name(device) if device is not None else "cpu"
     return f"{dev}|torch {torch.__version__}|{os.cpu_count()} cpus"
 
 
-def _timed(fn, repeat: int) -> float:
+def _timed(fn, repeat: int, cuda: bool) -> float:
     fn()
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(repeat):
         fn()
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / repeat
 
 
-def profile_hardware(refresh: bool = False, size_mib: int = 256) -> Dict[str, Any]:
-    """PCIe H2D/D2H GB/s (pinned), host AdamW Gparam/s (torch's CPU AdamW, the
-    baseline the daemon's engine is compared with) and bf16 matmul TFLOP/s.
+# The figures a HardwareProfile holds, in the order summary() writes them.
+_FIGURES = (("h2d_gb_s", "PCIe host to device", "GB/s"),
+            ("d2h_gb_s", "PCIe device to host", "GB/s"),
+            ("matmul_bf16_tflops", "bf16 matmul 4096^3", "TFLOP/s"),
+            ("host_adamw_torch_gparams_s", "host AdamW (torch, CPU)", "Gparam/s"))
 
-    Cached per (device, torch version, CPU count) in ~/.cache/trainstream/hardware.json;
-    ``refresh=True`` measures again.
+
+@dataclass
+class HardwareProfile:
+    """What ``profile_hardware()`` measured on this machine. A GPU figure is None when
+    there was no CUDA device to measure. Reads also as the dict it was before
+    (``profile["h2d_gb_s"]``, ``.get(name, default)``; a None figure is absent)."""
+    key: str
+    measured_at: float
+    device: str = "cpu"
+    h2d_gb_s: Optional[float] = None
+    d2h_gb_s: Optional[float] = None
+    matmul_bf16_tflops: Optional[float] = None
+    host_adamw_torch_gparams_s: Optional[float] = None
+    host_adamw_torch_impl: Optional[str] = None
+    threads: Optional[int] = None      # torch CPU threads the AdamW benchmark ran with
+    quick: bool = True                 # measured with the shorter benchmarks
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "HardwareProfile":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def __getitem__(self, name: str) -> Any:
+        value = self.as_dict().get(name)
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.as_dict()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.as_dict().get(name, default)
+
+    def keys(self):
+        return self.as_dict().keys()
+
+    def summary(self, print_it: bool = True) -> str:
+        """The figures as readable lines (printed too unless ``print_it=False``)."""
+        lines = [f"TrainStream hardware profile ({self.key}; "
+                 f"{'quick' if self.quick else 'full'} benchmarks, "
+                 f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(self.measured_at))})"]
+        for name, what, unit in _FIGURES:
+            value = getattr(self, name)
+            shown = f"{value:.2f} {unit}" if value is not None else "absent (no CUDA device)"
+            lines.append(f"  {what:<26} {shown}")
+        if self.host_adamw_torch_impl:
+            lines[-1] += f" ({self.host_adamw_torch_impl}, {self.threads} threads)"
+        text = "\n".join(lines)
+        if print_it:
+            print(text)
+        return text
+
+
+def _profile_device(device) -> Optional[torch.device]:
+    """The CUDA device to measure (None: none, host figures only); ValueError for a
+    device this process cannot measure."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else None
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"profile_hardware(device={device!r}) is not accepted; accepted: None "
+                         "(the current GPU), 'cuda', 'cuda:N', an int N, 'cpu' or a torch.device")
+    if dev.type == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError(f"profile_hardware(device={device!r}): CUDA is not available in this "
+                         "process; accepted here: None or 'cpu' (host figures only)")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"profile_hardware(device={device!r}): this process sees "
+                         f"{torch.cuda.device_count()} GPU(s) (0..{torch.cuda.device_count() - 1})")
+    return torch.device("cuda", index)
+
+
+def profile_hardware(device=None, quick: bool = True, force: bool = False,
+                     threads: Optional[int] = None) -> HardwareProfile:
+    """Measures PCIe H2D/D2H GB/s (pinned), bf16 matmul TFLOP/s on ``device`` (default
+    the current GPU; none without CUDA) and host AdamW Gparam/s (torch's CPU AdamW, the
+    baseline the daemon's engine is compared with) with ``threads`` CPU threads
+    (default torch's). ``quick``: shorter benchmarks (64 MiB copies instead of 256).
+
+    Cached per (device, torch version, CPU count) in ~/.cache/trainstream/hardware.json
+    ($XDG_CACHE_HOME): a cached profile is returned unless ``force``, or it was quick and
+    a full one is asked for, or it ran with other ``threads``.
     """
-    path, key = _cache_path(), _key()
+    for name, value in (("quick", quick), ("force", force)):
+        if not isinstance(value, bool):
+            raise ValueError(f"profile_hardware({name}={value!r}) is not accepted; accepted: "
+                             "True or False")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ValueError(f"profile_hardware(threads={threads!r}) is not accepted; accepted: "
+                         "None (torch's thread count) or an integer >= 1")
+    dev = _profile_device(device)
+    path, key = _cache_path(), _key(dev)
     cache: Dict[str, Any] = {}
     if os.path.exists(path):
         try:
@@ -74,29 +175,44 @@ def profile_hardware(refresh: bool = False, size_mib: int = 256) -> Dict[str, An
                 cache = json.load(f)
         except (OSError, ValueError):
             cache = {}
-    if not refresh and key in cache:
-        return cache[key]
-    out: Dict[str, Any] = {"key": key, "measured_at": time.time()}
-    n = size_mib * (1 << 20) // 4
-    if torch.cuda.is_available():
-        host = torch.empty(n, dtype=torch.float32, pin_memory=True)
-        dev = torch.empty(n, dtype=torch.float32, device="cuda")
-        t = _timed(lambda: dev.copy_(host, non_blocking=True), 5)
-        out["h2d_gb_s"] = host.numel() * 4 / t / 1e9
-        t = _timed(lambda: host.copy_(dev, non_blocking=True), 5)
-        out["d2h_gb_s"] = host.numel() * 4 / t / 1e9
-        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-        t = _timed(lambda: a @ a, 10)
-        out["matmul_bf16_tflops"] = 2 * 4096 ** 3 / t / 1e12
-    numel = 1 << 22
-    p = torch.zeros(numel, requires_grad=True)
-    p.grad = torch.randn(numel)
-    kwargs = {"fused": True} if _cpu_fused_adamw() else {"foreach": True}
-    opt = torch.optim.AdamW([p], lr=1e-3, **kwargs)
-    t = _timed(opt.step, 5)
-    out["host_adamw_torch_gparams_s"] = numel / t / 1e9
-    out["host_adamw_torch_impl"] = next(iter(kwargs))
-    cache[key] = out
+    cached = cache.get(key)
+    if isinstance(cached, dict) and not force:
+        hit = HardwareProfile.from_dict(cached) if "key" in cached and "measured_at" in cached \
+            else None
+        if hit is not None and (quick or not hit.quick) and \
+                (threads is None or hit.threads == threads):
+            return hit
+    out = HardwareProfile(key=key, measured_at=time.time(), device=str(dev or "cpu"),
+                          quick=quick)
+    if dev is not None:
+        with torch.cuda.device(dev):
+            n = (64 if quick else 256) * (1 << 20) // 4
+            host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+            on_dev = torch.empty(n, dtype=torch.float32, device=dev)
+            repeat = 3 if quick else 5
+            t = _timed(lambda: on_dev.copy_(host, non_blocking=True), repeat, True)
+            out.h2d_gb_s = host.numel() * 4 / t / 1e9
+            t = _timed(lambda: host.copy_(on_dev, non_blocking=True), repeat, True)
+            out.d2h_gb_s = host.numel() * 4 / t / 1e9
+            a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+            t = _timed(lambda: a @ a, 5 if quick else 10, True)
+            out.matmul_bf16_tflops = 2 * 4096 ** 3 / t / 1e12
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        numel = 1 << (20 if quick else 22)
+        p = torch.zeros(numel, requires_grad=True)
+        p.grad = torch.randn(numel)
+        kwargs = {"fused": True} if _cpu_fused_adamw() else {"foreach": True}
+        opt = torch.optim.AdamW([p], lr=1e-3, **kwargs)
+        t = _timed(opt.step, 3 if quick else 5, False)
+        out.host_adamw_torch_gparams_s = numel / t / 1e9
+        out.host_adamw_torch_impl = next(iter(kwargs))
+        out.threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    cache[key] = out.as_dict()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
@@ -143,7 +259,8 @@ def measure_capacity(device, vram_limit: Optional[int], daemon_free: Optional[in
     free, _ = torch.cuda.mem_get_info(index)
     reserved = torch.cuda.memory_reserved(index)
     allocated = torch.cuda.memory_allocated(index)
-    h2d = profile_hardware().get("h2d_gb_s", 0.0) if profile else 0.0  # before the cap: it copies 256 MiB
+    # profile=False (wrap's option): no measurement, no bandwidth figure for the planner.
+    h2d = profile_hardware(index).get("h2d_gb_s", 0.0) if profile else 0.0  # before the cap
     cap = total
     source = f"{format_bytes(total)} device"
     if vram_limit is not None:

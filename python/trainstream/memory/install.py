@@ -22,7 +22,7 @@ from torch import nn
 from .._native import C
 from .._native.pinning import register_fresh
 from ..blocks import find_blocks
-from ..streaming.activations import ActivationOffloader, HostArena
+from ..streaming.saved_tensors import HostArena, SavedTensorPager
 from ..streaming.attention import AttentionSelector, selector_report
 from ..streaming.weights import BlockPager, in_backward
 from . import planner
@@ -177,11 +177,11 @@ def stream(model: nn.Module, opt, session, prepared: Prepared) -> Optional[Block
     chunk_bytes = (256 if cuda else 64) << 20
     arena = HostArena(lambda n: _session_chunk(opt, n, regions, registered, cuda),
                       chunk_bytes=chunk_bytes)
-    offloader = ActivationOffloader(model, device=prepared.device,
-                                    min_offload_bytes=config["min_offload_bytes"],
-                                    prefetch_depth=config["prefetch_depth"],
-                                    max_inflight_bytes=plan.max_inflight_bytes
-                                    or config["max_inflight_bytes"], arena=arena)
+    offloader = SavedTensorPager(model, device=prepared.device,
+                                 min_offload_bytes=config["min_offload_bytes"],
+                                 prefetch_depth=config["prefetch_depth"],
+                                 max_inflight_bytes=plan.max_inflight_bytes
+                                 or config["max_inflight_bytes"], arena=arena)
 
     def leave_session():
         # The daemon session ends (offload="auto" moved the optimizer to the GPU, or

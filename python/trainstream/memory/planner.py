@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 from .._native.pinning import registered_host
+from ..blocks import chosen_blocks
 from .capacity import Capacity, format_bytes as _fmt
 
 ACTIVATION_RESERVE = 0.25
@@ -160,18 +161,7 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
 
 def _chosen(option, n: int) -> Optional[List[int]]:
     """Block indices an explicit param_offload / recompute value names (None: 'auto')."""
-    if option == "auto":
-        return None
-    if option is True:
-        return list(range(n))
-    if option is False:
-        return []
-    if isinstance(option, (list, tuple)):
-        bad = [i for i in option if i >= n]
-        if bad:
-            raise ValueError(f"block indices {bad} out of range: the model has {n} blocks")
-        return sorted(set(option))
-    return list(range(int(round(option * n))))
+    return chosen_blocks(option, n)
 
 
 def _by_category(d: Dict[str, int]) -> str:

@@ -43,7 +43,11 @@ class _Finishing:
 
 
 class DaemonBackend:
-    """The daemon's AdamW for one ``OffloadAdamW`` (see the module docstring)."""
+    """The daemon's AdamW for one ``OffloadAdamW`` (see the module docstring).
+
+    Exported as ``trainstream.GradientOffloader``: it is what posts each gradient to
+    the daemon as backward makes it final (``grad_final``, ``accept_grad``). Built by
+    ``OffloadAdamW.attach()``; not meant to be constructed by hand."""
     mode = "cpu"
 
     def __init__(self, table: ParamTable, session: DaemonSession):

@@ -16,6 +16,7 @@ import torch
 
 from .._native import C, control
 from .._native import daemon as _daemon
+from .._native.host_memory import track
 from .._native.pinning import register_fresh
 from .._native.wire import OP_ERROR, OP_GROUP_BROKEN, OP_PARAM_READY, OP_STATE_DONE
 from .._native.wire import OP_STEP_DONE, OP_SYNC_DONE, STATUS_OK
@@ -99,6 +100,7 @@ class DaemonSession:
     def map_staging(self, staging, cuda: bool) -> None:
         """Keeps a staging region mapped and, for CUDA parameters, registers it."""
         self._regions.append(staging)
+        track(staging, staging.segment_size, "staging")
         if cuda and C().with_cuda:
             ok, why = register_fresh(staging.base_address, staging.segment_size)
             if ok:

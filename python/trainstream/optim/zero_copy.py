@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .._native import C as _C
+from .._native.host_memory import track
 from .._native.pinning import register_fresh
 from ..errors import NonFiniteGradientError, TrainStreamError
 from .backend import ParamEntry, ParamTable, begin_step, pack_groups, unpack_state
@@ -99,6 +100,7 @@ class ZeroCopyBackend:
             layout.append((e, off_m, off_v, off_w))
         region = self._session.allocate_region(max(offset, _ALIGN), "gpu-optimizer-state")
         self._regions.append(region)
+        track(region, region.segment_size, "state")
         ok, why = register_fresh(region.base_address, region.segment_size)
         if ok:
             self._registered.append(region.base_address)

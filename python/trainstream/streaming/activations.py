@@ -1,354 +1,277 @@
-"""ActivationOffloader: activation paging through saved-tensor hooks.
+"""ActivationOffloader: activation paging of a block stack, without the rest of TrainStream.
 
-    with trainstream.ActivationOffloader(model, min_offload_bytes=1 << 20):
-        loss = model(x).loss
-    loss.backward()
+    offloader = trainstream.ActivationOffloader(model, trainstream.find_blocks(model))
+    for x, y in loader:                  # an ordinary loop; nothing else changes
+        model(x, y).backward()
+        ...
+    offloader.remove()
 
-While active, every tensor autograd saves for backward that is at least
-``min_offload_bytes`` big and on the device, and dense or a non-overlapping strided
-view reaching at most ``VIEW_SPAN_RATIO`` times its elements (q, k and v sliced from
-one projection), is copied to host memory on a D2H stream (the device copy is released
-once the copy has run); in backward each one is copied back on an H2D stream when it is
-needed, and the next ``prefetch_depth`` ones (in reverse order of saving, the order
-backward reads them) are fetched ahead. ``max_inflight_bytes`` bounds the device memory
-held by copies in flight each way (the training thread waits for the oldest copy beyond
-it).
+Each block's activations are kept on the device, paged to host memory (the
+``SavedTensorPager`` of saved_tensors.py, on the copy streams) or recomputed in
+backward (``torch.utils.checkpoint``), per ``.policy``. With ``offload="auto"`` the
+policy is searched from measured step times (activation_tuner.py); ``.events`` logs
+the search and ``.decision`` holds where it settled. Without ``blocks`` it is the
+plain pager: used as a context manager, it pages every saved tensor in its scope
+(what wrap()'s ``BlockPager`` enters around a block whose policy is "offload").
 
-Exactness: the bytes come back unchanged, with the original sizes and strides, so
-backward computes exactly what it would have without paging. (A strided view is paged
-compactly and comes back inside a fresh buffer of its span.)
-
-Host memory: pinned memory from torch's caching host allocator, or, when a
-``HostArena`` is given (``wrap()`` gives one over shared-memory regions of the
-daemon session), bump-allocated pages of it, reused every step.
+On a CPU "device" paging copies into a host arena synchronously: the same code runs,
+exactly, which is what CI checks; the step times it tunes on are then the CPU's.
 """
 from __future__ import annotations
 
-import weakref
-from collections import deque
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import numbers
+import time
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .._native.streams import CopyEngine
-from ..options import check_value, default
+from ..blocks import chosen_blocks
+from .activation_tuner import OffloadTuner
+from .saved_tensors import HostArena, SavedTensorPager
+from .weights import KEEP, OFFLOAD, RECOMPUTE, BlockPager, in_backward
 
-_ALIGN = 256
+__all__ = ["ActivationOffloader", "HostArena", "SavedTensorPager"]
 
-
-class HostArena:
-    """Bump allocator over host chunks, reset when every page of a step is consumed.
-
-    ``new_chunk(nbytes)`` returns a flat uint8 host tensor (pinned or registered
-    shared memory); chunks are kept and reused. Caller owns the arena; pages handed
-    out are valid until ``reset()``.
-    """
-
-    def __init__(self, new_chunk: Callable[[int], torch.Tensor], chunk_bytes: int = 64 << 20):
-        self._new_chunk = new_chunk
-        self._chunk_bytes = chunk_bytes
-        self._chunks: List[torch.Tensor] = []
-        self._current = 0
-        self._offset = 0
-
-    @property
-    def capacity(self) -> int:
-        return sum(c.numel() for c in self._chunks)
-
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        while self._current < len(self._chunks):
-            chunk = self._chunks[self._current]
-            if self._offset + nbytes <= chunk.numel():
-                page = chunk[self._offset:self._offset + nbytes]
-                self._offset = (self._offset + nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-                return page
-            self._current += 1
-            self._offset = 0
-        self._chunks.append(self._new_chunk(max(nbytes, self._chunk_bytes)))
-        self._current, self._offset = len(self._chunks) - 1, 0
-        return self.allocate(nbytes)
-
-    def reset(self) -> None:
-        self._current = 0
-        self._offset = 0
+# The standalone class's defaults (README, "ActivationOffloader"). Paging inside wrap()
+# takes wrap()'s options instead (options.py).
+DEFAULTS = {"min_bytes": 1 << 20, "prefetch_depth": 1, "calibrate_steps": 3,
+            "max_slowdown": 0.15, "tune_window": 3, "max_inflight_bytes": 1 << 30}
 
 
-# A saved view that is not dense is paged when the storage its strides reach is at most
-# this many times its elements (q, k, v split from one projection: about 3). Kept on the
-# device, it would hold the whole base there; paged, it comes back in a buffer of its span.
-VIEW_SPAN_RATIO = 4
+def _int_at_least(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"ActivationOffloader({name}={value!r}) is not accepted; accepted: an "
+                         f"integer >= {low}")
 
 
-class _Page:
-    """One saved tensor that lives on the host until backward needs it."""
-    __slots__ = ("host", "size", "stride", "dtype", "nbytes", "span", "device_bytes", "copied",
-                 "device_copy", "fetched", "saves", "uses", "task", "index", "done",
-                 "__weakref__")
-
-    def __init__(self, host, size, stride, dtype, nbytes, index, span=None):
-        self.host = host          # same strides as the tensor, or compact when span is set
-        self.size, self.stride, self.dtype, self.nbytes = size, stride, dtype, nbytes
-        self.span = span          # a strided view's span in elements, else None
-        # Device memory the page occupies when fetched (a view comes back in its span).
-        self.device_bytes = nbytes if span is None else span * host.element_size()
-        self.copied = None        # event: D2H done (None on CPU or once observed)
-        self.device_copy = None   # the tensor back on the device, once fetched
-        self.fetched = None       # event: H2D done
-        self.saves = 0            # times autograd saved it (the same tensor saved twice)
-        self.uses = 0             # unpacks still expected in the backward under way
-        self.task = None          # that backward (autograd's graph task id)
-        self.index = index
-        # [the graph that saved it is freed (after its backward, or without one),
-        #  device bytes of a fetched copy counted in _prefetched_bytes]; shared with the
-        # finalizer, which cannot see the page itself.
-        self.done = [False, 0]
+def _block_choice(name: str, value: Any, n: int, allow_list: bool = True) -> Optional[List[int]]:
+    """The blocks ``offload`` / ``recompute`` names (None: "auto"), or ValueError."""
+    ok = (isinstance(value, str) and value == "auto") or isinstance(value, bool) or (
+        isinstance(value, numbers.Real) and 0.0 <= value <= 1.0) or (
+        allow_list and isinstance(value, (list, tuple, set, frozenset))
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value))
+    if not ok:
+        raise ValueError(f"ActivationOffloader({name}={value!r}) is not accepted; accepted: "
+                         "'auto', True, False, a fraction in [0, 1] of the blocks, or a list or "
+                         "set of block indices")
+    try:
+        return chosen_blocks(value, n)
+    except ValueError as e:
+        raise ValueError(f"ActivationOffloader({name}={value!r}): {e}") from None
 
 
-def _non_overlapping(t: torch.Tensor) -> bool:
-    """Whether no two of t's elements share memory (an expand()ed view's do): only
-    such a view can be rebuilt by copying its elements into a buffer of its span."""
-    dims = sorted((st, sz) for sz, st in zip(t.size(), t.stride()) if sz != 1)
-    reach = 1
-    for stride, size in dims:
-        if stride < reach:
-            return False
-        reach = stride * size
-    return True
+class ActivationOffloader(SavedTensorPager):
+    """Pages (or recomputes) the activations of ``blocks`` of ``model``; see the module
+    docstring and README ("ActivationOffloader") for the arguments. ``remove()`` gives
+    the blocks their own forward back and frees the host memory.
 
+    ``min_offload_bytes`` is the name wrap()'s option gives ``min_bytes`` (either is
+    accepted); ``device`` and ``arena`` are for wrap()'s use."""
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether t's elements fill its storage span without gaps or overlap (any dim
-    order), so a page of ``numel`` elements holds it with the same strides."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.size(), t.stride()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-class ActivationOffloader:
-    """Pages saved activations to host memory (module docstring). Use as a context
-    manager (re-enterable, once per forward) or call ``pack``/``unpack`` from your own
-    ``saved_tensors_hooks``; ``remove()`` releases its host memory."""
-
-    def __init__(self, model: Optional[nn.Module] = None, *, device=None,
-                 min_offload_bytes: int = default("min_offload_bytes"),
-                 prefetch_depth: int = default("prefetch_depth"),
-                 max_inflight_bytes: int = default("max_inflight_bytes"),
-                 arena: Optional[HostArena] = None):
-        check_value("min_offload_bytes", min_offload_bytes)
-        check_value("prefetch_depth", prefetch_depth)
-        check_value("max_inflight_bytes", max_inflight_bytes)
-        if device is None:
-            first = next(model.parameters(), None) if model is not None else None
-            device = first.device if first is not None else (
-                "cuda" if torch.cuda.is_available() else "cpu")
-        self.engine = CopyEngine(device)
-        self.min_offload_bytes = min_offload_bytes
-        self.prefetch_depth = prefetch_depth
-        self.max_inflight_bytes = max_inflight_bytes
-        self._arena = arena or HostArena(self.engine.host_empty)
-        self._weights = set()
-        if model is not None:
-            self._weights = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-        self._pages: List[Any] = []              # weakrefs to this step's pages, in pack order
-        self._live = 0                           # pages not yet done
-        self._inflight: deque = deque()          # (event, device tensor, nbytes): D2H running
-        self._inflight_bytes = 0
-        self._prefetched_bytes = 0
-        self._seen: Dict[int, Tuple[Any, int, _Page]] = {}  # id(t) -> (weakref, version, page)
-        self._hooks = None
-        self.stats: Dict[str, int] = {"tensors_offloaded": 0, "bytes_offloaded": 0,
-                                      "tensors_kept": 0, "bytes_kept": 0, "prefetch_hits": 0,
-                                      "prefetch_misses": 0, "peak_host_bytes": 0}
-
-    # ------------------------------------------------------------ context manager
-    def __enter__(self) -> "ActivationOffloader":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        hooks, self._hooks = self._hooks, None
-        if hooks is not None:
-            hooks.__exit__(*exc)
-
-    def remove(self) -> None:
-        """Stops paging (if active as a context) and frees the host memory it holds.
-        Saved tensors already paged stay valid until their backward has run."""
-        self.__exit__(None, None, None)
-        self._drain()
-        self._seen.clear()
-        if self._live == 0:
-            self._pages.clear()
-            self._arena = HostArena(self.engine.host_empty)
-
-    def replace_arena(self, arena: HostArena) -> bool:
-        """Takes host pages from ``arena`` from now on. Returns whether pages of the old
-        one are still live (saved by a graph whose backward has not run): the caller
-        keeps its memory mapped until then."""
-        self._drain()
-        self._arena = arena
-        return self._live > 0
-
-    # ----------------------------------------------------------------- the hooks
-    def wants(self, t: torch.Tensor) -> bool:
-        """Whether ``pack`` would page ``t`` (rather than keep it on the device)."""
-        nbytes = t.numel() * t.element_size()
-        return (nbytes >= self.min_offload_bytes and t.device == self.engine.device
-                and not isinstance(t, nn.Parameter) and not t.is_sparse
-                and t.layout == torch.strided and t.data_ptr() not in self._weights
-                and (_dense(t) or (_non_overlapping(t)
-                                   and _span(t) <= VIEW_SPAN_RATIO * t.numel())))
-
-    def pack(self, t: torch.Tensor):
-        if not self.wants(t):
-            self.stats["tensors_kept"] += 1
-            self.stats["bytes_kept"] += t.numel() * t.element_size()
-            return t.detach()  # not itself: see BlockPager._pack (a cycle that leaks graphs)
-        seen = self._seen.get(id(t))
-        page = seen[2]() if seen is not None else None
-        if page is not None and seen[0]() is t and seen[1] == t._version and not page.done[0]:
-            page.saves += 1  # the same tensor saved again (e.g. by two ops): one copy
-            return page
-        if self._live == 0:
-            self._arena.reset()
-            self._pages.clear()
-        nbytes = t.numel() * t.element_size()
-        if _dense(t):
-            raw = self._arena.allocate(_span(t) * t.element_size())
-            host = raw.view(t.dtype).as_strided(t.size(), t.stride())
-            page = _Page(host, t.size(), t.stride(), t.dtype, nbytes, len(self._pages))
-        else:  # a strided view: only its elements cross
-            host = self._arena.allocate(nbytes).view(t.dtype).view(t.size())
-            page = _Page(host, t.size(), t.stride(), t.dtype, nbytes, len(self._pages),
-                         span=_span(t))
-        page.copied = self.engine.to_host(t, host)
-        page.saves = 1
-        self._pages.append(weakref.ref(page))
-        self._live += 1
-        # A graph freed without backward (evaluation with grad on) must not pin the arena.
-        weakref.finalize(page, self._page_done, page.done)
-        self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(page))
-        self.stats["tensors_offloaded"] += 1
-        self.stats["bytes_offloaded"] += nbytes
-        self.stats["peak_host_bytes"] = max(self.stats["peak_host_bytes"], self._arena.capacity)
-        if page.copied is not None:
-            self._inflight.append((page.copied, t, page.device_bytes))
-            self._inflight_bytes += page.device_bytes
-            self._retire(self.max_inflight_bytes)
-        return page
-
-    def unpack(self, packed):
-        if not isinstance(packed, _Page):
-            return packed
-        page = packed
-        task = torch._C._current_graph_task_id()
-        if page.task != task:  # this backward's first unpack of the page (a retained
-            page.task = task   # graph's second backward reads it all again)
-            page.uses = page.saves
-        if page.device_copy is None:
-            self.stats["prefetch_misses"] += 1
-            self._fetch(page)
-        else:
-            self.stats["prefetch_hits"] += 1
-        self.engine.wait(page.fetched)
-        out = page.device_copy
-        page.uses -= 1
-        if page.uses == 0:  # this backward is done with it; the host copy stays until
-            self._drop_copy(page)  # the graph goes (retain_graph may read it again)
-        self._prefetch_before(page.index, task)
-        return out
-
-    def _drop_copy(self, page: _Page) -> None:
-        self._prefetched_bytes -= page.done[1]
-        page.done[1] = 0
-        page.device_copy = None
-
-    def _page_done(self, done: List[Any]) -> None:
-        """The graph that saved the page is gone: its host memory may be reused."""
-        if done[0]:
+    def __init__(self, model: Optional[nn.Module] = None,
+                 blocks: Optional[Sequence[nn.Module]] = None, offload: Any = "auto", *,
+                 min_bytes: Optional[int] = None, prefetch_depth: int = DEFAULTS["prefetch_depth"],
+                 calibrate_steps: int = DEFAULTS["calibrate_steps"], profile: Any = None,
+                 max_slowdown: float = DEFAULTS["max_slowdown"],
+                 tune_window: int = DEFAULTS["tune_window"],
+                 max_inflight_bytes: int = DEFAULTS["max_inflight_bytes"],
+                 recompute: Any = "auto", reserved_link_bytes=(0, 0),
+                 memory_pressure: bool = False, vram_target: Optional[int] = None,
+                 device=None, arena: Optional[HostArena] = None,
+                 min_offload_bytes: Optional[int] = None):
+        if min_bytes is not None and min_offload_bytes is not None and min_bytes != min_offload_bytes:
+            raise ValueError(f"ActivationOffloader: min_bytes={min_bytes!r} and "
+                             f"min_offload_bytes={min_offload_bytes!r} are one setting; pass one")
+        name = "min_offload_bytes" if min_offload_bytes is not None else "min_bytes"
+        size = min_offload_bytes if min_offload_bytes is not None else min_bytes
+        size = DEFAULTS["min_bytes"] if size is None else size
+        _int_at_least(name, size, 0)
+        _int_at_least("prefetch_depth", prefetch_depth, 1)
+        _int_at_least("max_inflight_bytes", max_inflight_bytes, 1)
+        _int_at_least("calibrate_steps", calibrate_steps, 2)
+        _int_at_least("tune_window", tune_window, 1)
+        if isinstance(max_slowdown, bool) or not isinstance(max_slowdown, numbers.Real) \
+                or max_slowdown < 0:
+            raise ValueError(f"ActivationOffloader(max_slowdown={max_slowdown!r}) is not "
+                             "accepted; accepted: a number >= 0 (0.15: 15% slower)")
+        if not (isinstance(reserved_link_bytes, (tuple, list)) and len(reserved_link_bytes) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0
+                        for b in reserved_link_bytes)):
+            raise ValueError(f"ActivationOffloader(reserved_link_bytes={reserved_link_bytes!r}) "
+                             "is not accepted; accepted: (d2h bytes, h2d bytes) per step, "
+                             "integers >= 0")
+        if not isinstance(memory_pressure, bool):
+            raise ValueError(f"ActivationOffloader(memory_pressure={memory_pressure!r}) is not "
+                             "accepted; accepted: True or False")
+        if vram_target is not None and (isinstance(vram_target, bool)
+                                        or not isinstance(vram_target, int) or vram_target < 1):
+            raise ValueError(f"ActivationOffloader(vram_target={vram_target!r}) is not accepted; "
+                             "accepted: None or a number of bytes >= 1")
+        if profile is not None and not callable(getattr(profile, "get", None)):
+            raise ValueError(f"ActivationOffloader(profile={profile!r}) is not accepted; "
+                             "accepted: None or a HardwareProfile (trainstream.profile_hardware())")
+        if model is not None and not isinstance(model, nn.Module):
+            raise ValueError(f"ActivationOffloader(model=...): a torch.nn.Module or None, got "
+                             f"{type(model).__name__}")
+        super().__init__(model, device=device, min_offload_bytes=size,
+                         prefetch_depth=prefetch_depth, max_inflight_bytes=max_inflight_bytes,
+                         arena=arena)
+        self.min_bytes = size
+        self.profile = profile
+        self.reserved_link_bytes = tuple(reserved_link_bytes)
+        self.memory_pressure = memory_pressure
+        self.vram_target = vram_target
+        self.events: List[Dict[str, Any]] = []
+        self.decision: Dict[str, Any] = {}
+        self.pager: Optional[BlockPager] = None
+        self.tuner: Optional[OffloadTuner] = None
+        self._handles: List[Any] = []
+        self._t_start: Optional[float] = None
+        self._counting: List[Any] = []
+        self._saved_bytes: List[int] = []  # per block, counted while calibrating
+        if blocks is None:
+            if not (offload == "auto" or offload is True) or recompute not in ("auto", False):
+                raise ValueError("ActivationOffloader: offload and recompute choose among "
+                                 "blocks; pass blocks= (trainstream.find_blocks(model))")
             return
-        done[0] = True
-        self._prefetched_bytes -= done[1]  # a backward that raised left it fetched
-        done[1] = 0
-        self._live -= 1
-        if self._live == 0:
-            self._seen.clear()
+        self._install(model, list(blocks), offload, recompute, calibrate_steps, tune_window,
+                      max_slowdown)
 
-    def poll(self) -> None:
-        """Releases the device tensors whose D2H copy has finished; never waits.
-        ``pack`` polls as it goes, but after the last paged tensor of a forward nothing
-        would: whoever runs more work after it (``BlockPager``, before each block) polls,
-        or those tensors stay on the device until backward reaches them."""
-        if self._inflight:
-            self._retire(float("inf"))
+    # ----------------------------------------------------------------- setup
+    def _install(self, model, blocks, offload, recompute, calibrate_steps, tune_window,
+                 max_slowdown) -> None:
+        if model is None:
+            raise ValueError("ActivationOffloader(blocks=...) needs the model whose forward "
+                             "the blocks run in (its step boundaries)")
+        if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
+            raise ValueError("ActivationOffloader(blocks=...): a non-empty list of the model's "
+                             "layer modules (trainstream.find_blocks(model))")
+        inside = {id(m) for m in model.modules()}
+        if any(id(b) not in inside for b in blocks):
+            raise ValueError("ActivationOffloader(blocks=...): every block must be a submodule "
+                             "of model")
+        n = len(blocks)
+        offloaded = _block_choice("offload", offload, n)
+        recomputed = _block_choice("recompute", recompute, n)
+        rec = set(recomputed or [])
+        trial = recompute == "auto" and self.memory_pressure
+        policy = [RECOMPUTE if i in rec else
+                  OFFLOAD if offloaded is not None and i in offloaded else KEEP for i in range(n)]
+        self.pager = BlockPager(blocks, self.engine.device, policy=policy,
+                                prefetch_depth=self.prefetch_depth, offloader=self,
+                                min_paged_bytes=self.min_bytes)
+        self.decision = {"offload": offload, "recompute": recompute, "settled": offloaded is not None,
+                         "offloaded_blocks": [i for i, p in enumerate(policy) if p == OFFLOAD],
+                         "recompute_blocks": sorted(rec)}
+        if offloaded is not None:
+            self.event("plan", why=f"offload={offload!r}, recompute={recompute!r}")
+            return
+        self._saved_bytes = [0] * n
+        self.tuner = OffloadTuner(
+            n, calibrate_steps=calibrate_steps, tune_window=tune_window,
+            max_slowdown=max_slowdown, first_guess=self._first_guess, recompute_trial=trial,
+            vram_target=self.vram_target if self.engine.cuda else None)
+        self._free = [i for i in range(n) if i not in rec]  # blocks the search may page
+        self._handles.append(model.register_forward_pre_hook(self._before_forward))
+        for i, b in enumerate(blocks):  # calibration counts what each block saves
+            self._handles.append(b.register_forward_pre_hook(
+                lambda m, a, i=i: self._count_enter(i)))
+            self._handles.append(b.register_forward_hook(
+                lambda m, a, o: self._count_exit(), always_call=True))
+        self.event("plan", why=f"calibration: nothing paged for {calibrate_steps} steps")
+
+    def event(self, kind: str, **details) -> None:
+        self.events.append({"time": time.time(), "kind": kind, "policy": self.policy, **details})
 
     @property
-    def inflight_bytes(self) -> int:
-        """Device bytes held by D2H copies not yet seen to finish."""
-        return self._inflight_bytes
+    def policy(self) -> List[str]:
+        """Per block: "keep", "offload" or "recompute" (empty without blocks)."""
+        return list(self.pager.policy) if self.pager is not None else []
 
-    # ---------------------------------------------------------------- internals
-    def _retire(self, limit: float) -> None:
-        """Drops device tensors whose D2H copy has finished; waits for the oldest
-        while more than ``limit`` bytes are in flight."""
-        while self._inflight:
-            event, _, nbytes = self._inflight[0]
-            if self._inflight_bytes > limit:
-                event.synchronize()
-            elif not event.query():
-                break
-            self._inflight.popleft()
-            self._inflight_bytes -= nbytes
+    @property
+    def adapting(self) -> bool:
+        """True while offload="auto" is still searching."""
+        return self.tuner is not None and not self.tuner.settled
 
-    def _drain(self) -> None:
-        self._retire(0)
+    # ------------------------------------------------------------ calibration
+    def _count_enter(self, i: int) -> None:
+        if self.tuner is None or self.tuner.phase != "calibrate" or not torch.is_grad_enabled() \
+                or in_backward():
+            return
 
-    def _fetch(self, page: _Page) -> None:
-        if self.engine.cuda:
-            self._retire(self.max_inflight_bytes)
-            if page.copied is not None:
-                # The host copy must be complete before it is read back.
-                self.engine.h2d.wait_event(page.copied)
-        out = _empty_like_page(page, self.engine.device)
-        page.fetched = self.engine.to_device(page.host, out)
-        page.device_copy = out
-        self._prefetched_bytes += page.device_bytes
-        page.done[1] = page.device_bytes
+        def pack(t):
+            if self.wants(t):
+                self._saved_bytes[i] += t.numel() * t.element_size()
+            return t.detach()  # as BlockPager._pack: no cycle through the saving node
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        hooks.__enter__()
+        self._counting.append(hooks)
 
-    def _prefetch_before(self, index: int, task: int) -> None:
-        """Fetches the ``prefetch_depth`` pages saved just before ``index`` that the
-        backward under way (``task``) has not finished with."""
-        fetched = 0
-        j = index - 1
-        while j >= 0 and fetched < self.prefetch_depth:
-            page = self._pages[j]()
-            j -= 1
-            if (page is None or page.done[0] or page.device_copy is not None
-                    or (page.task == task and page.uses == 0)):
-                continue
-            if self._prefetched_bytes + page.device_bytes > self.max_inflight_bytes:
-                break
-            self._fetch(page)
-            fetched += 1
+    def _count_exit(self) -> None:
+        if self._counting:
+            self._counting.pop().__exit__(None, None, None)
 
+    def _first_guess(self, baseline_s: float) -> int:
+        """Blocks the link carries within the allowed slowdown, from the profile's
+        bandwidths and what calibration saw each block save; every free block without a
+        profile (or with no GPU figures in it)."""
+        free = len(self._free)
+        h2d, d2h = (self.profile.get("h2d_gb_s") if self.profile is not None else None,
+                    self.profile.get("d2h_gb_s") if self.profile is not None else None)
+        steps = max(1, self.tuner.calibrate_steps)
+        per_block = max(self._saved_bytes[i] for i in self._free) / steps if self._free else 0
+        if not (h2d and d2h) or per_block == 0:
+            return free
+        # Copies overlap compute: the step hides up to its own duration of link time.
+        budget = baseline_s * (1 + self.tuner.max_slowdown) \
+            - self.reserved_link_bytes[0] / (d2h * 1e9) - self.reserved_link_bytes[1] / (h2d * 1e9)
+        per_block_s = per_block / (d2h * 1e9) + per_block / (h2d * 1e9)
+        return max(0, min(free, int(budget // per_block_s)))
 
-def _empty_like_page(page: _Page, device) -> torch.Tensor:
-    """A tensor with the page's sizes and strides (a strided view's inside a fresh
-    buffer of its span)."""
-    if page.span is None:
-        return torch.empty_strided(page.size, page.stride, dtype=page.dtype, device=device)
-    buf = torch.empty(page.span, dtype=page.dtype, device=device)
-    return buf.as_strided(page.size, page.stride)
+    # -------------------------------------------------------------- each step
+    def _before_forward(self, module, args) -> None:
+        """Model forward pre-hook: one training step ended and the next begins."""
+        if not torch.is_grad_enabled() or in_backward() or self.tuner is None \
+                or self.tuner.settled:
+            return
+        cuda = self.engine.cuda
+        if cuda:
+            torch.cuda.synchronize(self.engine.device)
+        now = time.perf_counter()
+        if self._t_start is not None:
+            peak = torch.cuda.max_memory_allocated(self.engine.device) if cuda else None
+            changed = self.tuner.observe(now - self._t_start, peak)
+            if changed is not None:
+                self._apply()
+                self.event("tune" if not self.tuner.settled else "settled", why=changed)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.engine.device)
+        self._t_start = now
 
+    def _apply(self) -> None:
+        """The tuner's setting on the blocks: the first ``count`` free blocks page (or
+        recompute, in the trial), the other free blocks keep."""
+        t = self.tuner
+        paging = set(self._free[:t.count])
+        for i in self._free:
+            self.pager.set_policy(i, (RECOMPUTE if t.recompute else OFFLOAD) if i in paging
+                                  else KEEP)
+        self.decision.update(
+            settled=t.settled, baseline_s=t.baseline_s, history=list(t.history), why=t.why,
+            activation_bytes_per_block=list(self._saved_bytes),
+            offloaded_blocks=[i for i, p in enumerate(self.policy) if p == OFFLOAD],
+            recompute_blocks=[i for i, p in enumerate(self.policy) if p == RECOMPUTE])
 
-def _span(t: torch.Tensor) -> int:
-    """Elements of storage the tensor's sizes and strides reach (dense: numel)."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))
+    # ------------------------------------------------------------------ end
+    def remove(self) -> None:
+        """Takes the offloader off: hooks removed, each block's own forward back, host
+        memory freed (pages a graph still holds stay valid until its backward)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        while self._counting:
+            self._count_exit()
+        if self.pager is not None:
+            self.pager.remove()
+        super().remove()

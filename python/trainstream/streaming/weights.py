@@ -19,7 +19,7 @@
   ``grad_sink`` (``OffloadAdamW.accept_grad``: D2H into the param's grad slot),
   never into ``p.grad`` on the device; with no sink it is accumulated into ``p.grad``
   on the host like any gradient.
-* Per block, activations are kept, paged (``ActivationOffloader``) or recomputed
+* Per block, activations are kept, paged (``SavedTensorPager``) or recomputed
   (``torch.utils.checkpoint``, non-reentrant: the recomputation fetches the weights
   again).
 
@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from .._native.pinning import registered_empty, registered_host
 from .._native.streams import CopyEngine
 from ..options import default
-from .activations import ActivationOffloader
+from .saved_tensors import SavedTensorPager
 from .weight_refs import _Fetch, _Holder, _PagedWeight, _Slot, _WeightRef, in_backward
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
@@ -50,12 +50,16 @@ POLICIES = (KEEP, OFFLOAD, RECOMPUTE)
 class BlockPager:
     """Pages the weights of ``paged`` blocks and applies ``policy[i]`` (keep /
     offload / recompute) to each block's activations. Caller owns it; ``remove()``
-    restores the blocks (their paged tensors stay in host memory)."""
+    restores the blocks (their paged tensors stay in host memory).
+
+    Exported as ``trainstream.ParamPager``: wrap() builds it (memory/install.py), and
+    ``ActivationOffloader`` builds one with no paged weights; not meant to be
+    constructed by hand."""
 
     def __init__(self, blocks: Sequence[nn.Module], device, *, paged: Sequence[int] = (),
                  policy: Optional[Sequence[str]] = None,
                  prefetch_depth: int = default("prefetch_depth"),
-                 offloader: Optional[ActivationOffloader] = None,
+                 offloader: Optional[SavedTensorPager] = None,
                  grad_sink: Optional[Callable[[nn.Parameter, torch.Tensor], bool]] = None,
                  host_home: Optional[Callable[[nn.Parameter], Optional[torch.Tensor]]] = None,
                  min_paged_bytes: int = default("min_offload_bytes")):
@@ -169,7 +173,7 @@ class BlockPager:
             return torch.empty(nbytes, dtype=torch.uint8)
         # Registered for as long as the block's tensors view it (after unwrap too);
         # unregistered before it is unmapped.
-        buf = registered_empty(nbytes)
+        buf = registered_empty(nbytes, tag="weights")
         if buf is None:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self._registered.append(buf.data_ptr())

@@ -1,0 +1,134 @@
+"""The causal-LM loss without the full logits: trainstream.chunked_cross_entropy against
+F.cross_entropy on the full logits (as Hugging Face computes it: bf16 logits upcast to
+fp32) and Liger's fused linear cross-entropy, when ``liger_kernel`` is importable.
+
+For each shape: forward + backward time (median of --iters, CUDA events) and the peak
+memory above the inputs (torch.cuda.max_memory_allocated; the gradients of hidden and,
+for a trained output layer, of the weight are counted for every method alike). Ratios
+are against F.cross_entropy in the same run.
+
+    python benchmarks/losses/bench_chunked_ce.py                # H200: Qwen2.5 shapes
+    python benchmarks/losses/bench_chunked_ce.py --tiny         # CPU ok: checks the script
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import trainstream
+
+# (name, tokens, hidden size, vocab, output layer trained)
+SHAPES = [("1.5b-full-2k", 2048, 1536, 151936, True),
+          ("1.5b-full-8k", 8192, 1536, 151936, True),
+          ("14b-lora-2k", 2048, 5120, 152064, False),
+          ("14b-lora-8k", 8192, 5120, 152064, False)]
+TINY = [("tiny", 96, 32, 500, True), ("tiny-frozen", 96, 32, 500, False)]
+
+
+def full_logits(h, w, t, chunk):
+    return F.cross_entropy(F.linear(h, w).float(), t)
+
+
+def ours(h, w, t, chunk):
+    return trainstream.chunked_cross_entropy(h, w, t, chunk_size=chunk)
+
+
+def liger():
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    fn = LigerFusedLinearCrossEntropyLoss()
+    return lambda h, w, t, chunk: fn(w, h, t)
+
+
+def measure(fn, h, w, t, chunk, iters, cuda):
+    def once():
+        loss = fn(h, w, t, chunk)
+        loss.backward()
+        h.grad = None
+        w.grad = None
+        return loss
+    for _ in range(2):
+        loss = once()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            loss = once()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            loss = once()
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    return {"s": statistics.median(times), "peak_bytes": peak, "loss": loss.item()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--chunks", default="256,1024,4096")
+    ap.add_argument("--out", default=None, help="JSON lines of every figure")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    methods = [("F.cross_entropy (full logits)", full_logits, None)]
+    methods += [(f"trainstream chunk {c}", ours, int(c)) for c in args.chunks.split(",")]
+    lg = liger() if cuda else None
+    if lg is not None:
+        methods.append(("Liger fused linear CE", lg, None))
+    else:
+        print("liger: not installed" if cuda else "liger: CUDA only, not run")
+    out = open(args.out, "w") if args.out else None
+    print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, dtype {dtype}")
+    print("| shape | method | fwd+bwd s | x full | peak GiB above inputs | x full | loss |")
+    print("|---|---|---|---|---|---|---|")
+    for name, n, d, v, trained in (TINY if args.tiny else SHAPES):
+        g = torch.Generator(device=dev).manual_seed(0)
+        h = torch.randn(n, d, device=dev, dtype=dtype, generator=g).requires_grad_()
+        w = (torch.randn(v, d, device=dev, dtype=dtype, generator=g) * 0.02).requires_grad_(trained)
+        t = torch.randint(v, (n,), device=dev, generator=g)
+        ref = None
+        for label, fn, chunk in methods:
+            try:
+                r = measure(fn, h, w, t, chunk, args.iters, cuda)
+            except torch.OutOfMemoryError as e:
+                r = {"error": f"out of memory: {str(e)[:120]}"}
+            r.update(shape=name, method=label, tokens=n, hidden=d, vocab=v, trained_weight=trained)
+            if ref is None:
+                ref = r
+            if "error" in r:
+                print(f"| {name} | {label} | {r['error']} |")
+            else:
+                tr = r["s"] / ref["s"]
+                mr = r["peak_bytes"] / ref["peak_bytes"] if ref.get("peak_bytes") else float("nan")
+                print(f"| {name} | {label} | {r['s']:.4f} | {tr:.2f} | "
+                      f"{r['peak_bytes'] / 2**30:.3f} | {mr:.2f} | {r['loss']:.4f} |")
+            if out:
+                out.write(json.dumps(r) + "\n")
+        del h, w, t
+        if cuda:
+            torch.cuda.empty_cache()
+    if out:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

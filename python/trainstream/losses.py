@@ -1,0 +1,190 @@
+"""Cross-entropy of a linear output layer without the full logits.
+
+    loss = trainstream.causal_lm_loss(hidden, model.lm_head.weight, labels)
+
+A causal LM's loss is usually ``F.cross_entropy(lm_head(hidden).float(), labels)``: the
+logits of every token, ``tokens x vocab`` values (2,048 tokens of a 152k vocabulary are
+1.2 GB in fp32), kept by autograd for backward. Here the tokens go through the output
+layer ``chunk_size`` at a time, and each chunk's logits become its loss and, in the same
+pass, its gradients (softmax minus one-hot, times the gradients of ``hidden``, ``weight``
+and ``bias``); then they are freed. Backward only scales those gradients by the incoming
+one (a scalar loss's gradient is linear in it). Three matmuls, as the full-logits loss
+does; recomputing the logits in backward instead cost a fourth and measured 1.6-1.9x
+the full loss's time on the H200 (docs/losses.md). Values and gradients equal
+``F.cross_entropy`` on the upcast logits (tests/python/test_losses.py).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["chunked_cross_entropy", "causal_lm_loss"]
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the output layer's matmul runs in: autocast's where it is on (as
+    ``lm_head(hidden)`` would run), else the inputs' own."""
+    kind = hidden.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden is {hidden.dtype} and weight {weight.dtype}; accepted: one "
+                         "dtype, or mixed dtypes under torch.autocast")
+    return hidden.dtype
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Sum over the counted tokens of ``-log_softmax(logits)[target]``, times ``scale``
+    (1, or 1 / the denominator of a mean). With ``grads`` the gradients are formed in
+    the same pass over each chunk's logits (a scalar loss's gradient is linear in the
+    incoming gradient, so backward only scales them); the matmuls run in ``cdtype``
+    with explicit casts (autocast is off inside); log-softmax is fp32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, ignore_index, cdtype,
+                grads):
+        need_h, need_w, need_b = grads
+        n, v = hidden.shape[0], weight.shape[0]
+        counted = targets != ignore_index
+        safe = torch.where(counted, targets, torch.zeros_like(targets))
+        row_scale = torch.where(counted, scale.expand(n), torch.zeros((), device=hidden.device))
+        picked = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # The weight's gradient is summed over the chunks in its own dtype (for bf16,
+        # one rounding per chunk, each product accumulated in fp32 by the matmul).
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
+        rows = torch.arange(min(n, chunk_size), device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(cdtype)
+            b = bias.to(cdtype) if bias is not None else None
+            for start in range(0, n, chunk_size):
+                stop = min(n, start + chunk_size)
+                h = hidden[start:stop].to(cdtype)
+                logits = F.linear(h, w, b)
+                logp = torch.log_softmax(logits, 1, dtype=torch.float32)
+                picked[start:stop] = logp.gather(1, safe[start:stop, None]).squeeze(1)
+                if not any(grads):
+                    continue
+                # d(loss)/d(logits) = (softmax - onehot) * row scale, written over the
+                # chunk's own logits buffer in the matmul dtype.
+                p = logp.exp_()
+                p[rows[:stop - start], safe[start:stop]] -= 1.0
+                g = torch.mul(p, row_scale[start:stop, None], out=logits)
+                if need_b:
+                    grad_b += p.mul_(row_scale[start:stop, None]).sum(0)
+                del logp, p
+                if need_h:
+                    if grad_h.dtype == cdtype:
+                        torch.matmul(g, w, out=grad_h[start:stop])
+                    else:
+                        grad_h[start:stop] = g @ w
+                if need_w:
+                    gw = g.t() if g.dtype == weight.dtype else g.t().to(weight.dtype)
+                    grad_w.addmm_(gw, h.to(weight.dtype))
+                del g, logits
+        per_token = torch.where(counted, -picked, torch.zeros_like(picked))
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return per_token.sum() * scale
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h * grad_out.to(grad_h.dtype)
+        if grad_w is not None:
+            grad_w = grad_w * grad_out.to(grad_w.dtype)
+        if grad_b is not None:
+            grad_b = (grad_b * grad_out).to(ctx.bias_dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _check(hidden, weight, targets, bias, chunk_size, reduction, num_items):
+    if not (torch.is_tensor(hidden) and hidden.dim() >= 1 and hidden.is_floating_point()):
+        raise ValueError(f"hidden must be a floating tensor [..., D]; got "
+                         f"{type(hidden).__name__ if not torch.is_tensor(hidden) else tuple(hidden.shape)}")
+    if not (torch.is_tensor(weight) and weight.dim() == 2 and weight.shape[1] == hidden.shape[-1]):
+        raise ValueError(f"weight must be [V, D] with D = hidden's last dimension "
+                         f"({hidden.shape[-1]}); got "
+                         f"{tuple(weight.shape) if torch.is_tensor(weight) else type(weight).__name__}")
+    if bias is not None and not (torch.is_tensor(bias) and tuple(bias.shape) == (weight.shape[0],)):
+        raise ValueError(f"bias must be None or [V] = [{weight.shape[0]}]; got "
+                         f"{tuple(bias.shape) if torch.is_tensor(bias) else type(bias).__name__}")
+    if not (torch.is_tensor(targets) and not targets.is_floating_point()
+            and not targets.is_complex() and targets.dtype != torch.bool):
+        raise ValueError("targets must be an integer tensor of class indices")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets has shape {tuple(targets.shape)}; accepted: hidden's leading "
+                         f"shape {tuple(hidden.shape[:-1])}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r}; accepted: an integer >= 1 (tokens per chunk)")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}; accepted: 'mean' or 'sum'")
+    if num_items is not None:
+        if reduction != "mean":
+            raise ValueError("num_items replaces the count of a mean; accepted only with "
+                             "reduction='mean'")
+        ok = (torch.is_tensor(num_items) and num_items.numel() == 1) or \
+            (isinstance(num_items, numbers.Real) and not isinstance(num_items, bool))
+        if not ok:
+            raise ValueError(f"num_items={num_items!r}; accepted: None, a number or a "
+                             "one-element tensor")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          bias: Optional[torch.Tensor] = None, *, chunk_size: int = 1024,
+                          ignore_index: int = -100, reduction: str = "mean",
+                          num_items: Optional[Union[int, float, torch.Tensor]] = None
+                          ) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets)`` without the logits.
+
+    Args:
+        hidden: ``[..., D]``, the output layer's input (after the final norm).
+        weight: ``[V, D]``, the output layer's weight (trainable or frozen).
+        targets: class indices, ``hidden``'s leading shape; ``ignore_index`` entries
+            do not count.
+        bias: ``[V]`` or None.
+        chunk_size: tokens whose logits exist at once (memory: ``chunk_size x V`` fp32).
+        reduction: "mean" (over the counted tokens: NaN when none counts, as
+            ``F.cross_entropy``) or "sum".
+        num_items: with "mean", divide the sum by this instead of the counted tokens
+            (Hugging Face's ``num_items_in_batch`` under gradient accumulation).
+    """
+    _check(hidden, weight, targets, bias, chunk_size, reduction, num_items)
+    v = weight.shape[0]
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    t1 = targets.reshape(-1).to(device=hidden.device, dtype=torch.long)
+    bad = (t1 != ignore_index) & ((t1 < 0) | (t1 >= v))
+    if t1.numel() and bool(bad.any()):
+        first = int(t1[bad][0])
+        raise ValueError(f"targets holds {first}, outside [0, {v}) and not ignore_index "
+                         f"({ignore_index})")
+    if reduction == "sum":
+        scale = torch.ones((), dtype=torch.float32, device=hidden.device)
+    elif num_items is not None:
+        scale = 1.0 / torch.as_tensor(num_items, dtype=torch.float32, device=hidden.device)
+    else:
+        scale = 1.0 / (t1 != ignore_index).sum().to(torch.float32)
+    cdtype = _compute_dtype(hidden, weight)
+    on = torch.is_grad_enabled()
+    grads = (on and hidden.requires_grad, on and weight.requires_grad,
+             on and bias is not None and bias.requires_grad)
+    return _ChunkedCrossEntropy.apply(h2, weight, bias, t1, scale.reshape(()), chunk_size,
+                                      ignore_index, cdtype, grads)
+
+
+def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+    """The next-token loss as Hugging Face's causal LMs compute it: position ``i``
+    predicts ``labels[..., i + 1]``, the last position predicts nothing. ``hidden``
+    ``[..., T, D]``, ``labels`` ``[..., T]``; ``kwargs`` as ``chunked_cross_entropy``."""
+    if not (torch.is_tensor(labels) and labels.dim() >= 1):
+        raise ValueError("labels must be a tensor [..., T] of token ids")
+    ignore_index = kwargs.get("ignore_index", -100)
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return chunked_cross_entropy(hidden, weight, shifted, bias, **kwargs)
