@@ -91,7 +91,8 @@ def _offload_optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
     """The ``OffloadAdamW`` that takes over ``optimizer`` (or the model's trainable
     parameters), attached to the daemon with the plan's moment precision."""
     names = {id(p): n for n, p in model.named_parameters()}
-    opt_options = {k: v for k, v in config.items() if k not in ("device", "lr", "check_memory")}
+    opt_options = {k: v for k, v in config.items()
+                   if k not in ("device", "lr", "check_memory", "blocks", "mode", "eager")}
     opt_options["moment_dtype"] = moment_dtype
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]

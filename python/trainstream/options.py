@@ -110,11 +110,50 @@ def _bytes_or_none(v):
 
 _QUANT_FORMATS = ("int8", "nf4", "fp8", "nvfp4")
 
+# Spellings the reference API (TrainStream 0.5) accepts, mapped to the one value the
+# rest of the package reads, so no other module compares against the aliases.
+_ALIASES = {
+    "quantize": {"none": None, False: None},
+    "moment_dtype": {"fp32": "float32", "bf16": "bfloat16", torch.float32: "float32",
+                     torch.bfloat16: "bfloat16"},
+    "optimizer_mode": {},
+}
+
+
+def _normalise(name: str, value: Any) -> Any:
+    aliases = _ALIASES.get(name)
+    if not aliases or isinstance(value, (list, dict)):
+        return value
+    # False is a key, and 0 == False: only a bool may match a bool key.
+    for key, target in aliases.items():
+        if isinstance(key, bool) == isinstance(value, bool) and key is value or (
+                not isinstance(key, bool) and not isinstance(value, bool) and _same(key, value)):
+            return target
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and a == b
+    except TypeError:
+        return False
+
+
+def _module_list_or_none(v):
+    from torch import nn
+    return v is None or (isinstance(v, (list, tuple, nn.ModuleList)) and len(v) >= 1
+                         and all(isinstance(m, nn.Module) for m in v))
+
+
+def _even_int_at_least_2(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 2 and v % 2 == 0
+
 
 OPTIONS: Dict[str, tuple] = {
     "optimizer_mode": ("auto", *_one_of("auto", "cpu", "gpu")[::-1]),
     "offload": ("auto", "'auto' or True", _offload),
-    "moment_dtype": ("float32", *_one_of("float32", "bfloat16", "auto")[::-1]),
+    "moment_dtype": ("float32", "'float32' (or 'fp32', torch.float32), 'bfloat16' (or 'bf16', "
+                     "torch.bfloat16) or 'auto'", _one_of("float32", "bfloat16", "auto")[0]),
     "max_grad_norm": (None, "None or a number > 0", _positive_number_or_none),
     "accumulation_steps": (1, "an integer >= 1", _positive_int),
     "guard_params": (True, "True or False", _bool),
@@ -144,8 +183,9 @@ OPTIONS: Dict[str, tuple] = {
                        _int_at_least(1)),
     "min_offload_bytes": (1 << 20, "an integer >= 0 (smaller saved tensors stay on the device)",
                           _int_at_least(0)),
-    "max_inflight_bytes": (1 << 30, "an integer >= 1 (bytes of copies in flight each way)",
-                           _int_at_least(1)),
+    "max_inflight_bytes": (None, "None (1 GiB or 10% of the device memory, whichever is "
+                           "smaller) or an integer >= 1 (bytes of copies in flight each way)",
+                           lambda v: v is None or _int_at_least(1)(v)),
     "max_activation_slowdown": (0.15, "a number >= 0 (fraction of step time activation paging "
                                 "may add)",
                                 lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
@@ -156,7 +196,24 @@ OPTIONS: Dict[str, tuple] = {
     "vram_headroom": (0.10, "a number in [0, 0.9] (fraction of the device memory kept free)",
                       lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
                       and 0.0 <= v <= 0.9),
-    "quantize": ("auto", *_one_of("auto", None, *_QUANT_FORMATS)[::-1]),
+    "quantize": ("auto", "'auto', None (or 'none', False), " + ", ".join(map(repr, _QUANT_FORMATS)),
+                 _one_of("auto", None, *_QUANT_FORMATS)[0]),
+    "quant_block_size": (64, "an even integer >= 2 (values per scale for int8 / nf4)",
+                         _even_int_at_least_2),
+    "blocks": (None, "None (find_blocks) or a list of the model's layer modules",
+               _module_list_or_none),
+    "profile": (True, "True (measure the PCIe bandwidth, or read the cached figure) or False "
+                "(the planner uses no measured PCIe figure)", _bool),
+    # OffloadAdamW's reference names (README, "OffloadAdamW").
+    "mode": (None, "None (optimizer_mode decides), 'cpu' or 'gpu'",
+             lambda v: v is None or v in ("cpu", "gpu")),
+    "compute_grad_norm": (False, "True or False", _bool),
+    "chunk_elems": (None, "None (the daemon engine's own) or an integer >= 1",
+                    _positive_int_or_none),
+    "eager": (None, "None (grad_post decides), True (= grad_post='backward') or False "
+              "(= grad_post='step')", lambda v: v is None or isinstance(v, bool)),
+    "pin_moments": (None, "None (as the daemon is configured), True or False",
+                    lambda v: v is None or isinstance(v, bool)),
     "prefer": ("exact", *_one_of("exact", "speed")[::-1]),
     "timeout_s": (60.0, "a number > 0 (seconds to wait on the daemon before DaemonError)",
                   lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0),
@@ -184,9 +241,13 @@ def validate(options: Dict[str, Any]) -> Dict[str, Any]:
             f"{', '.join(sorted(OPTIONS))}")
     out = {}
     for name, spec in OPTIONS.items():
-        value = options.get(name, spec[0])
+        value = _normalise(name, options.get(name, spec[0]))
         check_value(name, value)
         out[name] = value
+    _merge_alias(out, options, "mode", "optimizer_mode", {"cpu": "cpu", "gpu": "gpu"})
+    _merge_alias(out, options, "eager", "grad_post", {True: "backward", False: "step"})
+    if out["max_inflight_bytes"] is None:
+        out["max_inflight_bytes"] = default_inflight_bytes(out["device"])
     if out["vram_limit"] is None and os.environ.get("TRAINSTREAM_VRAM_LIMIT"):
         env = os.environ["TRAINSTREAM_VRAM_LIMIT"]
         if parse_bytes(env) is None:
@@ -196,6 +257,32 @@ def validate(options: Dict[str, Any]) -> Dict[str, Any]:
     if out["vram_limit"] is not None:
         out["vram_limit"] = parse_bytes(out["vram_limit"])
     return out
+
+
+def _merge_alias(out: Dict[str, Any], given: Dict[str, Any], alias: str, name: str,
+                 mapping: Dict[Any, Any]) -> None:
+    """The reference's ``alias`` and our ``name`` for one option: either may be given;
+    both given and disagreeing is a ValueError."""
+    if out[alias] is None:
+        return
+    wanted = mapping[out[alias]]
+    if name in given and out[name] != wanted:
+        raise ValueError(f"options {alias}={out[alias]!r} and {name}={out[name]!r} disagree "
+                         f"({alias}={out[alias]!r} means {name}={wanted!r}); pass one of them")
+    out[name] = wanted
+
+
+def default_inflight_bytes(device) -> int:
+    """``max_inflight_bytes=None``: 1 GiB or a tenth of the device's memory, whichever is
+    smaller (1 GiB where there is no CUDA device to ask)."""
+    gib = 1 << 30
+    if not torch.cuda.is_available():
+        return gib
+    d = torch.device(device) if device is not None else torch.device("cuda")
+    if d.type != "cuda":
+        return gib
+    index = d.index if d.index is not None else torch.cuda.current_device()
+    return min(gib, torch.cuda.get_device_properties(index).total_memory // 10)
 
 
 def check_adamw_hyper(lr, betas, eps, weight_decay, where: str = "") -> None:

@@ -245,9 +245,10 @@ def ram_available() -> int:
 
 
 def measure_capacity(device, vram_limit: Optional[int], daemon_free: Optional[int],
-                     model_device_bytes: int = 0) -> Capacity:
+                     model_device_bytes: int = 0, profile: bool = True) -> Capacity:
     """Capacity of ``device`` now. With CUDA, ``vram_limit`` also caps this process's
-    allocator (``torch.cuda.set_per_process_memory_fraction``)."""
+    allocator (``torch.cuda.set_per_process_memory_fraction``). ``profile=False`` (wrap's
+    option): no PCIe measurement, and the planner sees no bandwidth figure."""
     device = torch.device(device)
     ram = ram_available()
     if device.type != "cuda":
@@ -258,7 +259,8 @@ def measure_capacity(device, vram_limit: Optional[int], daemon_free: Optional[in
     free, _ = torch.cuda.mem_get_info(index)
     reserved = torch.cuda.memory_reserved(index)
     allocated = torch.cuda.memory_allocated(index)
-    h2d = profile_hardware(index).get("h2d_gb_s", 0.0)  # before the cap: it copies 64 MiB
+    # profile=False (wrap's option): no measurement, no bandwidth figure for the planner.
+    h2d = profile_hardware(index).get("h2d_gb_s", 0.0) if profile else 0.0  # before the cap
     cap = total
     source = f"{format_bytes(total)} device"
     if vram_limit is not None:

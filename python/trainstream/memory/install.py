@@ -72,7 +72,7 @@ def measure(model: nn.Module, config: Dict[str, Any]) -> Measured:
     PCIe bandwidth."""
     device = torch.device(config["device"]) if config["device"] is not None \
         else _model_device(model)
-    blocks = find_blocks(model)
+    blocks = _chosen_blocks(model, config["blocks"])
     meta = any(p.is_meta for p in model.parameters())
     if not blocks and not meta:
         return Measured(device, [], False, None)
@@ -80,8 +80,26 @@ def measure(model: nn.Module, config: Dict[str, Any]) -> Measured:
     on_device = sum(t.numel() * t.element_size() for t in model.parameters()
                     if t.device == device and device.type == "cuda")
     capacity = measure_capacity(device, config["vram_limit"],
-                                _daemon_free(config) if trained else None, on_device)
+                                _daemon_free(config) if trained else None, on_device,
+                                profile=config["profile"])
     return Measured(device, blocks, meta, capacity)
+
+
+def _chosen_blocks(model: nn.Module, blocks) -> List[nn.Module]:
+    """The ``blocks`` option (each a submodule of ``model``, none twice), else
+    ``find_blocks``'s stack."""
+    if blocks is None:
+        return find_blocks(model)
+    mine = {id(m) for m in model.modules()}
+    chosen = list(blocks)
+    for i, m in enumerate(chosen):
+        if id(m) not in mine or m is model:
+            raise ValueError(f"option blocks: blocks[{i}] ({type(m).__name__}) is not a submodule "
+                             "of the model; accepted: None or a list of the model's layer modules")
+    if len({id(m) for m in chosen}) != len(chosen):
+        raise ValueError("option blocks: a module is listed twice; accepted: None or a list of "
+                         "distinct layer modules of the model")
+    return chosen
 
 
 def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepared:
@@ -95,7 +113,8 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
         moment = config["moment_dtype"]
         return Prepared(device, [], None, None, "float32" if moment == "auto" else moment)
     fmt = config["quantize"] if config["quantize"] not in ("auto", None) else "nf4"
-    summary = planner.summarize(model, blocks, config["min_offload_bytes"], fmt)
+    summary = planner.summarize(model, blocks, config["min_offload_bytes"], fmt,
+                                config["quant_block_size"])
     decided = planner.plan(summary, measured.capacity, config)
     if measured.meta:
         raise ValueError("the model is on the meta device: wrap() planned it (it would fit: "
@@ -105,6 +124,7 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
         from ..frozen.quantization import quantize_model
         # Trained linears (LoRA adapters) stay as they are.
         quantized = quantize_model(model, decided.quantize, blocks=blocks,
+                                   block_size=config["quant_block_size"],
                                    skip_trained=True)["tensors"]
     paged_ids = {id(t) for i in decided.paged
                  for t in list(blocks[i].parameters()) + list(blocks[i].buffers())}

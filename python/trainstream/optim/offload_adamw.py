@@ -101,6 +101,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         mode = self._options["optimizer_mode"]
         if mode == "cpu":
             return "cpu"
+        if self._options["pin_moments"] is False:
+            # The zero-copy kernel reads the moments over PCIe: they must be pinned.
+            if mode == "gpu":
+                raise ValueError("options optimizer_mode='gpu' and pin_moments=False cannot go "
+                                 "together (the GPU update reads page-locked moments); accepted: "
+                                 "pin_moments None or True with 'gpu', or optimizer_mode='cpu'")
+            return "cpu"
         if self._table.dp is not None:
             if mode == "gpu":
                 raise ValueError("option optimizer_mode='gpu' cannot run with data parallel "
@@ -123,8 +130,24 @@ class OffloadAdamW(torch.optim.Optimizer):
             return "cpu"
         return "gpu"
 
-    def attach(self) -> None:
-        """Connects to the daemon (starting one if needed) and registers every parameter."""
+    def attach(self, model: Optional[torch.nn.Module] = None,
+               guard: Optional[bool] = None) -> None:
+        """Connects to the daemon (starting one if needed) and registers every parameter;
+        the gradient hooks go on the parameters themselves. ``model`` (the reference's
+        ``attach(model, guard=True)``): the model those parameters belong to, checked;
+        ``guard``: the ``guard_params`` option (reads of a weight wait for its update)."""
+        if model is not None:
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(f"attach(model=...): expected a torch.nn.Module, got "
+                                 f"{type(model).__name__}")
+            mine = {id(p) for p in model.parameters()}
+            if not any(id(e.param) in mine for e in self._table.entries.values()):
+                raise ValueError("attach(model=...): none of this optimizer's parameters is a "
+                                 "parameter of that model; accepted: the model it trains")
+        if guard is not None:
+            if not isinstance(guard, bool):
+                raise ValueError(f"attach(guard={guard!r}): accepted: True or False")
+            self._options["guard_params"] = guard
         if self._session is not None:
             return
         t = self._table
@@ -279,7 +302,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         s["numel"] = sum(e.param.numel() for e in t.entries.values())
         s["attached"] = self._session is not None
         s["session_id"] = self._session.id if self._session is not None else None
-        s["moment_dtype"] = self._options["moment_dtype"]
+        for name in ("moment_dtype", "chunk_elems", "pin_moments", "compute_grad_norm",
+                     "guard_params", "grad_post"):
+            s[name] = self._options[name]
+        s["eager"] = self._options["grad_post"] == "backward"
         s["optimizer_mode"] = self.optimizer_mode
         s["offloaded"] = self.optimizer_mode != "local"
         dp = t.dp
