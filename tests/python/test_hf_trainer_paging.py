@@ -3,7 +3,6 @@ offloader run with memcpy, so paged training is bit for bit the unpaged one): lo
 evaluation, checkpoints, resume and load_best_model_at_end as without paging; on a GPU
 the model stays on the CPU until wrap() places it (CUDA tests, run on the GPU host)."""
 import copy
-import os
 
 import pytest
 import torch
