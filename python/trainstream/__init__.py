@@ -15,6 +15,7 @@ The package follows wrap()'s flow (docs/package-layout.md):
 * ``streaming/``: weight paging, activation paging, the attention choice;
 * ``optim/``: ``OffloadAdamW`` and its backends (daemon ring, zero-copy GPU, local),
   data parallel;
+* ``losses``: ``chunked_cross_entropy``, ``causal_lm_loss`` (the logits never built whole);
 * ``frozen/``: quantized frozen weights and shared frozen bases;
 * ``integrations/``: Hugging Face;
 * ``_native/``: the compiled modules' loaders, the wire constants, pinning, copy streams.
@@ -23,6 +24,7 @@ from .errors import DaemonError, NonFiniteGradientError, TrainStreamError
 from .api import (TrainStreamSession, memory_report, pinned_stats, transfer_stats, unwrap,
                   wrap)
 from .blocks import find_blocks
+from .losses import causal_lm_loss, chunked_cross_entropy
 from .optim import OffloadAdamW
 from .streaming.activations import ActivationOffloader
 
@@ -30,7 +32,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationOffloader", "DaemonError", "NonFiniteGradientError", "OffloadAdamW", "TrainStreamError",
-    "TrainStreamSession", "find_blocks", "memory_report", "pinned_stats", "transfer_stats",
+    "TrainStreamSession", "causal_lm_loss", "chunked_cross_entropy", "find_blocks",
+    "memory_report", "pinned_stats", "transfer_stats",
     "unwrap", "wrap", "quantize_tensor", "quantize_model", "QuantizedTensor", "profile_hardware",
 ]
 

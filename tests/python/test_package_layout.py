@@ -124,7 +124,8 @@ def test_import_trainstream_loads_no_compiled_module():
     ("trainstream", ["wrap", "unwrap", "memory_report", "pinned_stats", "transfer_stats",
                      "find_blocks", "OffloadAdamW", "ActivationOffloader", "TrainStreamSession",
                      "TrainStreamError", "DaemonError", "NonFiniteGradientError",
-                     "quantize_tensor", "quantize_model", "QuantizedTensor", "profile_hardware"]),
+                     "quantize_tensor", "quantize_model", "QuantizedTensor", "profile_hardware",
+                     "chunked_cross_entropy", "causal_lm_loss"]),
     # Documented in docs/quantization.md, docs/base-cache.md and the README.
     ("trainstream.quantization", ["quantize_tensor", "quantize_model", "quant_report",
                                   "QuantizedTensor", "QuantLinear"]),
@@ -145,4 +146,5 @@ def test_the_public_names_stay():
         "ActivationOffloader", "DaemonError", "NonFiniteGradientError", "OffloadAdamW",
         "TrainStreamError", "TrainStreamSession", "find_blocks", "memory_report",
         "pinned_stats", "transfer_stats", "unwrap", "wrap", "quantize_tensor",
-        "quantize_model", "QuantizedTensor", "profile_hardware"])
+        "quantize_model", "QuantizedTensor", "profile_hardware", "chunked_cross_entropy",
+        "causal_lm_loss"])
