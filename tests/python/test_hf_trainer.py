@@ -178,7 +178,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(daemon, tmp_path):
     ({"trainer": {"optimizer_cls_and_kwargs": (torch.optim.SGD, {})}},
      r"optimizer_cls_and_kwargs=\(<class 'torch.optim.sgd.SGD'>"),
     ({"options": {"max_grad_norm": 1.0}}, "set TrainingArguments.max_grad_norm"),
-    ({"options": {"param_offload": True}}, "does not page weights or activations yet"),
+    ({"options": {"chunked_loss": 1}}, "chunked_loss=1 is not accepted"),
     ({"args_overrides": {"fp16": True}}, "fp16=True: its gradient scaler"),
 ])
 def test_what_it_cannot_do_is_refused_by_name(daemon, tmp_path, kwargs, fragment):

@@ -12,13 +12,19 @@ why: docs/huggingface-trainer.md.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Dict, Optional
 
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..optim import OffloadAdamW
+from .. import memory
 from ..api import wrap
+from ..memory import planner
+from ..optim import OffloadAdamW
+from ..options import validate
+from .hf_callback import StepFigures, end_abandoned_step
+from .hf_loss import chunked_causal_lm_loss, find_causal_lm_head
 
 __all__ = ["TrainStreamTrainer"]
 
@@ -26,43 +32,97 @@ _ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # Options Trainer's own arguments decide; given twice they could disagree.
 _FROM_ARGS = {"max_grad_norm": "max_grad_norm", "accumulation_steps": "gradient_accumulation_steps",
               "lr": "learning_rate"}
-# Weight paging needs the model left on the CPU for wrap() to place; Trainer and
-# accelerate put all of it on the device first.
-_PAGING_OPTIONS = ("device", "param_offload", "activation_offload", "recompute", "vram_limit")
+# Weight and activation paging: the model stays on the CPU until wrap() places it
+# (docs/huggingface-trainer.md, point 3). False and "auto" ask for nothing.
+_PAGING_OPTIONS = ("param_offload", "activation_offload", "recompute", "vram_limit")
+# TrainStreamTrainer's own options, taken out before the rest goes to wrap().
+_LOSS_OPTIONS = {"chunked_loss": True, "loss_chunk_size": 1024}
 
 
-class _ReportGradNorm(TrainerCallback):
+class _TrainStreamSteps(TrainerCallback):
     """Fills the trainer's grad-norm tensor with the daemon's figure once a step is done
-    (Trainer reads it with ``.item()`` only when it logs, after the step)."""
+    (Trainer reads it with ``.item()`` only when it logs, after the step), samples the
+    step's memory peak, and ends a step a failed ``train()`` left pending."""
 
     def __init__(self, trainer: "TrainStreamTrainer"):
         self._trainer = trainer
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        end_abandoned_step(self._trainer.optimizer)
+
     def on_optimizer_step(self, args, state, control, **kwargs):
         self._trainer._report_grad_norm()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._trainer._figures.sample_peak(self._trainer.model)
+
+
+def _loss_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    out = {k: options.pop(k, v) for k, v in _LOSS_OPTIONS.items()}
+    if not isinstance(out["chunked_loss"], bool):
+        raise ValueError(f"option chunked_loss={out['chunked_loss']!r} is not accepted; "
+                         "accepted: True or False")
+    size = out["loss_chunk_size"]
+    if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"option loss_chunk_size={size!r} is not accepted; accepted: an "
+                         "integer >= 1 (tokens per chunk)")
+    return out
+
+
+def _asks_for_paging(options: Dict[str, Any]) -> bool:
+    return any(options.get(k, "auto") not in ("auto", False, None) for k in _PAGING_OPTIONS)
+
+
+def _planner_would_page(model, options: Dict[str, Any], device: torch.device) -> bool:
+    """Whether wrap()'s planner would page ``model`` on ``device`` (its measure and its
+    pure plan, nothing moved). A plan that cannot fit counts as paging: wrap() then
+    raises its MemoryError before anything is copied."""
+    config = validate({**options, "device": str(device)})
+    measured = memory.measure(model, config)
+    if measured.capacity is None:
+        return False
+    fmt = config["quantize"] if config["quantize"] not in ("auto", None) else "nf4"
+    summary = planner.summarize(model, measured.blocks, config["min_offload_bytes"], fmt)
+    try:
+        return bool(planner.plan(summary, measured.capacity, config).paged)
+    except MemoryError:
+        return True
 
 
 class TrainStreamTrainer(Trainer):
     """``transformers.Trainer`` whose optimizer is ``OffloadAdamW`` (``trainstream.wrap``).
 
-    ``trainstream_options``: further ``wrap()`` options (README, "Options"), for
-    example ``{"moment_dtype": "bf16", "threads": 8}``. Not accepted there: what the
-    ``TrainingArguments`` already say (``max_grad_norm``,
-    ``gradient_accumulation_steps``, ``learning_rate``) and, in this version, the
-    weight and activation paging options (use ``wrap()`` directly for those).
+    ``trainstream`` (or its other name, ``trainstream_options``; one of the two): further
+    ``wrap()`` options (README, "Options"), paging included, for example
+    ``{"moment_dtype": "bf16", "param_offload": True}``, plus this class's own:
+
+    * ``chunked_loss`` (default True): a causal LM's loss is computed from its last
+      hidden state in chunks, so the full logits never exist (hf_loss.py); other models
+      keep their own loss;
+    * ``loss_chunk_size`` (default 1024): tokens per chunk.
+
+    Not accepted there: what the ``TrainingArguments`` already say (``max_grad_norm``,
+    ``gradient_accumulation_steps``, ``learning_rate``, and the device). With paging
+    (asked for, or the planner finding the model too big for the device) the model
+    stays on the CPU until ``create_optimizer()``'s ``wrap()`` places it.
     """
 
-    def __init__(self, *args, trainstream_options: Optional[Dict[str, Any]] = None, **kwargs):
-        options = dict(trainstream_options or {})
+    def __init__(self, *args, trainstream: Optional[Dict[str, Any]] = None,
+                 trainstream_options: Optional[Dict[str, Any]] = None, **kwargs):
+        if trainstream is not None and trainstream_options is not None:
+            raise ValueError("trainstream= and trainstream_options= are two names of one "
+                             "dict of wrap() options; give one of them")
+        given = trainstream if trainstream is not None else trainstream_options
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"trainstream={given!r}: accepted: a dict of wrap() options "
+                             "(README, \"Options\") or None")
+        options = dict(given or {})
+        loss = _loss_options(options)
         for key, arg in _FROM_ARGS.items():
             if key in options:
                 raise ValueError(f"trainstream_options[{key!r}]: set TrainingArguments.{arg} "
                                  "instead; TrainStreamTrainer passes it to wrap()")
-        paging = [k for k in _PAGING_OPTIONS if k in options]
-        if paging:
-            raise ValueError(f"trainstream_options {paging}: TrainStreamTrainer does not page "
-                             "weights or activations yet (Trainer places the whole model on the "
-                             "device first); use trainstream.wrap() directly for that")
+        validate({k: v for k, v in options.items() if k != "device"})
         optimizer, scheduler = kwargs.get("optimizers") or (None, None)
         if isinstance(optimizer, OffloadAdamW):
             raise ValueError("optimizers=(OffloadAdamW, ...): pass the torch AdamW; "
@@ -84,7 +144,15 @@ class TrainStreamTrainer(Trainer):
                              "TrainStreamTrainer runs AdamW in the daemon; accepted: "
                              "torch.optim.AdamW")
         self.trainstream_options = options
+        self.chunked_loss, self.loss_chunk_size = loss["chunked_loss"], loss["loss_chunk_size"]
+        self._lm_head: Any = None  # find_causal_lm_head's answer, once asked (False: none)
+        self._defers_placement: Optional[bool] = None  # decided on first use
+        self._figures = StepFigures()
         super().__init__(*args, **kwargs)
+        if "device" in options and torch.device(options["device"]) != self.args.device:
+            raise ValueError(f"trainstream_options['device']={options['device']!r}: the "
+                             f"TrainingArguments train on {self.args.device} (use_cpu, "
+                             "CUDA_VISIBLE_DEVICES); set the device there")
         optim = str(getattr(self.args.optim, "value", self.args.optim))
         if self.optimizer is None and cls_kwargs is None and optim not in _ADAMW_OPTIMS:
             raise ValueError(f"TrainingArguments.optim={optim!r}: TrainStreamTrainer runs AdamW "
@@ -94,7 +162,7 @@ class TrainStreamTrainer(Trainer):
                              "gradient in place after backward, once the daemon has it; use "
                              "bf16=True (no scaler)")
         self._grad_norm = torch.full((), math.nan)
-        self.add_callback(_ReportGradNorm(self))
+        self.add_callback(_TrainStreamSteps(self))
 
     def create_accelerator_and_postprocess(self) -> None:
         # (Trainer makes a new accelerator in __init__ and for each hyperparameter trial.)
@@ -106,6 +174,71 @@ class TrainStreamTrainer(Trainer):
         def prepare_optimizer(optimizer, device_placement=None):
             return prepare(optimizer, device_placement=False)
         self.accelerator.prepare_optimizer = prepare_optimizer
+        # With paging, wrap() has placed the model (what pages stays on the host);
+        # accelerate's prepare would move all of it to the device.
+        prepare_model = self.accelerator.prepare_model
+
+        def prepare_model_in_place(model, device_placement=None, evaluation_mode=False):
+            if self.defers_placement(model):
+                device_placement = False
+            return prepare_model(model, device_placement=device_placement,
+                                 evaluation_mode=evaluation_mode)
+        self.accelerator.prepare_model = prepare_model_in_place
+
+    def defers_placement(self, model=None) -> bool:
+        """Whether the model stays where it is until ``create_optimizer()``'s ``wrap()``
+        places it: paging asked for in the options, or (on a GPU) wrap()'s planner
+        finding that the model does not fit. Decided once, before the first move."""
+        if self._defers_placement is None:
+            model = self.model if model is None else model
+            options = self.trainstream_options
+            self._defers_placement = bool(
+                model is not None and getattr(model, "_trainstream_session", None) is None
+                and (_asks_for_paging(options) or "device" in options
+                     or (self.args.device.type == "cuda"
+                         and _planner_would_page(model, options, self.args.device))))
+        return self._defers_placement
+
+    def _move_model_to_device(self, model, device) -> None:
+        # (Trainer's __init__, a model_init in train(), and bf16_full_eval's train().)
+        if not self.defers_placement(model):
+            super()._move_model_to_device(model, device)
+
+    def evaluation_loop(self, *args, **kwargs):
+        # An evaluation before train() of a model left on the CPU for paging: wrap() (with
+        # the optimizer train() goes on with) places it first.
+        if self.defers_placement() and getattr(self.model, "_trainstream_session", None) is None:
+            self.create_optimizer()
+        return super().evaluation_loop(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer's loss; for a causal LM with ``chunked_loss``, the same next-token loss
+        from the last hidden state in chunks (hf_loss.py), so the logits never exist.
+        Evaluation asking for the outputs (the logits) keeps the model's own loss."""
+        if (return_outputs or not self.chunked_loss or "labels" not in inputs
+                or "shift_labels" in inputs or self.label_smoother is not None
+                or self.compute_loss_func is not None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self._lm_head is None:
+            self._lm_head = find_causal_lm_head(self.accelerator.unwrap_model(model)) or False
+        if self._lm_head is False:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # As Trainer's own: the model divides by num_items_in_batch when it takes loss
+        # kwargs, else takes the mean (training_step then divides by the accumulation).
+        num_items = num_items_in_batch if self.model_accepts_loss_kwargs else None
+        with self.accelerator.autocast():  # the model's forward runs under it too
+            loss = chunked_causal_lm_loss(model, self._lm_head, inputs, num_items,
+                                          self.loss_chunk_size)
+        if (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs
+                and num_items_in_batch is not None):
+            loss = loss * self.accelerator.num_processes
+        return loss
+
+    def log(self, logs, start_time=None) -> None:
+        """Trainer's log, with the ``ts_*`` figures (hf_callback.py) added."""
+        if self.optimizer is not None:
+            logs.update(self._figures.read(self.optimizer, self.model))
+        super().log(logs, start_time)
 
     def create_optimizer(self, model=None):
         """Trainer's AdamW (its grouping and hyperparameters, or the one passed in
@@ -117,13 +250,18 @@ class TrainStreamTrainer(Trainer):
             _take_changed_weights(inner)
             self.optimizer = inner
             return inner
+        model = self.model if model is None else model
+        defer = self.defers_placement(model)
         optimizer = super().create_optimizer(model)
         args = self.args
+        options = dict(self.trainstream_options)
+        if defer:  # wrap() places the model: what pages stays on the host
+            options["device"] = args.device
         _, self.optimizer = wrap(
-            self.model if model is None else model, optimizer,
+            model, optimizer,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0
             else None,
-            accumulation_steps=args.gradient_accumulation_steps, **self.trainstream_options)
+            accumulation_steps=args.gradient_accumulation_steps, **options)
         return self.optimizer
 
     # Trainer clips, and even without clipping measures the norm with

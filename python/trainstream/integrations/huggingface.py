@@ -18,21 +18,51 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..blocks import find_block_stack
+from ..blocks import find_block_stack, find_blocks
 from ..frozen.quantization import QuantLinear, _check_block_size
 from ..frozen.shared_base import SharedBase, load_base
 from ..memory.capacity import ram_available
 
-__all__ = ["load_model", "resolve_quantize"]  # and TrainStreamTrainer, below
+__all__ = ["load_model", "resolve_quantize", "wrap_hf"]  # and the Trainer names, below
 
 
 def __getattr__(name: str):
-    # TrainStreamTrainer subclasses transformers.Trainer: imported on first use, so that
-    # load_model() does not pull in the Trainer stack.
+    # TrainStreamTrainer and TrainStreamCallback subclass transformers' Trainer classes:
+    # imported on first use, so that load_model() does not pull in the Trainer stack.
     if name == "TrainStreamTrainer":
         from .hf_trainer import TrainStreamTrainer
         return TrainStreamTrainer
+    if name == "TrainStreamCallback":
+        from .hf_callback import TrainStreamCallback
+        return TrainStreamCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def decoder_layers(model: nn.Module):
+    """The decoder layers of a Hugging Face model (or a PEFT model over one): the block
+    stack of its ``get_decoder()`` (``model.model.layers`` for Llama and Qwen2), or of
+    the whole model when it has no decoder to ask for. [] when there is none."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        decoder = base.get_decoder()
+    except (AttributeError, ValueError, NotImplementedError):
+        decoder = None
+    blocks = find_blocks(decoder) if isinstance(decoder, nn.Module) else []
+    return blocks or find_blocks(model)
+
+
+def wrap_hf(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **options):
+    """``trainstream.wrap()`` for a Hugging Face model, with ``blocks`` preset to its
+    decoder layers (``decoder_layers``), so that paging and activation offload take
+    those even where another list of layers is longer (a vision tower). A ``blocks``
+    option given is used as it is."""
+    from .. import options as _options
+    from ..api import wrap
+    if "blocks" not in options and "blocks" in _options.OPTIONS:
+        layers = decoder_layers(model)
+        if layers:
+            options["blocks"] = list(layers)
+    return wrap(model, optimizer, **options)
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "nf4", "fp8", "nvfp4")
 

@@ -279,7 +279,25 @@ class ZeroCopyBackend:
         return result
 
     def before_zero_grad(self) -> None:
+        """Called with a step pending that will not come (a backward or step() raised
+        part way, or Trainer's model.zero_grad() before the next train()): the updates
+        already launched in backward ran on the device and cannot be undone, so the
+        step ends with them (their step counts move on, their flags are read) and every
+        pending count is cleared; without that the next step's hooks counted on from the
+        old counts and step() found the old launches."""
         self._session.ensure_alive()
+        t = self._table
+        if t.between_steps():
+            return
+        if self._launched:
+            launched = len(self._launched)
+            for e in t.entries.values():
+                e.posted_grad = None  # dropped by zero_grad: nothing to check
+            result = self._update([])
+            t.step_id += 1
+            t.event("abandoned step", step=t.step_id,
+                    params_applied=launched - len(result["skipped"]), rejected=result["skipped"])
+        t.clear_pending()
 
     def synchronize(self) -> None:
         self._session.require_attached()
