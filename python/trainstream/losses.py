@@ -178,13 +178,23 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                                       ignore_index, cdtype, grads)
 
 
-def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                   bias: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor] = None, *,
+                   shift_labels: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
     """The next-token loss as Hugging Face's causal LMs compute it: position ``i``
     predicts ``labels[..., i + 1]``, the last position predicts nothing. ``hidden``
-    ``[..., T, D]``, ``labels`` ``[..., T]``; ``kwargs`` as ``chunked_cross_entropy``."""
+    ``[..., T, D]``, ``labels`` ``[..., T]``; or ``shift_labels``, already shifted (as
+    ``ForCausalLMLoss`` takes them), with ``labels`` None. ``kwargs`` as
+    ``chunked_cross_entropy``."""
+    if shift_labels is not None:
+        if labels is not None:
+            raise ValueError("give labels or shift_labels, not both")
+        return chunked_cross_entropy(hidden, weight, shift_labels, bias, **kwargs)
     if not (torch.is_tensor(labels) and labels.dim() >= 1):
         raise ValueError("labels must be a tensor [..., T] of token ids")
+    if torch.is_tensor(hidden) and tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}; "
+                         f"got {tuple(labels.shape)}")
     ignore_index = kwargs.get("ignore_index", -100)
     shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     return chunked_cross_entropy(hidden, weight, shifted, bias, **kwargs)
