@@ -9,10 +9,9 @@ shape with random weights, or read from ``--model PATH`` (a folder or a reachabl
     python examples/hf_finetune.py --model qwen2.5-1.5b --lora --activation-offload
     python examples/hf_finetune.py --tiny --compare      # small shapes; CPU is fine
 
-``TrainStreamTrainer`` takes further ``wrap()`` options as ``trainstream_options=``
-today (a ``trainstream=`` spelling is on its way). It refuses the paging options for
-now, so ``--activation-offload`` pages the saved activations with
-``trainstream.ActivationOffloader`` around the loss (Trainer's ``compute_loss``).
+``TrainStreamTrainer`` takes any ``wrap()`` option as ``trainstream={...}``;
+``--activation-offload`` passes ``activation_offload=True`` there, which pages every
+block's saved activations to host memory.
 """
 from __future__ import annotations
 
@@ -91,10 +90,11 @@ def run(engine: str, args, device: str, dataset) -> dict:
     if engine == "stock":
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=dataset)
     else:
-        cls = _OffloadingTrainer if args.activation_offload else TrainStreamTrainer
         options = {"job": "hf_finetune", **({"socket": args.socket} if args.socket else {})}
-        trainer = cls(model=model, args=targs, train_dataset=dataset,
-                      trainstream_options=options)
+        if args.activation_offload:
+            options.update(activation_offload=True, min_offload_bytes=1024)
+        trainer = TrainStreamTrainer(model=model, args=targs, train_dataset=dataset,
+                                     trainstream=options)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -102,29 +102,12 @@ def run(engine: str, args, device: str, dataset) -> dict:
     seconds = time.perf_counter() - t0
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    paged = getattr(trainer, "offloaded_bytes", None)
+    paged = None
+    if engine != "stock" and args.activation_offload:
+        import trainstream
+        paged = trainstream.memory_report(trainer.model)["activations"].get("bytes_offloaded", 0)
     return {"engine": engine, "losses": losses, "seconds": seconds, "peak": peak,
             "offloaded": paged}
-
-
-def _offloading_trainer():
-    from trainstream import ActivationOffloader
-    from trainstream.integrations.huggingface import TrainStreamTrainer
-
-    class OffloadingTrainer(TrainStreamTrainer):
-        """Pages every saved activation of the forward to host memory (Trainer's
-        ``compute_loss`` is its extension point for the loss)."""
-
-        offloaded_bytes = 0
-
-        def compute_loss(self, model, inputs, *a, **kw):
-            if not hasattr(self, "_offloader"):
-                self._offloader = ActivationOffloader(model, min_offload_bytes=1024)
-            with self._offloader:
-                loss = super().compute_loss(model, inputs, *a, **kw)
-            self.offloaded_bytes = self._offloader.stats["bytes_offloaded"]
-            return loss
-    return OffloadingTrainer
 
 
 def main(argv=None) -> int:
@@ -158,8 +141,6 @@ def main(argv=None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # Trainer would otherwise pick a GPU
     text = open(args.text, encoding="utf-8", errors="replace").read() if args.text else stdlib_text()
     dataset = ByteTokens(text, args.seq, n=args.batch * args.steps)
-    global _OffloadingTrainer
-    _OffloadingTrainer = _offloading_trainer()
     results = [run("trainstream", args, device, dataset)]
     if args.compare:
         results.append(run("stock", args, device, dataset))
@@ -176,8 +157,6 @@ def main(argv=None) -> int:
               f"{max(abs(x - y) for x, y in zip(a, b)):.2e}")
     return 0
 
-
-_OffloadingTrainer = None
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,9 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(daemon, script, *args, timeout=120):
-    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(REPO / "python"),
-                                           os.environ.get("PYTHONPATH", "")]))
+    # The suite's own PYTHONPATH (the built package: python/ alone lacks _C and _control).
+    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket, CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, str(REPO / "examples" / script), *args],
                          capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, f"{script} exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
@@ -60,9 +59,7 @@ def test_verify_ram_offload_gpt_state_is_in_the_daemon(daemon):
     out = subprocess.run(
         [sys.executable, str(REPO / "examples" / "verify_ram_offload.py"), "--engine",
          "trainstream"], capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket, CUDA_VISIBLE_DEVICES="",
-                 PYTHONPATH=os.pathsep.join([str(REPO / "python"),
-                                             os.environ.get("PYTHONPATH", "")]))).stdout
+        env=dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket, CUDA_VISIBLE_DEVICES="")).stdout
     for check in ("optimizer state in the daemon's segments", "the daemon's /dev/shm files grew",
                   "shared RSS grew by it"):
         assert any(line.startswith("  [  ok]") and check in line for line in out.splitlines()), out
@@ -98,8 +95,7 @@ def test_hf_finetune_matches_the_stock_trainer(daemon):
     ("hf_finetune.py", ["--tiny", "--text", "/nonexistent"], "no such file"),
 ])
 def test_bad_flags_are_named(daemon, script, args, message):
-    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket,
-               PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket)
     out = subprocess.run([sys.executable, str(REPO / "examples" / script), *args],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2 and message in out.stderr, out.stderr
