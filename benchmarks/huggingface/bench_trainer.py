@@ -169,11 +169,13 @@ def run_case(args) -> dict:
         result["within_cap"] = max(result["peak_vram_gib"], result.get("peak_vram_run_gib", 0)) \
             <= args.cap_gib
     inner = trainer.model
-    wrapped = getattr(inner, "_trainstream_session", None)
-    if wrapped is None and hasattr(inner, "get_base_model"):
-        wrapped = getattr(inner.get_base_model(), "_trainstream_session", None)
-    if wrapped is not None and wrapped.plan is not None:
-        result["paged_blocks"] = len(wrapped.plan.paged_blocks or [])
+    if getattr(inner, "_trainstream_session", None) is None and hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    if getattr(inner, "_trainstream_session", None) is not None:
+        rep = trainstream.memory_report(inner)
+        result["paged_blocks"] = len(rep.get("params", {}).get("paged_blocks") or [])
+        result["activation_policy"] = rep.get("activations", {}).get("policy")
+        result["optimizer_state_gib"] = _gib(rep["optimizer"]["state_bytes_in_daemon"])
     shutil.rmtree(out_dir, ignore_errors=True)
     return result
 
