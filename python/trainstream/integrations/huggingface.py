@@ -22,6 +22,7 @@ from ..blocks import find_block_stack, find_blocks
 from ..frozen.quantization import QuantLinear, _check_block_size
 from ..frozen.shared_base import SharedBase, load_base
 from ..memory.capacity import ram_available
+from . import peft as _peft_lora  # noqa: F401 (registers QuantLinear as a PEFT LoRA target)
 
 __all__ = ["load_model", "resolve_quantize", "wrap_hf"]  # and the Trainer names, below
 
@@ -73,10 +74,11 @@ def resolve_quantize(quantize: Optional[str], block_numel: int, other_numel: int
     """The format ``load_model`` uses. ``"auto"``: "none" when the weights in bf16
     fit in ``ram_fraction`` of available RAM, else "int8" if that fits, else "nf4"
     (only the block-stack linear weights are quantized; the rest stays bf16)."""
-    if quantize is None:
+    if quantize is None or quantize is False:
         return "none"
     if not isinstance(quantize, str) or quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize={quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
+        raise ValueError(f"quantize={quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}, "
+                         "None or False")
     if quantize != "auto":
         return quantize
     if isinstance(ram_fraction, bool) or not isinstance(ram_fraction, (int, float)) \
@@ -260,7 +262,8 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
             shards), a ``.safetensors`` file beside a ``config.json``, or a hub id
             (downloaded with ``huggingface_hub`` when the machine can reach the hub).
         quantize: "auto" (the smallest of none / int8 / nf4 that is needed to fit
-            ``ram_fraction`` of available RAM), "none", "int8", "nf4", "fp8", "nvfp4".
+            ``ram_fraction`` of available RAM), "none" (also None or False), "int8",
+            "nf4", "fp8", "nvfp4".
             Only the block-stack linear weights are quantized.
         dtype: dtype of the unquantized weights (embeddings, norms, output layer).
         quant_block_size: int8 / nf4 block size (even, >= 2).
@@ -294,8 +297,11 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
     quant_block_size = _check_block_size(quant_block_size)
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise ValueError(f"name_or_path={name_or_path!r}: give a model folder or hub id")
-    if quantize is not None and quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize={quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
+    if quantize is False:
+        quantize = None  # as "none": the reference API's spelling
+    if quantize is not None and (not isinstance(quantize, str) or quantize not in QUANTIZE_CHOICES):
+        raise ValueError(f"quantize={quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}, "
+                         "None or False")
     import transformers
 
     config_dir, checkpoint = _resolve_path(str(name_or_path), random_weights)
