@@ -50,7 +50,7 @@ def randomize_b(model, seed=3):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
 def test_every_projection_of_a_load_model_base_becomes_a_lora_layer(daemon, tmp_path, fmt):
     save_model(str(tmp_path), seed=1)
     base = loaded(str(tmp_path), fmt, daemon)
@@ -72,7 +72,7 @@ def test_every_projection_of_a_load_model_base_becomes_a_lora_layer(daemon, tmp_
     model.base_model.model.trainstream_base.release()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
 def test_lora_output_is_dequantized_base_plus_scaled_update(daemon, tmp_path, fmt):
     save_model(str(tmp_path), seed=1)
     model = lora(loaded(str(tmp_path), fmt, daemon))
