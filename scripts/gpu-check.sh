@@ -149,10 +149,10 @@ if [[ $STAGES == *frontdoor* ]]; then
   echo "== frontdoor" | tee -a "$OUT/bench.log"
   timeout ${FRONTDOOR_TIMEOUT:-420} python3 benchmarks/huggingface/bench_trainer.py \
     --cases "${FRONTDOOR_CASES:-qlora14b:512,qlora14b:2048,full1.5b}" --cap-gib 24 \
-    --dir "${BASE_DIR:-/tmp/ts-bench-14b}" > "$OUT/bench-trainer.log" 2>&1 || { rc=1; echo "bench trainer failed"; }
+    --dir "${BASE_DIR:-/tmp/ts-bench-14b}" ${FRONTDOOR_ARGS:-} > "$OUT/bench-trainer.log" 2>&1 || { rc=1; echo "bench trainer failed"; }
   tail -8 "$OUT/bench-trainer.log" | tee -a "$OUT/bench.log"
   if [ -f benchmarks/losses/bench_chunked_ce.py ]; then
-    timeout 180 python3 benchmarks/losses/bench_chunked_ce.py --out "$OUT/bench-losses.jsonl" \
+    timeout 180 python3 benchmarks/losses/bench_chunked_ce.py --out "$OUT/bench-losses.jsonl" ${LOSS_ARGS:-} \
       > "$OUT/bench-losses.log" 2>&1 || { rc=1; echo "bench losses failed"; }
     tail -20 "$OUT/bench-losses.log" | tee -a "$OUT/bench.log"
   fi
