@@ -126,7 +126,7 @@ def test_on_a_gpu_the_model_stays_on_the_cpu_until_wrap_places_it(daemon, tmp_pa
     assert paged_model.lm_head.weight.device.type == "cuda"
     for a, b in zip(_logged(plain, "loss"), _logged(paged, "loss")):
         assert abs(a - b) <= 1e-4 * abs(a)
-    _assert_same_weights(plain_model, paged_model.cpu(), 1e-4)
+    _assert_same_weights(plain_model.cpu(), paged_model.cpu(), 1e-4)  # one device
 
 
 def test_without_paging_the_model_is_not_held_back(daemon, tmp_path):
@@ -134,3 +134,24 @@ def test_without_paging_the_model_is_not_held_back(daemon, tmp_path):
     assert trainer.defers_placement() is False
     paged = _trainer(_model(), tmp_path, daemon, {"param_offload": [1]})
     assert paged.defers_placement() is True
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_chunked_loss_workspace_is_added_to_the_headroom(daemon, tmp_path, chunked):
+    """A VRAM limit with the chunked loss: vram_headroom grows by the loss's logits (a
+    chunk, in the matmul dtype and as fp32 log-probabilities) and head gradient, as a
+    share of the limit; without the chunked loss it stays as given."""
+    from trainstream.integrations.hf_loss import find_causal_lm_head, workspace_bytes
+    model = _model()
+    limit = 64 << 20
+    trainer = _trainer(model, tmp_path / "out", daemon,
+                       {"vram_limit": limit, "vram_headroom": 0.05, "chunked_loss": chunked,
+                        "loss_chunk_size": 16}, max_steps=1)
+    trainer.train()
+    lm = find_causal_lm_head(model)
+    vocab, hidden = lm.head.weight.shape
+    ws = workspace_bytes(lm, 16, lm.head.weight.dtype)
+    assert ws == 16 * vocab * (lm.head.weight.element_size() + 4) + \
+        (vocab * hidden * lm.head.weight.element_size() if lm.head.weight.requires_grad else 0)
+    headroom = model._trainstream_session.config["vram_headroom"]
+    assert headroom == pytest.approx(0.05 + ws / limit if chunked else 0.05)

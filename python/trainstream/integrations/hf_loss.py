@@ -107,3 +107,20 @@ def chunked_causal_lm_loss(model: nn.Module, lm: CausalLMHead, inputs: Dict[str,
         lm.verified = True
     return causal_lm_loss(hidden, weight, labels, bias, chunk_size=chunk_size,
                           num_items=num_items)
+
+
+def workspace_bytes(lm: CausalLMHead, chunk_size: int, compute_dtype: torch.dtype) -> int:
+    """Device memory the chunked loss takes during one step and the memory planner does
+    not see: a chunk's logits in the matmul dtype and as fp32 log-probabilities, the
+    head's gradient (held from the loss's forward to its backward) when the head
+    trains, and the head's weight cast to the matmul dtype when it is stored in
+    another."""
+    w = lm.head.weight
+    vocab, hidden = w.shape
+    elem = torch.empty((), dtype=compute_dtype).element_size()
+    total = chunk_size * vocab * (elem + 4)
+    if w.requires_grad:
+        total += vocab * hidden * w.element_size()
+    if w.dtype != compute_dtype:
+        total += vocab * hidden * elem
+    return total
