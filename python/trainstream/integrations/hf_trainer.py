@@ -219,15 +219,14 @@ class TrainStreamTrainer(Trainer):
                 or "shift_labels" in inputs or self.label_smoother is not None
                 or self.compute_loss_func is not None):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self._lm_head is None:
-            self._lm_head = find_causal_lm_head(self.accelerator.unwrap_model(model)) or False
-        if self._lm_head is False:
+        lm = self._causal_lm_head(self.accelerator.unwrap_model(model))
+        if lm is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # As Trainer's own: the model divides by num_items_in_batch when it takes loss
         # kwargs, else takes the mean (training_step then divides by the accumulation).
         num_items = num_items_in_batch if self.model_accepts_loss_kwargs else None
         with self.accelerator.autocast():  # the model's forward runs under it too
-            loss = chunked_causal_lm_loss(model, self._lm_head, inputs, num_items,
+            loss = chunked_causal_lm_loss(model, lm, inputs, num_items,
                                           self.loss_chunk_size)
         if (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs
                 and num_items_in_batch is not None):
@@ -265,6 +264,13 @@ class TrainStreamTrainer(Trainer):
             accumulation_steps=args.gradient_accumulation_steps, **options)
         return self.optimizer
 
+    def _causal_lm_head(self, model):
+        """``find_causal_lm_head``'s answer for the model, asked once (None: no head the
+        chunked loss can read); the loss and the headroom share it."""
+        if self._lm_head is None:
+            self._lm_head = find_causal_lm_head(model) or False
+        return self._lm_head or None
+
     def _loss_headroom(self, model, options) -> Dict[str, Any]:
         """The planner plans weights and activations, not the chunked loss's logits and
         head gradient, which are live at the end of forward when activations peak: their
@@ -272,7 +278,7 @@ class TrainStreamTrainer(Trainer):
         device), so the plan leaves room for them. H200, 24 GiB cap: without this the
         1.5B full fine-tune at 4x1024 and 14B QLoRA at 2,048 tokens ran out of memory in
         the loss's first chunk."""
-        lm = find_causal_lm_head(model) if self.chunked_loss else None
+        lm = self._causal_lm_head(model) if self.chunked_loss else None
         if lm is None:
             return {}
         cap = validate(dict(options)).get("vram_limit")
