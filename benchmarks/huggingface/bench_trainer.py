@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "benchmarks", "base"))
 sys.path.insert(0, os.path.join(REPO, "benchmarks", "paging"))
+from bench_paging import _gib, _rss  # noqa: E402 (the paging benchmark's readings)
 
 SHAPES = {  # Qwen2.5 published shapes
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -45,18 +45,6 @@ TINY_1_5B = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num
                  num_key_value_heads=2, tie_word_embeddings=True, vocab_size=512)
 TINY_14B = dict(hidden=64, intermediate=160, layers=4, heads=4, kv_heads=2, vocab=512)
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _gib(n) -> float:
-    return round(n / 2**30, 2)
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class _Tokens:
@@ -203,7 +191,7 @@ def main() -> int:
                  "trace": traceback.format_exc()[-2000:]}
         print("RESULT " + json.dumps(r), flush=True)
         return 0
-    from bench_paging import start_daemon  # noqa: E402 (benchmarks/paging)
+    from bench_paging import run_case_process, start_daemon  # noqa: E402 (benchmarks/paging)
     cleanup = []
     if any(c.startswith("qlora14b") for c in args.cases.split(",")):
         if args.dir is None:
@@ -224,15 +212,7 @@ def main() -> int:
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--socket", args.socket] + (["--dir", args.dir] if args.dir else []) \
                 + (["--tiny"] if args.tiny else [])
-            t0 = time.perf_counter()
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-                r = json.loads(lines[-1][7:]) if lines else {
-                    "case": case, "error": f"exit {out.returncode}: {out.stderr[-1500:]}"}
-            except subprocess.TimeoutExpired:
-                r = {"case": case, "error": f"timed out after {args.timeout} s"}
-            r["wall_s"] = round(time.perf_counter() - t0, 1)
+            r = run_case_process(cmd, case, args.timeout, stderr_tail=1500)
             results.append(r)
             print(json.dumps(r, indent=1), flush=True)
     finally:

@@ -380,6 +380,21 @@ def run_case(args) -> dict:
     return result
 
 
+def run_case_process(cmd, case: str, timeout: float, stderr_tail: int = 800) -> dict:
+    """Runs one case's process (``cmd``): its last ``RESULT {json}`` line, or an error
+    naming its exit status and the end of its stderr, or the timeout; with ``wall_s``."""
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        r = json.loads(lines[-1][7:]) if lines else {
+            "case": case, "error": f"exit {out.returncode}: {out.stderr[-stderr_tail:]}"}
+    except subprocess.TimeoutExpired:
+        r = {"case": case, "error": f"timed out after {timeout} s"}
+    r["wall_s"] = round(time.perf_counter() - t0, 1)
+    return r
+
+
 def start_daemon(budget: str):
     """A private trainstreamd (the cases need a large shared-memory budget)."""
     from trainstream._native import daemon as _daemon
@@ -463,16 +478,7 @@ def main() -> int:
                        "--socket", args.socket, "--tiny-cap-kib", str(args.tiny_cap_kib)]
                 cmd += ["--tiny"] if args.tiny else []
                 cmd += ["--uncapped"] if uncapped else []
-                t0 = time.perf_counter()
-                try:
-                    out = subprocess.run(cmd, capture_output=True, text=True,
-                                         timeout=args.timeout)
-                    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-                    r = json.loads(lines[-1][7:]) if lines else {
-                        "case": case, "error": f"exit {out.returncode}: {out.stderr[-800:]}"}
-                except subprocess.TimeoutExpired:
-                    r = {"case": case, "error": f"timed out after {args.timeout} s"}
-                r["wall_s"] = round(time.perf_counter() - t0, 1)
+                r = run_case_process(cmd, case, args.timeout)
                 results.append(r)
                 print(json.dumps(r, indent=1), flush=True)
     finally:
