@@ -16,10 +16,13 @@ the full loss's time on the H200 (docs/losses.md). Values and gradients equal
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
+
+from . import _ce_kernels as _kernels
 
 __all__ = ["chunked_cross_entropy", "causal_lm_loss"]
 
@@ -36,72 +39,151 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+# Note [Two ways to split the logits]
+# The logits are tokens x vocab. Split by tokens, a chunk's rows are whole, so one pass
+# gives their loss and gradients (three matmuls in all, as the full-logits loss), but
+# every chunk reads the whole weight and, when it trains, adds into the whole weight
+# gradient: a fixed cost per chunk, so small chunks are slow. Split by vocabulary
+# slices, no row is whole until every slice has been seen: a first pass folds each
+# slice into the rows' running max and sum of exponentials (the log-sum-exp), a second
+# recomputes each slice's logits and forms their gradients (four matmuls in all, three
+# for a frozen weight), and each slice of the weight's gradient is written once. Which
+# is faster at a given memory bound is measured (benchmarks/losses/bench_chunked_ce.py,
+# docs/losses.md); _plan picks it.
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Sum over the counted tokens of ``-log_softmax(logits)[target]``, times ``scale``
     (1, or 1 / the denominator of a mean). With ``grads`` the gradients are formed in
-    the same pass over each chunk's logits (a scalar loss's gradient is linear in the
+    the same pass over each block of logits (a scalar loss's gradient is linear in the
     incoming gradient, so backward only scales them); the matmuls run in ``cdtype``
-    with explicit casts (autocast is off inside); log-softmax is fp32."""
+    with explicit casts (autocast is off inside); softmax statistics are fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, ignore_index, cdtype,
-                grads):
+    def forward(ctx, hidden, weight, bias, targets, scale, plan, cdtype, grads):
         need_h, need_w, need_b = grads
         n, v = hidden.shape[0], weight.shape[0]
-        counted = targets != ignore_index
-        safe = torch.where(counted, targets, torch.zeros_like(targets))
-        row_scale = torch.where(counted, scale.expand(n), torch.zeros((), device=hidden.device))
-        picked = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        dev = hidden.device
+        counted = targets != -1
+        row_scale = torch.where(counted, scale.expand(n), torch.zeros((), device=dev))
+        m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+        l_sum = torch.zeros(n, dtype=torch.float32, device=dev)
+        zt = torch.zeros(n, dtype=torch.float32, device=dev)
         grad_h = torch.empty_like(hidden) if need_h else None
-        # The weight's gradient is summed over the chunks in its own dtype (for bf16,
-        # one rounding per chunk, each product accumulated in fp32 by the matmul).
+        # A weight gradient in the weight's dtype: split by tokens it is summed over the
+        # chunks (for bf16 one rounding per chunk, each product accumulated in fp32);
+        # split by vocabulary each slice is written once.
         grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
-        rows = torch.arange(min(n, chunk_size), device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
+        grad_b = torch.zeros(v, dtype=torch.float32, device=dev) if need_b else None
+        kind, width = plan
+        with torch.autocast(dev.type, enabled=False):
+            h = hidden.to(cdtype).contiguous()
             w = weight.to(cdtype)
             b = bias.to(cdtype) if bias is not None else None
-            for start in range(0, n, chunk_size):
-                stop = min(n, start + chunk_size)
-                h = hidden[start:stop].to(cdtype)
-                logits = F.linear(h, w, b)
-                logp = torch.log_softmax(logits, 1, dtype=torch.float32)
-                picked[start:stop] = logp.gather(1, safe[start:stop, None]).squeeze(1)
-                if not any(grads):
-                    continue
-                # d(loss)/d(logits) = (softmax - onehot) * row scale, written over the
-                # chunk's own logits buffer in the matmul dtype.
-                p = logp.exp_()
-                p[rows[:stop - start], safe[start:stop]] -= 1.0
-                g = torch.mul(p, row_scale[start:stop, None], out=logits)
-                if need_b:
-                    grad_b += p.mul_(row_scale[start:stop, None]).sum(0)
-                del logp, p
-                if need_h:
-                    if grad_h.dtype == cdtype:
-                        torch.matmul(g, w, out=grad_h[start:stop])
-                    else:
-                        grad_h[start:stop] = g @ w
-                if need_w:
-                    gw = g.t() if g.dtype == weight.dtype else g.t().to(weight.dtype)
-                    grad_w.addmm_(gw, h.to(weight.dtype))
-                del g, logits
-        per_token = torch.where(counted, -picked, torch.zeros_like(picked))
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
+            buf = torch.empty(width * (v if kind == "tokens" else n), dtype=cdtype, device=dev)
+            if kind == "tokens":
+                for r0 in range(0, n, width):
+                    r1 = min(n, r0 + width)
+                    z = _logits(h[r0:r1], w, b, buf)
+                    _kernels.merge_stats(z, m[r0:r1], l_sum[r0:r1], zt[r0:r1], targets[r0:r1], 0)
+                    if not any(grads):
+                        continue
+                    lse = m[r0:r1] + torch.log(l_sum[r0:r1])
+                    _kernels.write_grad(z, lse, row_scale[r0:r1], targets[r0:r1], 0)
+                    if need_h:
+                        _mm_into(grad_h[r0:r1], z, w, accumulate=False)
+                    if need_w:
+                        _mm_into(grad_w, z.t(), h[r0:r1], accumulate=True)
+                    if need_b:
+                        grad_b += z.sum(0, dtype=torch.float32)
+                lse = m + torch.log(l_sum)
+            else:
+                for s0 in range(0, v, width):
+                    s1 = min(v, s0 + width)
+                    z = _logits(h, w[s0:s1], b[s0:s1] if b is not None else None, buf)
+                    _kernels.merge_stats(z, m, l_sum, zt, targets, s0)
+                lse = m + torch.log(l_sum)
+                if any(grads):
+                    for s0 in range(0, v, width):
+                        s1 = min(v, s0 + width)
+                        z = _logits(h, w[s0:s1], b[s0:s1] if b is not None else None, buf)
+                        _kernels.write_grad(z, lse, row_scale, targets, s0)
+                        if need_h:
+                            _mm_into(grad_h, z, w[s0:s1], accumulate=s0 > 0)
+                        if need_w:
+                            _mm_into(grad_w[s0:s1], z.t(), h, accumulate=False)
+                        if need_b:
+                            grad_b[s0:s1] = z.sum(0, dtype=torch.float32)
+            del buf
+        per_token = torch.where(counted, lse - zt, torch.zeros_like(zt))
+        # Held on ctx, not saved: backward hands them to autograd and drops its own
+        # reference, so a leaf's .grad takes the buffer instead of a copy.
+        ctx.grads = (grad_h, grad_w, grad_b)
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return per_token.sum() * scale
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h = grad_h * grad_out.to(grad_h.dtype)
-        if grad_w is not None:
-            grad_w = grad_w * grad_out.to(grad_w.dtype)
+        if ctx.grads is None:
+            raise RuntimeError(
+                "chunked_cross_entropy: a second backward through the same loss; its "
+                "gradients are formed in forward and handed over by the first backward. "
+                "Accepted: one backward per loss (compute the loss again for another)")
+        grad_h, grad_w, grad_b = ctx.grads
+        ctx.grads = None
+        if not bool(grad_out == 1):
+            for g in (grad_h, grad_w):
+                if g is not None:
+                    g.mul_(grad_out.to(g.dtype))
+            if grad_b is not None:
+                grad_b.mul_(grad_out)
         if grad_b is not None:
-            grad_b = (grad_b * grad_out).to(ctx.bias_dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+            grad_b = grad_b.to(ctx.bias_dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _logits(h, w, b, buf):
+    """``F.linear(h, w, b)`` written into the front of ``buf`` (contiguous)."""
+    out = buf[:h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0])
+    if b is None:
+        return torch.mm(h, w.t(), out=out)
+    return torch.addmm(b, h, w.t(), out=out)
+
+
+def _mm_into(out, a, b, accumulate):
+    """``out (+)= a @ b``; in ``out``'s dtype when ``a``'s differs (autocast with fp32
+    parameters)."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif accumulate:
+        out.add_(a.to(out.dtype) @ b.to(out.dtype))
+    else:
+        out.copy_(a.to(out.dtype) @ b.to(out.dtype))
+
+
+# Logits in flight by default (chunk_size=None): as many values as ``hidden`` has, and
+# at most this many (128 MiB in bf16).
+_AUTO_LOGITS = 1 << 26
+
+
+def _plan(n: int, v: int, d: int, chunk_size: Optional[int]):
+    """How forward splits the logits (Note [Two ways to split the logits]): ("tokens",
+    rows per chunk) or ("vocab", columns per slice), holding at most ``chunk_size * V``
+    logits at once (default: ``min(N * D, 2**26)``)."""
+    budget = chunk_size * v if chunk_size is not None else min(max(n, 1) * d, _AUTO_LOGITS)
+    if n * v <= budget:
+        return ("tokens", max(n, 1))
+    kind = os.environ.get("TRAINSTREAM_CE_SPLIT", "vocab")
+    if kind == "tokens":
+        return ("tokens", max(1, budget // v))
+    cols = max(1, budget // n)
+    if cols >= 256:
+        cols -= cols % 128
+    return ("vocab", min(cols, v))
 
 
 def _check(hidden, weight, targets, bias, chunk_size, reduction, num_items):
@@ -121,8 +203,10 @@ def _check(hidden, weight, targets, bias, chunk_size, reduction, num_items):
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"targets has shape {tuple(targets.shape)}; accepted: hidden's leading "
                          f"shape {tuple(hidden.shape[:-1])}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r}; accepted: an integer >= 1 (tokens per chunk)")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r}; accepted: None (the default bound) or an "
+                         "integer >= 1 (logits of that many tokens at once)")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r}; accepted: 'mean' or 'sum'")
     if num_items is not None:
@@ -137,7 +221,7 @@ def _check(hidden, weight, targets, bias, chunk_size, reduction, num_items):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          bias: Optional[torch.Tensor] = None, *, chunk_size: int = 1024,
+                          bias: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None,
                           ignore_index: int = -100, reduction: str = "mean",
                           num_items: Optional[Union[int, float, torch.Tensor]] = None
                           ) -> torch.Tensor:
@@ -149,7 +233,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         targets: class indices, ``hidden``'s leading shape; ``ignore_index`` entries
             do not count.
         bias: ``[V]`` or None.
-        chunk_size: tokens whose logits exist at once (memory: ``chunk_size x V`` fp32).
+        chunk_size: bounds the logits that exist at once to ``chunk_size x V`` values in
+            the matmul's dtype (None: as many as ``hidden`` has, ``N x D``, and at most
+            2**26); the split is by vocabulary slices or by tokens (docs/losses.md).
         reduction: "mean" (over the counted tokens: NaN when none counts, as
             ``F.cross_entropy``) or "sum".
         num_items: with "mean", divide the sum by this instead of the counted tokens
@@ -174,8 +260,11 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     on = torch.is_grad_enabled()
     grads = (on and hidden.requires_grad, on and weight.requires_grad,
              on and bias is not None and bias.requires_grad)
-    return _ChunkedCrossEntropy.apply(h2, weight, bias, t1, scale.reshape(()), chunk_size,
-                                      ignore_index, cdtype, grads)
+    # -1 marks a token that does not count (no column matches it in the kernels).
+    t1 = torch.where(t1 != ignore_index, t1, torch.full_like(t1, -1))
+    plan = _plan(h2.shape[0], v, h2.shape[1], chunk_size)
+    return _ChunkedCrossEntropy.apply(h2, weight, bias, t1, scale.reshape(()), plan, cdtype,
+                                      grads)
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor],

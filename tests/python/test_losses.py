@@ -107,7 +107,10 @@ def test_autocast_runs_the_matmul_in_its_dtype():
         torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-3)
 
 
-def test_no_saved_tensor_has_the_logits_shape():
+@pytest.mark.parametrize("chunk_size", [8, 2, None])
+def test_nothing_of_the_logits_shape_is_kept_for_backward(chunk_size):
+    """Between forward and backward the loss holds its gradients (the sizes of hidden,
+    weight and bias) and autograd saves nothing; the reference saves the logits."""
     n = 64
     hidden, weight, b, targets = _inputs((n,))
     saved = []
@@ -116,14 +119,48 @@ def test_no_saved_tensor_has_the_logits_shape():
         saved.append(tuple(t.shape))
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        chunked_cross_entropy(hidden, weight, targets, b, chunk_size=8)
-    assert saved, "the hook saw nothing: the test would pass vacuously"
-    assert all(s[-1:] != (V,) or len(s) == 1 for s in saved), saved
-    assert all(int(torch.tensor(s).prod()) <= max(n * D, V * D) for s in saved if s), saved
+        loss = chunked_cross_entropy(hidden, weight, targets, b, chunk_size=chunk_size)
+    assert saved == []
+    held = [tuple(t.shape) for t in loss.grad_fn.grads]
+    assert held == [(n, D), (V, D), (V,)]
+    loss.backward()
+    assert loss.grad_fn.grads is None  # handed over, not kept beside the .grad
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        saved.clear()
         _reference(hidden, weight, b, targets, "mean")
     assert (n, V) in saved  # what the reference keeps, and we do not
+
+
+def test_a_second_backward_is_refused_with_a_reason():
+    hidden, weight, b, targets = _inputs((6,))
+    loss = chunked_cross_entropy(hidden, weight, targets, b)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("split", ["tokens", "vocab"])
+@pytest.mark.parametrize("chunk_size", [1, 3, 10])
+def test_both_splits_equal_full_logits(monkeypatch, split, chunk_size):
+    """Note [Two ways to split the logits]: by tokens and by vocabulary slices (chunk_size
+    1 with 30 tokens is one column per slice), including a slice or chunk that ends
+    early and a bias."""
+    monkeypatch.setenv("TRAINSTREAM_CE_SPLIT", split)
+    hidden, weight, b, targets = _inputs((3, 10))
+    targets[1, 2:5] = -100
+    ours = chunked_cross_entropy(hidden, weight, targets, b, chunk_size=chunk_size)
+    ref = _reference(hidden, weight, b, targets, "mean")
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    for a, r in zip(_grads(ours * 0.5, hidden, weight, b), _grads(ref * 0.5, hidden, weight, b)):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+
+
+def test_the_plan_bounds_the_logits_in_flight():
+    from trainstream.losses import _plan
+    assert _plan(30, 37, 16, None) == ("vocab", 16)        # N*D logits: 16 of 37 columns
+    assert _plan(30, 37, 16, 30) == ("tokens", 30)         # all of them fit: one block
+    assert _plan(2048, 151936, 1536, None) == ("vocab", 1536)
+    assert _plan(8192, 151936, 5120, 64) == ("vocab", 1152)  # 64*V/N, to 128 columns
+    assert _plan(1 << 16, 151936, 5120, None) == ("vocab", 1024)  # at most 2**26
 
 
 def test_causal_lm_loss_equals_transformers():
