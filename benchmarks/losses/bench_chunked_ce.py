@@ -8,8 +8,7 @@ for a trained output layer, of the weight are counted for every method alike), a
 gradients' error against fp32 logits (||g - g32|| / ||g32||). Ratios are against
 F.cross_entropy in the same run.
 
-Variants of ours (--variants): "auto" (the defaults), "SPLIT:N" with SPLIT "tokens" or
-"vocab" and N the chunk_size (logits of N tokens at once), "SPLIT:auto".
+Ours at each of --chunks (tokens per chunk; "default" is chunk_size=None, 256).
 
     python benchmarks/losses/bench_chunked_ce.py                # H200: Qwen2.5 shapes
     python benchmarks/losses/bench_chunked_ce.py --tiny         # CPU ok: checks the script
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -48,14 +46,8 @@ def full_logits(h, w, t, chunk):
     return F.cross_entropy(F.linear(h, w).float(), t)
 
 
-def ours(split, chunk):
-    def fn(h, w, t, _):
-        if split is None:
-            os.environ.pop("TRAINSTREAM_CE_SPLIT", None)
-        else:
-            os.environ["TRAINSTREAM_CE_SPLIT"] = split
-        return chunked_cross_entropy(h, w, t, chunk_size=chunk)
-    return fn
+def ours(h, w, t, chunk):
+    return chunked_cross_entropy(h, w, t, chunk_size=chunk)
 
 
 def reference_grads(h, w, t):
@@ -120,7 +112,7 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--variants", default="auto,tokens:256,tokens:1024,vocab:auto,vocab:256")
+    ap.add_argument("--chunks", default="default,128,512,1024")
     ap.add_argument("--source", action="store_true",
                     help="load python/trainstream/losses.py from the checkout, unbuilt")
     ap.add_argument("--shapes", default=None, help="comma-separated names (default: all)")
@@ -130,13 +122,8 @@ def main() -> int:
     dev = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     methods = [("F.cross_entropy (full logits)", full_logits, None)]
-    for spec in args.variants.split(","):
-        split, _, n = spec.partition(":")
-        if split == "auto":
-            methods.append(("trainstream auto", ours(None, None), None))
-        else:
-            chunk = None if n in ("", "auto") else int(n)
-            methods.append((f"trainstream {split} {n or 'auto'}", ours(split, chunk), None))
+    for c in args.chunks.split(","):
+        methods.append((f"trainstream chunk {c}", ours, None if c == "default" else int(c)))
     lg = liger() if cuda else None
     if lg is not None:
         methods.append(("Liger fused linear CE", lg, None))

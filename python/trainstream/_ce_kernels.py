@@ -11,7 +11,7 @@ in the matmul's dtype, contiguous) is read in fp32 registers and never upcast in
 
 Targets are -1 for tokens that do not count (and ``scale`` 0), so no column matches.
 Each has a torch version (CPU, or CUDA without Triton) that does the same arithmetic
-with fp32 temporaries; tests compare the two on the GPU.
+with one fp32 copy of the block; tests compare the two on the GPU.
 """
 from __future__ import annotations
 
@@ -87,16 +87,16 @@ def merge_stats(z, m, l, zt, targets, s0):
         _merge_stats_kernel[(rows,)](z, m, l, zt, targets, s0, cols, BLOCK=_BLOCK,
                                      num_warps=8)
         return
-    zf = z.float()
-    bm = zf.amax(1)
-    nm = torch.maximum(m, bm)
-    old = torch.where(m == float("-inf"), torch.zeros_like(l), l * torch.exp(m - nm))
-    l.copy_(old + torch.exp(zf - nm[:, None]).sum(1))
-    m.copy_(nm)
+    zf = z.float()  # one fp32 copy of the block, reused in place
     local = targets - s0
     inside = (local >= 0) & (local < cols)
     got = zf.gather(1, local.clamp(0, cols - 1)[:, None]).squeeze(1)
     zt.copy_(torch.where(inside, got, zt))
+    bm = zf.amax(1)
+    nm = torch.maximum(m, bm)
+    old = torch.where(m == float("-inf"), torch.zeros_like(l), l * torch.exp(m - nm))
+    l.copy_(old + zf.sub_(nm[:, None]).exp_().sum(1))
+    m.copy_(nm)
 
 
 def write_grad(z, lse, scale, targets, s0):
@@ -109,7 +109,7 @@ def write_grad(z, lse, scale, targets, s0):
         _write_grad_kernel[(rows,)](z, lse, scale, targets, s0, cols, BLOCK=_BLOCK,
                                     num_warps=8)
         return
-    p = torch.exp(z.float() - lse[:, None])
+    p = z.float().sub_(lse[:, None]).exp_()
     local = targets - s0
     inside = ((local >= 0) & (local < cols)).to(p.dtype)
     p.scatter_add_(1, local.clamp(0, cols - 1)[:, None], -inside[:, None])

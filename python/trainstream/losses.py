@@ -5,18 +5,18 @@
 A causal LM's loss is usually ``F.cross_entropy(lm_head(hidden).float(), labels)``: the
 logits of every token, ``tokens x vocab`` values (2,048 tokens of a 152k vocabulary are
 1.2 GB in fp32), kept by autograd for backward. Here the tokens go through the output
-layer ``chunk_size`` at a time, and each chunk's logits become its loss and, in the same
-pass, its gradients (softmax minus one-hot, times the gradients of ``hidden``, ``weight``
-and ``bias``); then they are freed. Backward only scales those gradients by the incoming
-one (a scalar loss's gradient is linear in it). Three matmuls, as the full-logits loss
-does; recomputing the logits in backward instead cost a fourth and measured 1.6-1.9x
-the full loss's time on the H200 (docs/losses.md). Values and gradients equal
-``F.cross_entropy`` on the upcast logits (tests/python/test_losses.py).
+layer ``chunk_size`` (256) at a time, and each chunk's logits become its loss and, in the
+same pass, its gradients: two fused kernels (_ce_kernels.py) read the chunk's logits in
+the matmul's dtype, take each row's log-sum-exp in fp32, and write ``softmax - onehot``
+back over the logits, which two matmuls turn into the chunk's share of the gradients of
+``hidden``, ``weight`` and ``bias``. Backward only scales those gradients by the
+incoming one (a scalar loss's gradient is linear in it). Three matmuls, as the
+full-logits loss does. Values and gradients equal ``F.cross_entropy`` on the upcast
+logits (tests/python/test_losses.py).
 """
 from __future__ import annotations
 
 import numbers
-import os
 from typing import Optional, Union
 
 import torch
@@ -39,19 +39,17 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-# Note [Two ways to split the logits]
-# The logits are tokens x vocab. Split by tokens, a chunk's rows are whole, so one pass
-# gives their loss and gradients (three matmuls in all, as the full-logits loss), but
-# every chunk reads the whole weight and, when it trains, adds into the whole weight
-# gradient: a fixed cost per chunk, so small chunks are slow. Split by vocabulary
-# slices, no row is whole until every slice has been seen: a first pass folds each
-# slice into the rows' running max and sum of exponentials (the log-sum-exp), a second
-# recomputes each slice's logits and forms their gradients (four matmuls in all, three
-# for a frozen weight), and each slice of the weight's gradient is written once. Which
-# is faster at a given memory bound is measured (benchmarks/losses/bench_chunked_ce.py,
-# docs/losses.md); _plan picks it.
-
-
+# Note [Chunks of tokens, 256 by default]
+# Each chunk's rows of logits are whole, so one pass gives their loss and gradients
+# (three matmuls in all, as the full-logits loss), but every chunk reads the whole
+# weight twice and, when it trains, adds into the whole weight gradient: a fixed cost
+# per chunk, so chunks below ~256 tokens make the loss bound by memory traffic. H200,
+# 152k vocabulary (results-h200-2026-12-02-s10-splits.jsonl): 256 tokens ran in
+# 0.92-1.00x F.cross_entropy's time, 128 in 1.17-1.73x. Splitting by vocabulary slices
+# instead (a log-sum-exp pass, then a pass that recomputes each slice's logits and forms
+# its gradients) never re-reads the weight, but cost a fourth matmul (1.2-1.6x) and
+# summed hidden's gradient over the slices in bf16, 4-6x the full loss's error; it was
+# dropped.
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Sum over the counted tokens of ``-log_softmax(logits)[target]``, times ``scale``
     (1, or 1 / the denominator of a mean). With ``grads`` the gradients are formed in
@@ -60,7 +58,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     with explicit casts (autocast is off inside); softmax statistics are fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, plan, cdtype, grads):
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk_size, cdtype, grads):
         need_h, need_w, need_b = grads
         n, v = hidden.shape[0], weight.shape[0]
         dev = hidden.device
@@ -70,51 +68,31 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         l_sum = torch.zeros(n, dtype=torch.float32, device=dev)
         zt = torch.zeros(n, dtype=torch.float32, device=dev)
         grad_h = torch.empty_like(hidden) if need_h else None
-        # A weight gradient in the weight's dtype: split by tokens it is summed over the
-        # chunks (for bf16 one rounding per chunk, each product accumulated in fp32);
-        # split by vocabulary each slice is written once.
+        # The weight's gradient is summed over the chunks in its own dtype (for bf16,
+        # one rounding per chunk, each product accumulated in fp32).
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros(v, dtype=torch.float32, device=dev) if need_b else None
-        kind, width = plan
         with torch.autocast(dev.type, enabled=False):
             h = hidden.to(cdtype).contiguous()
             w = weight.to(cdtype)
             b = bias.to(cdtype) if bias is not None else None
-            buf = torch.empty(width * (v if kind == "tokens" else n), dtype=cdtype, device=dev)
-            if kind == "tokens":
-                for r0 in range(0, n, width):
-                    r1 = min(n, r0 + width)
-                    z = _logits(h[r0:r1], w, b, buf)
-                    _kernels.merge_stats(z, m[r0:r1], l_sum[r0:r1], zt[r0:r1], targets[r0:r1], 0)
-                    if not any(grads):
-                        continue
-                    lse = m[r0:r1] + torch.log(l_sum[r0:r1])
-                    _kernels.write_grad(z, lse, row_scale[r0:r1], targets[r0:r1], 0)
-                    if need_h:
-                        _mm_into(grad_h[r0:r1], z, w, accumulate=False)
-                    if need_w:
-                        _mm_into(grad_w, z.t(), h[r0:r1], accumulate=True)
-                    if need_b:
-                        grad_b += z.sum(0, dtype=torch.float32)
-                lse = m + torch.log(l_sum)
-            else:
-                for s0 in range(0, v, width):
-                    s1 = min(v, s0 + width)
-                    z = _logits(h, w[s0:s1], b[s0:s1] if b is not None else None, buf)
-                    _kernels.merge_stats(z, m, l_sum, zt, targets, s0)
-                lse = m + torch.log(l_sum)
-                if any(grads):
-                    for s0 in range(0, v, width):
-                        s1 = min(v, s0 + width)
-                        z = _logits(h, w[s0:s1], b[s0:s1] if b is not None else None, buf)
-                        _kernels.write_grad(z, lse, row_scale, targets, s0)
-                        if need_h:
-                            _mm_into(grad_h, z, w[s0:s1], accumulate=s0 > 0)
-                        if need_w:
-                            _mm_into(grad_w[s0:s1], z.t(), h, accumulate=False)
-                        if need_b:
-                            grad_b[s0:s1] = z.sum(0, dtype=torch.float32)
+            buf = torch.empty(min(n, chunk_size) * v, dtype=cdtype, device=dev)
+            for r0 in range(0, n, chunk_size):
+                r1 = min(n, r0 + chunk_size)
+                z = _logits(h[r0:r1], w, b, buf)
+                _kernels.merge_stats(z, m[r0:r1], l_sum[r0:r1], zt[r0:r1], targets[r0:r1], 0)
+                if not any(grads):
+                    continue
+                lse = m[r0:r1] + torch.log(l_sum[r0:r1])
+                _kernels.write_grad(z, lse, row_scale[r0:r1], targets[r0:r1], 0)
+                if need_h:
+                    _mm_into(grad_h[r0:r1], z, w, accumulate=False)
+                if need_w:
+                    _mm_into(grad_w, z.t(), h[r0:r1], accumulate=True)
+                if need_b:
+                    grad_b += z.sum(0, dtype=torch.float32)
             del buf
+        lse = m + torch.log(l_sum)
         per_token = torch.where(counted, lse - zt, torch.zeros_like(zt))
         # Held on ctx, not saved: backward hands them to autograd and drops its own
         # reference, so a leaf's .grad takes the buffer instead of a copy.
@@ -165,25 +143,8 @@ def _mm_into(out, a, b, accumulate):
         out.copy_(a.to(out.dtype) @ b.to(out.dtype))
 
 
-# Logits in flight by default (chunk_size=None): as many values as ``hidden`` has, and
-# at most this many (128 MiB in bf16).
-_AUTO_LOGITS = 1 << 26
-
-
-def _plan(n: int, v: int, d: int, chunk_size: Optional[int]):
-    """How forward splits the logits (Note [Two ways to split the logits]): ("tokens",
-    rows per chunk) or ("vocab", columns per slice), holding at most ``chunk_size * V``
-    logits at once (default: ``min(N * D, 2**26)``)."""
-    budget = chunk_size * v if chunk_size is not None else min(max(n, 1) * d, _AUTO_LOGITS)
-    if n * v <= budget:
-        return ("tokens", max(n, 1))
-    kind = os.environ.get("TRAINSTREAM_CE_SPLIT", "vocab")
-    if kind == "tokens":
-        return ("tokens", max(1, budget // v))
-    cols = max(1, budget // n)
-    if cols >= 256:
-        cols -= cols % 128
-    return ("vocab", min(cols, v))
+# Tokens per chunk by default: Note [Chunks of tokens, 256 by default].
+DEFAULT_CHUNK_SIZE = 256
 
 
 def _check(hidden, weight, targets, bias, chunk_size, reduction, num_items):
@@ -205,8 +166,8 @@ def _check(hidden, weight, targets, bias, chunk_size, reduction, num_items):
                          f"shape {tuple(hidden.shape[:-1])}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):
-        raise ValueError(f"chunk_size={chunk_size!r}; accepted: None (the default bound) or an "
-                         "integer >= 1 (logits of that many tokens at once)")
+        raise ValueError(f"chunk_size={chunk_size!r}; accepted: None (256) or an integer >= 1 "
+                         "(tokens per chunk)")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r}; accepted: 'mean' or 'sum'")
     if num_items is not None:
@@ -233,9 +194,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         targets: class indices, ``hidden``'s leading shape; ``ignore_index`` entries
             do not count.
         bias: ``[V]`` or None.
-        chunk_size: bounds the logits that exist at once to ``chunk_size x V`` values in
-            the matmul's dtype (None: as many as ``hidden`` has, ``N x D``, and at most
-            2**26); the split is by vocabulary slices or by tokens (docs/losses.md).
+        chunk_size: tokens whose logits exist at once (``chunk_size x V`` values in the
+            matmul's dtype); None: 256 (TrainStream 0.5 used 1024: docs/losses.md).
         reduction: "mean" (over the counted tokens: NaN when none counts, as
             ``F.cross_entropy``) or "sum".
         num_items: with "mean", divide the sum by this instead of the counted tokens
@@ -262,9 +222,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
              on and bias is not None and bias.requires_grad)
     # -1 marks a token that does not count (no column matches it in the kernels).
     t1 = torch.where(t1 != ignore_index, t1, torch.full_like(t1, -1))
-    plan = _plan(h2.shape[0], v, h2.shape[1], chunk_size)
-    return _ChunkedCrossEntropy.apply(h2, weight, bias, t1, scale.reshape(()), plan, cdtype,
-                                      grads)
+    return _ChunkedCrossEntropy.apply(h2, weight, bias, t1, scale.reshape(()),
+                                      chunk_size or DEFAULT_CHUNK_SIZE, cdtype, grads)
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor],

@@ -107,7 +107,7 @@ def test_autocast_runs_the_matmul_in_its_dtype():
         torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("chunk_size", [8, 2, None])
+@pytest.mark.parametrize("chunk_size", [8, 64, None])
 def test_nothing_of_the_logits_shape_is_kept_for_backward(chunk_size):
     """Between forward and backward the loss holds its gradients (the sizes of hidden,
     weight and bias) and autograd saves nothing; the reference saves the logits."""
@@ -138,29 +138,15 @@ def test_a_second_backward_is_refused_with_a_reason():
         loss.backward()
 
 
-@pytest.mark.parametrize("split", ["tokens", "vocab"])
-@pytest.mark.parametrize("chunk_size", [1, 3, 10])
-def test_both_splits_equal_full_logits(monkeypatch, split, chunk_size):
-    """Note [Two ways to split the logits]: by tokens and by vocabulary slices (chunk_size
-    1 with 30 tokens is one column per slice), including a slice or chunk that ends
-    early and a bias."""
-    monkeypatch.setenv("TRAINSTREAM_CE_SPLIT", split)
-    hidden, weight, b, targets = _inputs((3, 10))
-    targets[1, 2:5] = -100
-    ours = chunked_cross_entropy(hidden, weight, targets, b, chunk_size=chunk_size)
+def test_default_chunk_is_256_tokens():
+    from trainstream.losses import DEFAULT_CHUNK_SIZE
+    assert DEFAULT_CHUNK_SIZE == 256
+    hidden, weight, b, targets = _inputs((600,))  # three chunks, the last one short
+    ours = chunked_cross_entropy(hidden, weight, targets, b)
     ref = _reference(hidden, weight, b, targets, "mean")
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
-    for a, r in zip(_grads(ours * 0.5, hidden, weight, b), _grads(ref * 0.5, hidden, weight, b)):
+    for a, r in zip(_grads(ours, hidden, weight, b), _grads(ref, hidden, weight, b)):
         torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
-
-
-def test_the_plan_bounds_the_logits_in_flight():
-    from trainstream.losses import _plan
-    assert _plan(30, 37, 16, None) == ("vocab", 16)        # N*D logits: 16 of 37 columns
-    assert _plan(30, 37, 16, 30) == ("tokens", 30)         # all of them fit: one block
-    assert _plan(2048, 151936, 1536, None) == ("vocab", 1536)
-    assert _plan(8192, 151936, 5120, 64) == ("vocab", 1152)  # 64*V/N, to 128 columns
-    assert _plan(1 << 16, 151936, 5120, None) == ("vocab", 1024)  # at most 2**26
 
 
 def test_causal_lm_loss_equals_transformers():
@@ -196,7 +182,7 @@ def test_causal_lm_loss_equals_a_qwen2_models_loss():
     (lambda h, w, t: chunked_cross_entropy(h, w[:, :3], t), "weight must be"),
     (lambda h, w, t: chunked_cross_entropy(h, w, t[:, :2]), "targets has shape"),
     (lambda h, w, t: chunked_cross_entropy(h, w, t.float()), "integer tensor"),
-    (lambda h, w, t: chunked_cross_entropy(h, w, t, chunk_size=0), "chunk_size=0"),
+    (lambda h, w, t: chunked_cross_entropy(h, w, t, chunk_size=0), "chunk_size=0.*None"),
     (lambda h, w, t: chunked_cross_entropy(h, w, t, reduction="none"), "reduction='none'"),
     (lambda h, w, t: chunked_cross_entropy(h, w, t, reduction="sum", num_items=3), "num_items"),
     (lambda h, w, t: chunked_cross_entropy(h, w, t, bias=torch.zeros(3)), "bias must be"),

@@ -225,15 +225,13 @@ def test_cuda_matches_upcast_logits(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
-@pytest.mark.parametrize("split", ["tokens", "vocab"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_kernels_equal_the_torch_ones(monkeypatch, split, dtype):
+def test_triton_kernels_equal_the_torch_ones(monkeypatch, dtype):
     """The fused row kernels (python/trainstream/_ce_kernels.py) against the torch
-    version of the same arithmetic, both splits, columns not a multiple of the block."""
+    version of the same arithmetic; 5003 columns are not a multiple of the block."""
     from trainstream import _ce_kernels
     if _ce_kernels.triton is None:
         pytest.fail("CUDA without Triton: torch's CUDA wheels ship it")
-    monkeypatch.setenv("TRAINSTREAM_CE_SPLIT", split)
     g = torch.Generator(device="cuda").manual_seed(3)
     n, d, v = 300, 64, 5003
     h = torch.randn(n, d, device="cuda", generator=g).to(dtype).requires_grad_()

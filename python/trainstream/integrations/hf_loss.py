@@ -109,16 +109,20 @@ def chunked_causal_lm_loss(model: nn.Module, lm: CausalLMHead, inputs: Dict[str,
                           num_items=num_items)
 
 
-def workspace_bytes(lm: CausalLMHead, chunk_size: int, compute_dtype: torch.dtype) -> int:
+def workspace_bytes(lm: CausalLMHead, chunk_size: Optional[int],
+                    compute_dtype: torch.dtype) -> int:
     """Device memory the chunked loss takes during one step and the memory planner does
-    not see: a chunk's logits in the matmul dtype and as fp32 log-probabilities, the
-    head's gradient (held from the loss's forward to its backward) when the head
-    trains, and the head's weight cast to the matmul dtype when it is stored in
-    another."""
+    not see: a chunk's logits in the matmul dtype (and an fp32 copy where the fused
+    kernels do not run: no Triton), the head's gradient (held from the loss's forward to
+    its backward) when the head trains, and the head's weight cast to the matmul dtype
+    when it is stored in another."""
+    from .. import _ce_kernels
+    from ..losses import DEFAULT_CHUNK_SIZE
     w = lm.head.weight
     vocab, hidden = w.shape
     elem = torch.empty((), dtype=compute_dtype).element_size()
-    total = chunk_size * vocab * (elem + 4)
+    fp32_copy = 0 if _ce_kernels.triton is not None and w.is_cuda else 4
+    total = (chunk_size or DEFAULT_CHUNK_SIZE) * vocab * (elem + fp32_copy)
     if w.requires_grad:
         total += vocab * hidden * w.element_size()
     if w.dtype != compute_dtype:

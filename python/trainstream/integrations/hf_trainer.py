@@ -36,7 +36,7 @@ _FROM_ARGS = {"max_grad_norm": "max_grad_norm", "accumulation_steps": "gradient_
 # (docs/huggingface-trainer.md, point 3). False and "auto" ask for nothing.
 _PAGING_OPTIONS = ("param_offload", "activation_offload", "recompute", "vram_limit")
 # TrainStreamTrainer's own options, taken out before the rest goes to wrap().
-_LOSS_OPTIONS = {"chunked_loss": True, "loss_chunk_size": 1024}
+_LOSS_OPTIONS = {"chunked_loss": True, "loss_chunk_size": None}
 
 
 class _TrainStreamSteps(TrainerCallback):
@@ -63,9 +63,10 @@ def _loss_options(options: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError(f"option chunked_loss={out['chunked_loss']!r} is not accepted; "
                          "accepted: True or False")
     size = out["loss_chunk_size"]
-    if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"option loss_chunk_size={size!r} is not accepted; accepted: an "
-                         "integer >= 1 (tokens per chunk)")
+    if size is not None and (not isinstance(size, numbers.Integral) or isinstance(size, bool)
+                             or size < 1):
+        raise ValueError(f"option loss_chunk_size={size!r} is not accepted; accepted: None "
+                         "(256) or an integer >= 1 (tokens per chunk)")
     return out
 
 
@@ -99,7 +100,8 @@ class TrainStreamTrainer(Trainer):
     * ``chunked_loss`` (default True): a causal LM's loss is computed from its last
       hidden state in chunks, so the full logits never exist (hf_loss.py); other models
       keep their own loss;
-    * ``loss_chunk_size`` (default 1024): tokens per chunk.
+    * ``loss_chunk_size`` (default None: 256, as ``chunked_cross_entropy``; TrainStream
+      0.5 used 1024): tokens per chunk.
 
     Not accepted there: what the ``TrainingArguments`` already say (``max_grad_norm``,
     ``gradient_accumulation_steps``, ``learning_rate``, and the device). With paging
