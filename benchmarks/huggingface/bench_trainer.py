@@ -97,6 +97,18 @@ def _timer_callback(result, warmup, cuda):
     return Timer()
 
 
+def _events(model) -> list:
+    """memory_report(model)["events"] of the model TrainStream wrapped (a PEFT model's
+    base), or [] when it was not wrapped yet."""
+    import trainstream
+    inner = model
+    if getattr(inner, "_trainstream_session", None) is None and hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    if getattr(inner, "_trainstream_session", None) is None:
+        return []
+    return trainstream.memory_report(inner).get("events", [])[-30:]
+
+
 def run_case(args) -> dict:
     import torch
     import transformers
@@ -143,7 +155,12 @@ def run_case(args) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    except Exception as e:
+        # What the memory controller decided before the failure, and at which step.
+        e.ts_report = {"steps_done": len(timer.times), "events": _events(trainer.model)}
+        raise
     result["train_s"] = round(time.perf_counter() - t0, 1)
     measured = timer.times[args.warmup:]
     import trainstream
@@ -188,7 +205,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 (reported, not hidden)
             import traceback
             r = {"case": args.case, "error": f"{type(e).__name__}: {str(e)[:800]}",
-                 "trace": traceback.format_exc()[-2000:]}
+                 "trace": traceback.format_exc()[-2000:], **getattr(e, "ts_report", {})}
         print("RESULT " + json.dumps(r), flush=True)
         return 0
     from bench_paging import run_case_process, start_daemon  # noqa: E402 (benchmarks/paging)

@@ -87,7 +87,9 @@ def merge_stats(z, m, l, zt, targets, s0):
         _merge_stats_kernel[(rows,)](z, m, l, zt, targets, s0, cols, BLOCK=_BLOCK,
                                      num_warps=8)
         return
-    zf = z.float()  # one fp32 copy of the block, reused in place
+    # One fp32 copy of the block, reused in place (for an fp32 block .float() would be
+    # the block itself, which write_grad still reads).
+    zf = z.clone() if z.dtype == torch.float32 else z.float()
     local = targets - s0
     inside = (local >= 0) & (local < cols)
     got = zf.gather(1, local.clamp(0, cols - 1)[:, None]).squeeze(1)
