@@ -77,14 +77,14 @@ if triton is not None:
             tl.store(base + idx, g.to(z_ptr.dtype.element_ty), mask=mask)
 
 
-def merge_stats(z, m, l, zt, targets, s0):
-    """Folds logits block ``z`` [rows, cols] (columns ``s0 ..``) into ``m``/``l`` and
+def merge_stats(z, m, lsum, zt, targets, s0):
+    """Folds logits block ``z`` [rows, cols] (columns ``s0 ..``) into ``m``/``lsum`` and
     picks ``zt`` (all fp32 [rows], updated in place)."""
     rows, cols = z.shape
     if rows == 0:
         return
     if triton_usable(z):
-        _merge_stats_kernel[(rows,)](z, m, l, zt, targets, s0, cols, BLOCK=_BLOCK,
+        _merge_stats_kernel[(rows,)](z, m, lsum, zt, targets, s0, cols, BLOCK=_BLOCK,
                                      num_warps=8)
         return
     # One fp32 copy of the block, reused in place (for an fp32 block .float() would be
@@ -96,8 +96,8 @@ def merge_stats(z, m, l, zt, targets, s0):
     zt.copy_(torch.where(inside, got, zt))
     bm = zf.amax(1)
     nm = torch.maximum(m, bm)
-    old = torch.where(m == float("-inf"), torch.zeros_like(l), l * torch.exp(m - nm))
-    l.copy_(old + zf.sub_(nm[:, None]).exp_().sum(1))
+    old = torch.where(m == float("-inf"), torch.zeros_like(lsum), lsum * torch.exp(m - nm))
+    lsum.copy_(old + zf.sub_(nm[:, None]).exp_().sum(1))
     m.copy_(nm)
 
 
