@@ -28,14 +28,16 @@ from .losses import causal_lm_loss, chunked_cross_entropy
 from .memory.capacity import HardwareProfile, profile_hardware
 from .optim import OffloadAdamW
 from .optim.daemon_backend import DaemonBackend as GradientOffloader
+from .optim.param_ready import ParamReadyHooks
 from .streaming.activations import ActivationOffloader
 from .streaming.weights import BlockPager as ParamPager
 from ._native.runtime_check import check_torch as _check_torch
 
-# GradientOffloader and ParamPager are the reference API's names for parts wrap() and
-# OffloadAdamW build (the gradients' path to the daemon during backward; weight
-# paging of the block stack); exported for inspection and isinstance checks, not meant
-# to be constructed by hand.
+# GradientOffloader, ParamPager and ParamReadyHooks are the reference API's names for
+# parts wrap() and OffloadAdamW build (the gradients' path to the daemon during
+# backward; weight paging of the block stack; reads of a weight waiting for its
+# in-flight update, guard_params); exported for inspection and isinstance checks, not
+# meant to be constructed by hand.
 
 __version__ = "0.1.0"  # the one place (CMakeLists.txt and pyproject.toml read it)
 
@@ -46,7 +48,8 @@ __all__ = [
     "ActivationOffloader", "DaemonError", "NonFiniteGradientError", "OffloadAdamW", "TrainStreamError",
     "TrainStreamSession", "find_blocks", "memory_report", "pinned_stats", "transfer_stats",
     "unwrap", "wrap", "quantize_tensor", "quantize_model", "QuantizedTensor", "profile_hardware",
-    "HardwareProfile", "ParamPager", "GradientOffloader", "chunked_cross_entropy", "causal_lm_loss",
+    "HardwareProfile", "ParamPager", "GradientOffloader", "ParamReadyHooks",
+    "chunked_cross_entropy", "causal_lm_loss",
 ]
 
 

@@ -82,6 +82,7 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                   numel=stats["numel"])
     memory.stream(model, opt, session, prepared)
     memory.adapt(model, opt, session, prepared)
+    opt.attach(model)  # guard_params: ParamReadyHooks on the model's modules
     setattr(model, _SESSION_ATTR, session)
     return model, opt
 

@@ -125,7 +125,7 @@ def test_import_trainstream_loads_no_compiled_module():
                      "find_blocks", "OffloadAdamW", "ActivationOffloader", "TrainStreamSession",
                      "TrainStreamError", "DaemonError", "NonFiniteGradientError",
                      "quantize_tensor", "quantize_model", "QuantizedTensor", "profile_hardware",
-                     "HardwareProfile", "ParamPager", "GradientOffloader"]),
+                     "HardwareProfile", "ParamPager", "GradientOffloader", "ParamReadyHooks"]),
     # Documented in docs/quantization.md, docs/base-cache.md and the README.
     ("trainstream.quantization", ["quantize_tensor", "quantize_model", "quant_report",
                                   "QuantizedTensor", "QuantLinear"]),
@@ -147,4 +147,4 @@ def test_the_public_names_stay():
         "TrainStreamError", "TrainStreamSession", "find_blocks", "memory_report",
         "pinned_stats", "transfer_stats", "unwrap", "wrap", "quantize_tensor",
         "quantize_model", "QuantizedTensor", "profile_hardware", "HardwareProfile", "ParamPager",
-        "GradientOffloader", "chunked_cross_entropy", "causal_lm_loss"])
+        "GradientOffloader", "ParamReadyHooks", "chunked_cross_entropy", "causal_lm_loss"])

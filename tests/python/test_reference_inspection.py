@@ -250,13 +250,16 @@ def test_find_blocks_none_is_empty():
 # --------------------------------------------------------------- exported internals
 def test_exported_internals_are_the_real_classes():
     from trainstream.optim.daemon_backend import DaemonBackend
+    from trainstream.optim.param_ready import ParamReadyHooks
     from trainstream.streaming.weights import BlockPager
     assert trainstream.ParamPager is BlockPager
     assert trainstream.GradientOffloader is DaemonBackend
-    for name in ("ParamPager", "GradientOffloader", "HardwareProfile", "ActivationOffloader"):
+    assert trainstream.ParamReadyHooks is ParamReadyHooks
+    for name in ("ParamPager", "GradientOffloader", "ParamReadyHooks", "HardwareProfile",
+                 "ActivationOffloader"):
         assert name in trainstream.__all__
-    assert "not meant to be constructed by hand" in " ".join(BlockPager.__doc__.split())
-    assert "not meant to be constructed by hand" in " ".join(DaemonBackend.__doc__.split())
+    for cls in (BlockPager, DaemonBackend, ParamReadyHooks):
+        assert "not meant to be constructed by hand" in " ".join(cls.__doc__.split()), cls
 
 
 def test_wrap_builds_the_exported_internals(daemon):
@@ -265,6 +268,7 @@ def test_wrap_builds_the_exported_internals(daemon):
                                  min_offload_bytes=0)
     assert isinstance(ours._trainstream_session.pager, trainstream.ParamPager)
     assert opt.optimizer_mode == "cpu"  # DaemonBackend (GradientOffloader) posts the grads
+    assert isinstance(opt.param_ready_hooks, trainstream.ParamReadyHooks)  # guard_params
     trainstream.unwrap(ours)
 
 

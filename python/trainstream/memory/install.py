@@ -204,6 +204,7 @@ def stream(model: nn.Module, opt, session, prepared: Prepared) -> Optional[Block
     pager = BlockPager(prepared.blocks, prepared.device, paged=plan.paged,
                        prefetch_depth=config["prefetch_depth"], offloader=offloader,
                        grad_sink=opt.accept_grad, host_home=opt.host_home,
+                       before_read=opt.weights_ready,
                        min_paged_bytes=config["min_offload_bytes"])
     attention = AttentionSelector(config["attention"], prepared.device, session.event)
     pager.attention_context = attention.context

@@ -64,6 +64,10 @@ class ParamTable:
         self.step_id = 0  # the last step ended (applied, skipped or rejected)
         self._groups_checked = 0  # the step whose hyperparameters were last checked
         self.dp: Any = None  # data_parallel.DataParallelPlan, or None
+        # Updates handed over in backward that can land before step() ends (the window
+        # ParamReadyHooks guards, param_ready.py), not landed yet: id(param) -> entry.
+        # Cleared, never replaced: the hooks hold this dict.
+        self.in_flight: Dict[int, ParamEntry] = {}
         self.event: Callable[..., None] = self._print_event
         self.stats: Dict[str, Any] = {"steps": 0, "skipped_steps": 0, "grads_posted": 0,
                                       "bytes_d2h": 0, "bytes_h2d": 0, "step_wait_s": 0.0}
@@ -95,6 +99,7 @@ class ParamTable:
                    for e in self.entries.values())
 
     def clear_pending(self) -> None:
+        self.in_flight.clear()
         for e in self.entries.values():
             e.backward_count = 0
             e.posted_step = 0
@@ -178,6 +183,15 @@ class Backend(Protocol):
 
     def synchronize(self) -> None:
         """Waits until every update posted so far is finished."""
+
+    def lands_early(self) -> bool:
+        """Whether an update handed over in backward can land before step() ends (then
+        ``ParamTable.in_flight`` lists those not landed yet); False: nothing changes a
+        weight between backward and step(), and ``land`` has nothing to do."""
+
+    def land(self, entries: List[ParamEntry]) -> None:
+        """Returns once the in-flight update of each of ``entries`` has landed in the
+        weight that the next read sees (taking them off ``ParamTable.in_flight``)."""
 
     def state_dict(self) -> Dict[str, Any]:
         """``torch.optim.AdamW``'s format (plus ``master_weight`` where kept)."""

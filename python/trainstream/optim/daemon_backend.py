@@ -33,12 +33,14 @@ from .daemon_session import STEP_REPLIES, DaemonSession
 
 
 @dataclass
-class _Finishing:
-    """A step being ended (_finish_step): what is still awaited, and what came."""
+class _StepReplies:
+    """What the daemon has answered for the pending step: the PARAM_READYs taken (by
+    ``land`` before step(), or by _finish_step), the gradients it rejected and the
+    STEP_DONE (Note [Replies taken before step()])."""
     step: int
-    pending: Set[int]  # param_ids whose PARAM_READY has not come
+    ready: Set[int] = field(default_factory=set)  # param_ids whose PARAM_READY came
     result: Dict[str, Any] = field(default_factory=dict)  # the STEP_DONE completion
-    rejected: List[Tuple[str, str]] = field(default_factory=list)  # (name, why)
+    rejected: Dict[int, Tuple[str, str]] = field(default_factory=dict)  # id -> (name, why)
     end_sent: bool = False
 
 
@@ -53,7 +55,9 @@ class DaemonBackend:
     def __init__(self, table: ParamTable, session: DaemonSession):
         self._table = table
         self._session = session
-        self._finishing: Optional[_Finishing] = None  # the step being ended, if interrupted
+        # The pending step's replies taken so far (by land(), or by a _finish_step that
+        # was interrupted); None when none was.
+        self._replies: Optional[_StepReplies] = None
         self._last_grad_norm: Optional[float] = None
         session.rejected_grad = self._rejected_grad
 
@@ -109,7 +113,7 @@ class DaemonBackend:
         for e in self._table.entries.values():
             e.grad_slot = e.param_slot = None
             e.posted_step = 0
-        self._finishing = None
+        self._replies = None
 
     # -------------------------------------------------------------- data plane
     def check_alive(self, in_backward: bool = False) -> None:
@@ -119,6 +123,7 @@ class DaemonBackend:
         self._session.ensure_alive(in_backward=True)
         if self._table.count_backward(e):
             self._post_grad(e)
+            self._mark_in_flight(e)
 
     def accept_grad(self, e: ParamEntry, grad: torch.Tensor) -> bool:
         self._session.ensure_alive(in_backward=True)
@@ -128,6 +133,7 @@ class DaemonBackend:
         e.external_grad = grad if e.external_grad is None else e.external_grad + grad
         if final:
             self._post_grad(e, e.external_grad)
+            self._mark_in_flight(e)
             e.external_grad = None
             # Nothing reads it again (p.grad never held it, so step() has no change to
             # check) and the copy keeps its memory until done: held here, every paged
@@ -153,6 +159,20 @@ class DaemonBackend:
         e.posted_version = p_grad._version
         t.stats["grads_posted"] += 1
         t.stats["bytes_d2h"] += grad.numel() * grad.element_size()
+
+    def lands_early(self) -> bool:
+        """Whether the daemon can update a weight whose gradient backward posted before
+        step() ends: in eager mode (no clipping, whose updates wait for StepEnd), except
+        on local rank 0 of a group spanning machines, whose own step() all-reduces the
+        sums the updates wait for (its other ranks can see them land any time)."""
+        t = self._table
+        if not t.posts_in_backward() or t.options["max_grad_norm"] is not None:
+            return False
+        return not (t.in_group() and t.dp.nnodes > 1 and t.dp.leader)
+
+    def _mark_in_flight(self, e: ParamEntry) -> None:
+        if self.lands_early():
+            self._table.in_flight[id(e.param)] = e
 
     def _rejected_grad(self, c) -> Optional[ParamEntry]:
         """The parameter whose gradient, posted for the pending step, the ERROR ``c``
@@ -222,61 +242,113 @@ class DaemonBackend:
     # checks every group's hyperparameters before the first gradient of a step leaves
     # and again in step() (ParamTable.check_groups), so a scheduler's bad value raises
     # ValueError before the daemon sees any of the step; the daemon's own check remains
-    # for the rest. A wait interrupted part way (Ctrl-C) leaves self._finishing, so the
+    # for the rest. A wait interrupted part way (Ctrl-C) leaves self._replies, so the
     # next step() or zero_grad() sends no second StepEnd and waits only for what is
     # missing.
+    #
+    # Note [Replies taken before step()]
+    # In eager mode the daemon answers PARAM_READY for each parameter as soon as its
+    # update is written, during backward. ParamReadyHooks (param_ready.py) may take some
+    # of those before step(), through land(): a read of a weight between backward and
+    # step() waits for its update. land() and _finish_step share one _StepReplies per
+    # step and apply a reply the same way (_take: the new weight is copied in, once), so
+    # _finish_step waits only for what neither has taken, and a rejection land() took
+    # is still reported by step(). land() keeps no reply for later (keep=()): every one
+    # it reads is applied or recorded here, so none is applied twice.
+    def _replies_for(self, step: int) -> _StepReplies:
+        r = self._replies
+        if r is None or r.step != step:
+            r = self._replies = _StepReplies(step)
+        return r
+
+    def _take(self, c, r: _StepReplies) -> Optional[int]:
+        """Applies one reply of step ``r.step``: a PARAM_READY copies the new weight into
+        the parameter (a paged weight's home is its param slot: nothing to copy) and
+        returns its param_id; a STEP_DONE is recorded. Anything else: None."""
+        op = c["opcode"]
+        if op == OP_STEP_DONE and c["step"] == r.step:
+            r.result.update(c)
+            return None
+        if op != OP_PARAM_READY or c["step"] != r.step:
+            return None
+        t = self._table
+        e = t.by_id[c["param_id"]]
+        if e.param_id not in r.ready:
+            if e.param.data_ptr() != e.param_slot.data_ptr():
+                self._session.plane.copy_param(e.param, e.param_slot)
+                t.stats["bytes_h2d"] += e.param_slot.numel() * e.param_slot.element_size()
+            r.ready.add(e.param_id)
+        t.in_flight.pop(id(e.param), None)
+        return e.param_id
+
+    def land(self, entries: List[ParamEntry]) -> None:
+        """Waits for the PARAM_READY of each of ``entries`` whose update is in flight and
+        copies the new weight in, as _finish_step would; every other reply of the step
+        read meanwhile is applied too (Note [Replies taken before step()]). A gradient
+        the daemon rejected meanwhile stops the wait for it; step() reports it."""
+        t = self._table
+        waiting = {e.param_id for e in entries if id(e.param) in t.in_flight}
+        if not waiting:
+            return
+        r = self._replies_for(t.step_id + 1)
+
+        def want(c):
+            waiting.discard(self._take(c, r))
+            return not waiting
+
+        def on_error(c):
+            e = self._rejected_grad(c)
+            if e is None:
+                return False
+            r.rejected[e.param_id] = (e.name, c["message"])
+            t.in_flight.pop(id(e.param), None)
+            waiting.discard(e.param_id)
+            return True
+        self._session.wait(want, on_error=on_error)
+
     def _finish_step(self, step: int, posted: List[ParamEntry], t0: float) -> Dict[str, Any]:
         """Ends ``step`` in the daemon with the gradients in ``posted``, copies each new
         weight in as it is ready, and clears every parameter's pending state. Returns the
         step's completion (status, grad_norm, message, and "rejected": (name, why) for
         each gradient the daemon left out). Interrupted (Ctrl-C, a timeout), a later call
         for the same step goes on where this one stopped: the step end is sent once, and
-        the replies already taken are not waited for again."""
+        the replies already taken (here or by land()) are not waited for again."""
         t, session = self._table, self._session
         plane = session.plane
-        f = self._finishing
-        if f is None or f.step != step:
-            f = self._finishing = _Finishing(step, {e.param_id for e in posted})
+        r = self._replies_for(step)
+        missing = {e.param_id for e in posted} - r.ready - r.rejected.keys()
 
         def on_completion(c):
-            op = c["opcode"]
-            if op == OP_PARAM_READY and c["step"] == step:
-                e = t.by_id[c["param_id"]]
-                if e.param.data_ptr() != e.param_slot.data_ptr():
-                    # (A paged weight's home is its param slot: nothing to copy.)
-                    plane.copy_param(e.param, e.param_slot)
-                    t.stats["bytes_h2d"] += e.param_slot.numel() * e.param_slot.element_size()
-                f.pending.discard(e.param_id)
-            elif op == OP_STEP_DONE and c["step"] == step:
-                f.result.update(c)
-        if not f.end_sent:
+            missing.discard(self._take(c, r))
+        if not r.end_sent:
             if t.in_group() and t.dp.nnodes > 1 and t.dp.leader:
                 session.data_plane(t.dp.reduce_machine_sums, session.wait,
                                    plane.post_grad_reduced, step, posted, on_completion)
             session.data_plane(plane.post_step_end, step, len(posted))
-            f.end_sent = True
+            r.end_sent = True
 
         def want(c):
             on_completion(c)
-            return "opcode" in f.result and not f.pending
+            return "opcode" in r.result and not missing
 
         def on_error(c):
             # A gradient the daemon rejected is not part of the step: the step ends with
             # the others, which step() reports (Note [A rejected gradient ends its step]).
             e = self._rejected_grad(c)
-            if e is None or e.param_id not in f.pending:
+            if e is None or e.param_id not in missing:
                 return False
-            f.pending.discard(e.param_id)
-            f.rejected.append((e.name, c["message"]))
+            missing.discard(e.param_id)
+            r.rejected[e.param_id] = (e.name, c["message"])
             return True
-        session.wait(want, on_error=on_error)
-        self._finishing = None
+        if not ("opcode" in r.result and not missing):  # (an interrupted wait took it all)
+            session.wait(want, on_error=on_error)
+        self._replies = None
         t.stats["step_wait_s"] += time.monotonic() - t0
         t.clear_pending()
         t.step_id = step
-        result = f.result
-        if f.rejected:
-            result["rejected"] = f.rejected
+        result = r.result
+        if r.rejected:
+            result["rejected"] = list(r.rejected.values())
         return result
 
     def before_zero_grad(self) -> None:

@@ -214,13 +214,15 @@ class DaemonSession:
         ``want`` passes over with an opcode in ``keep`` is kept for a later wait (a step's
         PARAM_READY arriving while synchronize() or state_dict() waits for its own);
         kept ones are offered first. A rejected command (ERROR) goes to ``on_error(c)``;
-        unless that returns True (the caller takes it), it raises, except that a rejected
-        gradient of the pending step is kept for step() when ``keep`` holds step replies."""
+        when that returns True (the caller takes it), ``want(c)`` then says whether the
+        wait is over (the error may have been the last thing awaited); otherwise it
+        raises, except that a rejected gradient of the pending step is kept for step()
+        when ``keep`` holds step replies."""
         def offer(c) -> bool:
             op = c["opcode"]
             if op == OP_ERROR:
                 if on_error is not None and on_error(c):
-                    return False
+                    return bool(want(c))
                 if OP_PARAM_READY in keep and self.rejected_grad(c) is not None:
                     self._backlog.append(c)
                     return False

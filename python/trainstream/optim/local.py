@@ -73,6 +73,12 @@ class LocalBackend:
     def synchronize(self) -> None:
         pass
 
+    def lands_early(self) -> bool:
+        return False  # torch's AdamW updates in step(), on the current stream
+
+    def land(self, entries: List[ParamEntry]) -> None:
+        pass
+
     def last_grad_norm(self) -> Any:
         return self._last_grad_norm
 

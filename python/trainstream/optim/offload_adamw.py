@@ -28,6 +28,7 @@ from .backend import DTYPE_NAMES, Backend, ParamEntry, ParamTable
 from .daemon_backend import DaemonBackend
 from .daemon_session import DaemonSession
 from .local import LocalBackend
+from .param_ready import ParamReadyHooks
 from .zero_copy import ZeroCopyBackend, unavailable_reason
 
 
@@ -42,6 +43,17 @@ def _weak_hook(opt: "OffloadAdamW") -> Callable[[torch.Tensor], None]:
         if o is not None:
             o._on_grad_final(p)
     return hook
+
+
+def _weak_call(opt: "OffloadAdamW", method: str) -> Callable[..., Any]:
+    """``opt.<method>``, holding ``opt`` weakly (for ParamReadyHooks, whose module
+    hooks must not keep a discarded optimizer alive either)."""
+    ref = weakref.ref(opt)
+
+    def call(*args):
+        o = ref()
+        return getattr(o, method)(*args) if o is not None else None
+    return call
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -67,6 +79,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Called before the daemon session ends (offload="auto" going local, unwrap):
         # users of the session's memory outside the optimizer (activation pages) move out.
         self.before_detach: List[Callable[[], None]] = []
+        # guard_params: the hooks while attached (module hooks once a model is known),
+        # and that model, held weakly, so that attach() after detach() puts them back.
+        self._ready: Optional[ParamReadyHooks] = None
+        self._guarded: Optional[weakref.ref] = None
         self.optimizer_mode: Optional[str] = None  # resolved at attach()
         # offload="auto": after two steps, the memory controller's decision.
         self.offload_decision: Optional[Dict[str, Any]] = None
@@ -135,7 +151,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Connects to the daemon (starting one if needed) and registers every parameter;
         the gradient hooks go on the parameters themselves. ``model`` (the reference's
         ``attach(model, guard=True)``): the model those parameters belong to, checked;
-        ``guard``: the ``guard_params`` option (reads of a weight wait for its update)."""
+        with ``guard_params`` on, ``ParamReadyHooks`` go on its modules (a read of a
+        weight waits for its in-flight update). ``guard``: sets ``guard_params``
+        (``False`` removes the hooks). Called again while attached, it only does that
+        (wrap() attaches first, then passes the model once its pager exists)."""
         if model is not None:
             if not isinstance(model, torch.nn.Module):
                 raise ValueError(f"attach(model=...): expected a torch.nn.Module, got "
@@ -148,7 +167,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             if not isinstance(guard, bool):
                 raise ValueError(f"attach(guard={guard!r}): accepted: True or False")
             self._options["guard_params"] = guard
+        if model is not None:
+            self._guarded = weakref.ref(model)
         if self._session is not None:
+            self._install_guard()
             return
         t = self._table
         t.dp = data_parallel.plan(self._options)
@@ -165,9 +187,47 @@ class OffloadAdamW(torch.optim.Optimizer):
             backend = ZeroCopyBackend if self.optimizer_mode == "gpu" else DaemonBackend
             self._backend = backend(t, session)
             self._backend.register(list(t.entries.values()))
+            self._install_guard()
         except BaseException:
             self.detach()
             raise
+
+    def _install_guard(self) -> None:
+        """guard_params: ParamReadyHooks for this session, on the model attach() was
+        given (if any); guard_params off: none."""
+        if not self._options["guard_params"]:
+            self._remove_guard()
+            return
+        if self._ready is None:
+            self._ready = ParamReadyHooks(self._table, _weak_call(self, "_land"),
+                                          _weak_call(self, "_lands_early"))
+        model = self._guarded() if self._guarded is not None else None
+        if model is not None and self._ready.model is not model:
+            self._ready.install(model)
+
+    def _remove_guard(self) -> None:
+        if self._ready is not None:
+            self._ready.remove()
+            self._ready = None
+
+    def _land(self, entries: List[ParamEntry]) -> None:
+        if self._backend is not None:
+            self._backend.land(entries)
+
+    def _lands_early(self) -> bool:
+        return self._backend is not None and self._backend.lands_early()
+
+    @property
+    def param_ready_hooks(self) -> Optional[ParamReadyHooks]:
+        """The ``ParamReadyHooks`` of this session (None: detached, or guard_params off)."""
+        return self._ready
+
+    def weights_ready(self, params: Iterable[torch.Tensor]) -> None:
+        """Returns once no update of ``params`` is in flight (guard_params; at once when
+        it is off or nothing is in flight). The weight pager calls it before it copies a
+        paged block from its param slots, which the daemon rewrites."""
+        if self._ready is not None:
+            self._ready.wait_for(params)
 
     def detach(self) -> None:
         """Ends the daemon session (its memory is freed). ``attach()`` starts a new one
@@ -179,6 +239,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._end_session()
 
     def _end_session(self) -> None:
+        self._remove_guard()
         if self._session is None:
             return
         if self._backend is not None:
@@ -305,6 +366,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for name in ("moment_dtype", "chunk_elems", "pin_moments", "compute_grad_norm",
                      "guard_params", "grad_post"):
             s[name] = self._options[name]
+        s["param_ready"] = self._ready.report() if self._ready is not None else None
         s["eager"] = self._options["grad_post"] == "backward"
         s["optimizer_mode"] = self.optimizer_mode
         s["offloaded"] = self.optimizer_mode != "local"

@@ -172,14 +172,36 @@ class ZeroCopyBackend:
 
     def grad_final(self, e: ParamEntry) -> None:
         self._session.ensure_alive(in_backward=True)
-        if self._table.count_backward(e):
-            self._launch_now(e)
+        if self._table.count_backward(e) and self._launch_now(e):
+            self._table.in_flight[id(e.param)] = e
 
     def accept_grad(self, e: ParamEntry, grad: torch.Tensor) -> bool:
         raise TrainStreamError(
             f"optimizer_mode='gpu' updates weights on the device and cannot take the gradient "
             f"of the paged weight {e.name}; use optimizer_mode='cpu' to page trained weights")
 
+    def lands_early(self) -> bool:
+        """Without clipping, each update runs on the side stream from backward on, in
+        place in the parameter: a read on another stream before step() races with it."""
+        return self._table.posts_in_backward() and self._table.options["max_grad_norm"] is None
+
+    def land(self, entries: List[ParamEntry]) -> None:
+        """Orders the current stream after every update launched so far (no host wait),
+        so a read issued on it next sees each of those weights whole and new; they are
+        all taken off ``in_flight`` (Note [The gpu mode's reads wait on the stream])."""
+        if not entries:
+            return
+        torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        self._table.in_flight.clear()
+
+    # Note [The gpu mode's reads wait on the stream]
+    # An eager update writes the parameter in place on the side stream while the main
+    # stream goes on. The first guarded read after a launch makes the stream current at
+    # that moment wait for the side stream: the host never blocks, and every weight
+    # launched so far is then safe on that stream, so the table's in-flight list is
+    # emptied and the next reads take the fast path. A read on a different stream after
+    # that (a module called under another torch.cuda.stream) is not ordered: step() or
+    # synchronize() orders everything.
     def _launch_now(self, e) -> bool:
         """Launches the update of `e` now (eager); False when it must wait for step()."""
         opts = self._table.options
@@ -276,6 +298,7 @@ class ZeroCopyBackend:
         for e in entries:
             e.posted_grad = None
         main.wait_stream(dev_stream)
+        self._table.in_flight.clear()
         return result
 
     def before_zero_grad(self) -> None:

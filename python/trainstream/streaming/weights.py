@@ -19,6 +19,10 @@
   ``grad_sink`` (``OffloadAdamW.accept_grad``: D2H into the param's grad slot),
   never into ``p.grad`` on the device; with no sink it is accumulated into ``p.grad``
   on the host like any gradient.
+* Before a block's trained weights are copied from their homes (a prefetch too),
+  ``before_read`` (``OffloadAdamW.weights_ready``) waits for any update of theirs
+  still in flight: the daemon writes a home while it applies an eager update
+  (optim/param_ready.py, Note [When a weight's update is in flight]).
 * Per block, activations are kept, paged (``SavedTensorPager``) or recomputed
   (``torch.utils.checkpoint``, non-reentrant: the recomputation fetches the weights
   again).
@@ -62,6 +66,7 @@ class BlockPager:
                  offloader: Optional[SavedTensorPager] = None,
                  grad_sink: Optional[Callable[[nn.Parameter, torch.Tensor], bool]] = None,
                  host_home: Optional[Callable[[nn.Parameter], Optional[torch.Tensor]]] = None,
+                 before_read: Optional[Callable[[List[nn.Parameter]], None]] = None,
                  min_paged_bytes: int = default("min_offload_bytes")):
         self.blocks = list(blocks)
         self.engine = offloader.engine if offloader is not None else CopyEngine(device)
@@ -100,6 +105,7 @@ class BlockPager:
                       "bytes_h2d": 0}
         self.block_bytes: Dict[int, int] = {}
         self._host_home = host_home
+        self._before_read = before_read
         self._registered: List[int] = []  # host buffers registered with CUDA (block homes)
         # attention.py's choice, entered around every block call (recomputation too).
         self.attention_context: Callable[[], Any] = contextlib.nullcontext
@@ -273,6 +279,9 @@ class BlockPager:
     # ---------------------------------------------------------------- fetching
     def _fetch(self, i: int) -> _Fetch:
         slots = self._slots[i]
+        if self._before_read is not None:
+            self._before_read([s.param for s in slots
+                               if s.param is not None and s.param.requires_grad])
         if self.engine.cuda:
             tensors = [torch.empty_like(s.host, device=self.device) for s in slots]
         else:
