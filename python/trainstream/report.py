@@ -70,7 +70,36 @@ def memory_report(model: Optional[nn.Module] = None) -> Dict[str, Any]:
             "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "devices": sorted({str(p.device) for p in params}),
         },
+        "host_per_param": _host_per_param(opt, stats.get("numel", 0)),
     }
+
+
+def _private_bytes() -> Optional[int]:
+    """This process's private resident memory (Linux: smaps_rollup's Private_Clean +
+    Private_Dirty; shared pages such as the daemon's segments are not in it), or None."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            kb = sum(int(line.split()[1]) for line in f
+                     if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    except (OSError, ValueError, IndexError):
+        return None
+    return kb * 1024
+
+
+def _host_per_param(opt, numel: int) -> Dict[str, Any]:
+    """Host memory of the training by category, in bytes and per trained parameter: the
+    daemon's optimizer state (masters, moments), the staging slots this optimizer maps,
+    and the process's private memory (everything else it holds: the Python heap, any
+    host copy of a weight, pinned buffers)."""
+    bytes_ = {
+        "daemon optimizer state": opt.state_bytes() if opt is not None else 0,
+        "staging slots": pinned_stats(opt)["mapped_bytes"] if opt is not None else 0,
+        "process private memory": _private_bytes() or 0,
+    }
+    per = {k: (v / numel if numel else None) for k, v in bytes_.items()}
+    total = sum(bytes_.values())
+    return {"trained_params": numel, "bytes": bytes_, "bytes_per_param": per,
+            "total_bytes": total, "total_bytes_per_param": total / numel if numel else None}
 
 
 def _is_optimizer(obj) -> bool:

@@ -55,6 +55,16 @@ def test_memory_report_with_model_adds_pinned_by_tag_and_keeps_sections(daemon):
     assert set(r["gpu"]) == {"allocated", "reserved", "peak_allocated"}
     # The optimizer's staging region is live and tagged.
     assert r["pinned_by_tag"].get("staging", 0) >= r["pinned"]["mapped_bytes"] > 0
+    # Host memory per trained parameter, by category (issue 20).
+    h = r["host_per_param"]
+    n = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    assert h["trained_params"] == n
+    assert h["bytes"]["daemon optimizer state"] == opt.state_bytes() > 0
+    assert h["bytes"]["staging slots"] == r["pinned"]["mapped_bytes"]
+    assert h["bytes"]["process private memory"] > 0
+    assert h["total_bytes"] == sum(h["bytes"].values())
+    assert h["bytes_per_param"]["daemon optimizer state"] == opt.state_bytes() / n
+    assert abs(h["total_bytes_per_param"] * n - h["total_bytes"]) < 1
     trainstream.unwrap(ours)
 
 

@@ -164,8 +164,12 @@ def _chosen(option, n: int) -> Optional[List[int]]:
     return chosen_blocks(option, n)
 
 
-def _by_category(d: Dict[str, int]) -> str:
-    return ", ".join(f"{k} {_fmt(v)}" for k, v in d.items() if v)
+def _by_category(d: Dict[str, int], per: int = 0) -> str:
+    """"name 1.2 GiB, ..." of the non-zero categories; with ``per`` (trained parameters)
+    each also as bytes per trained parameter."""
+    def one(k, v):
+        return f"{k} {_fmt(v)}" + (f" = {v / per:.2f} B/param" if per else "")
+    return ", ".join(one(k, v) for k, v in d.items() if v)
 
 
 def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> Plan:
@@ -290,9 +294,12 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
         where = (f"available RAM {_fmt(capacity.ram_available)}" +
                  (f", daemon budget free {_fmt(capacity.daemon_free)}"
                   if capacity.daemon_free is not None else ""))
+        per = summary.trained_numel
+        total = sum(need_host.values())
         raise MemoryError(
-            f"trainstream: host memory does not fit: needs {_fmt(sum(need_host.values()))} "
-            f"({_by_category(need_host)}), {where}. Options: "
+            f"trainstream: host memory does not fit: needs {_fmt(total)}"
+            + (f" = {total / per:.2f} B per trained parameter ({per:,})" if per else "")
+            + f" ({_by_category(need_host, per)}), {where}. Options: "
             + ("moment_dtype='bfloat16', " if moment_bytes == 4 else "")
             + ("quantize='nf4' for a frozen base, "
                if frozen_quantizable and not q_now and paged and quant_opt != "auto" else "")
