@@ -67,24 +67,26 @@ def _timer_callback(result, warmup, cuda):
     from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
-        """Step times with the device synchronized at both ends; the peak VRAM counter
-        is reset once the warm-up steps are done."""
+        """Step times with the device synchronized at both ends, and each step's peak
+        VRAM read at its end. The counter is never reset here: TrainStream's memory
+        controller resets it at each step's first forward and reads the last step's peak
+        there, so at a step's end it holds that step's peak (without the controller, the
+        peak since the start)."""
 
         def __init__(self):
             self.t0 = None
             self.times = []
+            self.peaks = []
 
         def on_step_begin(self, args, state, control, **kw):
             if cuda:
                 torch.cuda.synchronize()
-            if state.global_step == warmup and cuda:
-                result["peak_vram_run_gib"] = _gib(torch.cuda.max_memory_allocated())
-                torch.cuda.reset_peak_memory_stats()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             if cuda:
                 torch.cuda.synchronize()
+                self.peaks.append(torch.cuda.max_memory_allocated())
             self.times.append(time.perf_counter() - self.t0)
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -152,8 +154,6 @@ def run_case(args) -> dict:
     trainer = TrainStreamTrainer(model=model, args=targs,
                                  train_dataset=_Tokens(steps * batch, seq, vocab),
                                  trainstream=options, callbacks=[timer])
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     try:
         trainer.train()
@@ -168,7 +168,8 @@ def run_case(args) -> dict:
     result.update(
         step_s=round(sorted(measured)[len(measured) // 2], 4),
         step_times=[round(t, 4) for t in measured],
-        peak_vram_gib=_gib(torch.cuda.max_memory_allocated()) if cuda else 0.0,
+        peak_vram_gib=_gib(max(timer.peaks[args.warmup:], default=0)) if cuda else 0.0,
+        peak_vram_run_gib=_gib(max(timer.peaks, default=0)) if cuda else 0.0,
         host_rss_gib=_gib(_rss()), daemon_shm_gib=_gib(status["budget"]["used"]))
     if cuda:
         result["within_cap"] = max(result["peak_vram_gib"], result.get("peak_vram_run_gib", 0)) \

@@ -266,3 +266,36 @@ def test_going_local_keeps_vram_headroom_free(monkeypatch):
     assert grads["offload"] is True and grads["extra_grad_bytes"] == 100 << 20
     dp = decide_offload(params, data_parallel=True, extra_grads=False, headroom=0.10)
     assert dp["offload"] is True and "data parallel" in dp["reason"]
+
+
+def test_a_step_whose_peak_counter_was_reset_outside_decides_nothing(monkeypatch):
+    """Note [A peak counter reset by someone else]: a peak below what the forward left
+    allocated means someone reset CUDA's counter mid-step; that step must not loosen
+    the plan (on the H200 such a step led to an out-of-memory backward)."""
+    MiB = 1 << 20
+    adapter, pager, session = _adapter()
+    adapter.measure = True
+    counters = {"peak": 1400 * MiB, "allocated": 1300 * MiB}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    paged = {"bytes": 0}  # the offloader's running total: 800 MiB more per step
+    monkeypatch.setattr(adapter, "_offloaded", lambda: paged["bytes"])
+
+    def step():
+        adapter.on_forward(None, ())
+        adapter.on_forward_end()
+        paged["bytes"] += 8 * 100 * MiB
+    step()
+    step()  # calibration: 600 MiB of room at 100 MiB a block, the last 5 keep
+    assert pager.policy == [OFFLOAD] * 3 + [KEEP] * 5
+    counters["peak"] = 200 * MiB  # reset outside after the forward: nearly empty
+    step()
+    assert pager.policy == [OFFLOAD] * 3 + [KEEP] * 5, "an unmeasured step moved blocks"
+    skipped = [e for e in session.events if e.get("what") == "not measured"]
+    assert len(skipped) == 1 and "reset_peak_memory_stats" in skipped[0]["why"]
+    assert not adapter.settled
+    counters["peak"] = 1500 * MiB  # a real reading again: loosening goes on
+    step()
+    assert pager.policy.count(KEEP) > 5

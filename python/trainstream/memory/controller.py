@@ -73,6 +73,7 @@ class MemoryController:
         self.trial: Optional[Dict[str, Any]] = None  # the recompute trial under way
         self.trial_done = False
         self.history: List[Dict[str, Any]] = []
+        self.forward_end_bytes = 0  # allocated at the end of this step's forward
         self._static_policy()
 
     # -------------------------------------------------------------- policies
@@ -114,10 +115,35 @@ class MemoryController:
             self.history.append({"step": self.step, "peak": peak,
                                  "seconds": now - self.t_start if synced else None,
                                  "activation_bytes_paged": offloaded})
-            self._decide(peak, now - self.t_start, offloaded)
+            if peak < self.forward_end_bytes:
+                # Note [A peak counter reset by someone else]
+                self.session.event(
+                    "plan", what="not measured", peak=peak,
+                    why=f"step {self.step}: CUDA's peak counter reads {_fmt(peak)}, less than "
+                        f"the {_fmt(self.forward_end_bytes)} allocated when its forward "
+                        "ended: torch.cuda.reset_peak_memory_stats() was called during the "
+                        "step outside TrainStream, so the step decides nothing")
+                self.stable = 0
+            else:
+                self._decide(peak, now - self.t_start, offloaded)
             self.step += 1
         torch.cuda.reset_peak_memory_stats(self.pager.device)
+        self.forward_end_bytes = 0
         self.t_start = now
+
+    # Note [A peak counter reset by someone else]
+    # Each step's peak is CUDA's max_memory_allocated since the controller reset it at
+    # the step's first forward. Code that resets the counter in between (a benchmark's
+    # timer at the end of its warm-up, a profiler) makes the step look nearly empty: on
+    # the H200 a Trainer run read such a step, loosened the plan by several GiB and ran
+    # out of memory in the next backward. The allocation at the end of the forward (a
+    # forward hook, host counters only: no sync) is a floor of the true peak; a counter
+    # below it was reset, and that step is not used.
+    def on_forward_end(self) -> None:
+        """Model forward hook: the bytes allocated once the forward is done."""
+        if self.measure and torch.is_grad_enabled() and not in_backward():
+            self.forward_end_bytes = max(self.forward_end_bytes,
+                                         torch.cuda.memory_allocated(self.pager.device))
         self.offloaded_at_start = self._offloaded()
 
     def _sync_time(self) -> float:

@@ -240,8 +240,12 @@ def adapt(model: nn.Module, opt, session, prepared: Prepared) -> None:
         # Every forward, evaluation too: a prefetch left by a forward that raised before
         # its first block must not serve a later forward after the weights changed.
         pager.begin_forward()
+    def after_forward(module, args, output):
+        if getattr(module, "_trainstream_session", None) is session:
+            controller.on_forward_end()
     session.controller = controller
     session.hooks.append(model.register_forward_pre_hook(before_forward))
+    session.hooks.append(model.register_forward_hook(after_forward))
 
 
 def _session_chunk(opt, nbytes: int, regions: List[Any], registered: List[int],
