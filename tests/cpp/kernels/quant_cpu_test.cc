@@ -121,11 +121,11 @@ TEST_CASE("quantizing a tensor in pieces gives QuantizeCpu's bytes") {
           for (int64_t b = 0; b < l.num_blocks; b += per_piece) {
             const int64_t begin = b * l.block_size;
             const int64_t end = std::min(l.numel, (b + per_piece) * l.block_size);
-            amax = std::max(amax, tk::AbsMaxCpu(tk::QuantElemType::kFloat32, x.data() + begin,
-                                                end - begin));
+            amax = std::max(
+                amax, tk::AbsMaxCpu(tk::QuantElemType::kFloat32, x.data() + begin, end - begin));
           }
-          const float tensor_scale = fmt == tk::QuantFormat::kNvfp4 ? tk::Nvfp4TensorScale(amax)
-                                                                    : 0.0f;
+          const float tensor_scale =
+              fmt == tk::QuantFormat::kNvfp4 ? tk::Nvfp4TensorScale(amax) : 0.0f;
           REQUIRE(tensor_scale == ref.tensor_scale);
           // Last piece first: the order must not matter.
           for (int64_t b = (l.num_blocks - 1) / per_piece * per_piece; b >= 0; b -= per_piece) {
