@@ -1,5 +1,6 @@
 #include "config.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -150,6 +151,10 @@ Status ParseConfigText(const std::string& text, const std::string& origin, Daemo
       s = ParseUnsigned(value, field, &n);
       if (s.ok() && n > 4096) s = Invalid(field + ": at most 4096");
       if (s.ok()) config->threads = static_cast<unsigned>(n);
+    } else if (key == "load_threads") {
+      s = ParseUnsigned(value, field, &n);
+      if (s.ok() && n > 4096) s = Invalid(field + ": at most 4096 (0: one per available CPU)");
+      if (s.ok()) config->load_threads = static_cast<unsigned>(n);
     } else if (key == "idle_exit") {
       s = ParseUnsigned(value, field, &n);
       if (s.ok()) config->idle_exit_s = n;
@@ -207,6 +212,21 @@ uint64_t PhysicalRamBytes() {
   long page = sysconf(_SC_PAGESIZE);
   if (pages <= 0 || page <= 0) return 0;
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+}
+
+unsigned AvailableCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+    return static_cast<unsigned>(CPU_COUNT(&set));
+  }
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  return online > 0 ? static_cast<unsigned>(online) : 1;
+}
+
+unsigned BaseLoadThreads(const DaemonConfig& config, unsigned requested) {
+  const unsigned most = config.load_threads != 0 ? config.load_threads : AvailableCpus();
+  return requested != 0 ? std::min(requested, most) : most;
 }
 
 }  // namespace trainstream::daemon

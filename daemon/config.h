@@ -17,6 +17,7 @@ struct DaemonConfig {
   std::string budget = "50%";              // bytes, K/M/G/T suffix, or a percentage of RAM
   std::string log_level = "info";          // trace, debug, info, warn, error, critical, off
   unsigned threads = 0;                    // optimizer worker threads; 0: one per core
+  unsigned load_threads = 0;               // base loader threads per load; 0: AvailableCpus()
   uint64_t idle_exit_s = 0;                // embedded mode: exit after this long idle; 0: never
   std::string allow_group;                 // members may use the daemon
   std::string admin_group;                 // members may also shut it down
@@ -47,5 +48,12 @@ std::string DefaultDaemonSocket();
 
 // Total physical RAM in bytes.
 uint64_t PhysicalRamBytes();
+
+// CPUs this process may run on (its affinity mask), at least 1.
+unsigned AvailableCpus();
+
+// The loader threads a base load runs: `requested` (0: no wish) capped at
+// config.load_threads, whose 0 means AvailableCpus().
+unsigned BaseLoadThreads(const DaemonConfig& config, unsigned requested);
 
 }  // namespace trainstream::daemon

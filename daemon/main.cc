@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "trainstreamd: the TrainStream per-machine memory and optimizer daemon (docs/daemon.md)"};
   std::string config_path, socket, budget, log_level, shm_dir, allow_group, admin_group, log_file;
-  unsigned threads = 0;
+  unsigned threads = 0, load_threads = 0;
   uint64_t idle_exit = 0;
   uint32_t max_connections_per_uid = 0;
   bool foreground = false;
@@ -116,6 +116,8 @@ int main(int argc, char** argv) {
   app.add_option("--log-file", log_file, "Also append logs to this file");
   app.add_option("--shm-dir", shm_dir, "Directory for segments (default /dev/shm)");
   app.add_option("--threads", threads, "Optimizer worker threads (default: one per core)");
+  app.add_option("--load-threads", load_threads,
+                 "Threads that read and quantize a base (default 0: one per available CPU)");
   app.add_option("--idle-exit", idle_exit,
                  "Exit after this many seconds with no session and no request (embedded mode)");
   app.add_option("--allow-group", allow_group, "Members of this group may use the daemon");
@@ -142,6 +144,7 @@ int main(int argc, char** argv) {
   if (!log_level.empty()) config.log_level = log_level;
   if (!shm_dir.empty()) config.shm_dir = shm_dir;
   if (app.count("--threads") != 0) config.threads = threads;
+  if (app.count("--load-threads") != 0) config.load_threads = load_threads;
   if (app.count("--idle-exit") != 0) config.idle_exit_s = idle_exit;
   if (!allow_group.empty()) config.allow_group = allow_group;
   if (!admin_group.empty()) config.admin_group = admin_group;
@@ -153,7 +156,8 @@ int main(int argc, char** argv) {
     DaemonConfig check = config;
     std::string text =
         "budget = " + config.budget + "\nlog_level = " + config.log_level +
-        "\nmax_connections_per_uid = " + std::to_string(config.max_connections_per_uid) + "\n";
+        "\nmax_connections_per_uid = " + std::to_string(config.max_connections_per_uid) +
+        "\nload_threads = " + std::to_string(config.load_threads) + "\n";
     trainstream::Status s = trainstream::daemon::ParseConfigText(text, "command line", &check);
     if (!s.ok()) {
       std::fprintf(stderr, "trainstreamd: %s\n", s.message().c_str());

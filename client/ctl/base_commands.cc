@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -24,6 +25,8 @@ nlohmann::json ToJson(const BaseInfo& b) {
           {"refcount", b.refcount},
           {"sessions", b.sessions},
           {"load_seconds", b.load_seconds},
+          {"allocate_seconds", b.allocate_seconds},
+          {"load_threads", b.load_threads},
           {"scratch_peak_bytes", b.scratch_peak_bytes},
           {"cached", b.cached},
           {"vram_copies", b.vram_copies},
@@ -38,16 +41,26 @@ Status RunBaseCommand(Client& client, const std::string& what, const BaseLoadOpt
                       const std::string& drop_key, bool json) {
   if (what == "load") {
     const bool tty = isatty(STDERR_FILENO) != 0;
+    const auto started = std::chrono::steady_clock::now();
+    bool shown = false;
     BaseInfo info;
     Status s = client.LoadBase(
         load,
-        [tty](const BaseProgress& p) {
+        [tty, started, &shown](const BaseProgress& p) {
           if (!tty || p.bytes_total == 0) return;
-          std::fprintf(stderr, "\rloading: %u/%u tensors, %.1f%%", p.tensors_done, p.tensors_total,
-                       100.0 * p.bytes_read / p.bytes_total);
+          const double s =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+          const double rate = s > 0 ? p.bytes_read / s : 0;
+          // Padded so a shorter line overwrites a longer one.
+          std::fprintf(stderr,
+                       "\rloading: %u/%u tensors, %s of %s (%.1f%%), %.2f GB/s, %u threads   ",
+                       p.tensors_done, p.tensors_total, Human(p.bytes_read).c_str(),
+                       Human(p.bytes_total).c_str(), 100.0 * p.bytes_read / p.bytes_total,
+                       rate / 1e9, p.threads);
+          shown = true;
         },
         &info);
-    if (tty) std::fprintf(stderr, "\n");
+    if (shown) std::fprintf(stderr, "\n");
     if (!s.ok()) return s;
     if (json) {
       std::printf("%s\n", ToJson(info).dump(2).c_str());
@@ -58,9 +71,12 @@ Status RunBaseCommand(Client& client, const std::string& what, const BaseLoadOpt
                   Human(info.source_bytes).c_str(), Human(info.segment_bytes).c_str(),
                   info.segment_name.c_str());
       if (!info.cached) {
-        std::printf("  %.2f s (%.2f GB/s), scratch peak %s\n", info.load_seconds,
-                    info.load_seconds > 0 ? info.source_bytes / info.load_seconds / 1e9 : 0.0,
-                    Human(info.scratch_peak_bytes).c_str());
+        std::printf(
+            "  %.2f s (%.2f GB/s; %.2f s allocating the segment) on %u threads, scratch "
+            "peak %s\n",
+            info.load_seconds,
+            info.load_seconds > 0 ? info.source_bytes / info.load_seconds / 1e9 : 0.0,
+            info.allocate_seconds, info.load_threads, Human(info.scratch_peak_bytes).c_str());
       }
     }
     return Status::Ok();

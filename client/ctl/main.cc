@@ -82,6 +82,9 @@ int main(int argc, char** argv) {
                         "none (default), int8, nf4, fp8 or nvfp4 (block-stack linear weights)");
   base_load->add_option("--block-size", load_options.block_size,
                         "int8/nf4 block size (even, >= 2; default 64)");
+  base_load->add_option("--threads", load_options.threads,
+                        "Threads that read and quantize (default 0: the daemon's load_threads, "
+                        "which is also the most it runs)");
   bool base_json = false;
   base_load->add_flag("--json", base_json, "Print the loaded base as JSON");
   auto* base_list = base_cmd->add_subcommand("list", "Cached bases (yours; all for admins)");

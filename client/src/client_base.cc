@@ -34,6 +34,8 @@ void ToInfo(const v1::BaseInfo& b, BaseInfo* out) {
   out->cached = b.cached();
   out->vram_copies = b.vram_copies();
   out->vram_bytes = b.vram_bytes();
+  out->load_threads = b.load_threads();
+  out->allocate_seconds = b.allocate_seconds();
 }
 
 Status MakeRequest(const BaseLoadOptions& options, v1::LoadBaseRequest* req) {
@@ -47,6 +49,7 @@ Status MakeRequest(const BaseLoadOptions& options, v1::LoadBaseRequest* req) {
   req->set_path(abs.lexically_normal().string());
   req->set_format(options.format);
   req->set_block_size(options.block_size);
+  req->set_threads(options.threads);
   return Status::Ok();
 }
 
@@ -62,7 +65,8 @@ Status RunLoad(v1::Control::Stub* stub, const std::string& socket_path,
   while (reader->Read(&event)) {
     if (event.has_progress() && progress) {
       const auto& p = event.progress();
-      progress(BaseProgress{p.bytes_read(), p.bytes_total(), p.tensors_done(), p.tensors_total()});
+      progress(BaseProgress{p.bytes_read(), p.bytes_total(), p.tensors_done(), p.tensors_total(),
+                            p.threads()});
     } else if (event.has_done()) {
       *done = event.done();
       got_done = true;

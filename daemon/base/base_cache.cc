@@ -136,20 +136,49 @@ Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOptions& opt
   };
 
   const auto started = std::chrono::steady_clock::now();
-  st = budget_->Reserve(plan.total_bytes, "base " + options.path + " (" + plan.format_name + ")");
+  const std::string what = "base " + options.path + " (" + plan.format_name + ")";
+  st = budget_->Reserve(plan.total_bytes, what);
   if (!st.ok()) return fail(st);
   SegmentOwner owner;
   owner.uid = caller.uid;
   owner.job = "base";
   std::unique_ptr<ShmSegment> seg;
+  // Not prefaulted: the loader threads write every page, and fault them in
+  // where they write, in parallel (a prefault is one thread at ~2 GB/s).
   st = ShmSegment::Create(config_.shm_dir, v1::SEGMENT_KIND_BASE, plan.total_bytes, owner,
-                          /*lock=*/false, &seg);
+                          /*lock=*/false, &seg, /*prefault=*/false);
   if (!st.ok()) {
     budget_->Release(plan.total_bytes);
     return fail(st);
   }
-  uint64_t scratch_peak = 0;
-  st = FillBase(sources, plan, key, seg->base(), progress, &scratch_peak);
+  // The loader threads' scratch counts against the budget while they run. A
+  // budget too full for N threads' worth loads on one, before it gives up.
+  FillOptions fill;
+  fill.threads = BaseLoadThreads(config_, options.threads);
+  uint64_t scratch = FillScratchBytes(plan, fill);
+  st = scratch == 0 ? Status::Ok() : budget_->Reserve(scratch, "the scratch to quantize " + what);
+  if (!st.ok() && fill.threads > 1) {
+    const uint64_t wanted = scratch;
+    fill.threads = 1;
+    scratch = FillScratchBytes(plan, fill);
+    st = budget_->Reserve(scratch, "the scratch to quantize " + what);
+    if (st.ok()) {
+      spdlog::info(
+          "base load of {}: the budget has no room for {} bytes of scratch; loading "
+          "on one thread ({} bytes)",
+          LogSafe(options.path), wanted, scratch);
+    }
+  }
+  if (!st.ok()) {
+    seg.reset();
+    budget_->Release(plan.total_bytes);
+    return fail(st);
+  }
+  const double allocate_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  FillStats stats;
+  st = FillBase(sources, plan, key, seg->base(), fill, progress, &stats);
+  if (scratch != 0) budget_->Release(scratch);
   if (st.ok()) {
     // Note [Who may open a segment] (shm_segment.h).
     st = seg->ShareReadOnly();
@@ -169,7 +198,9 @@ Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOptions& opt
     e.info.segment_name = seg->name();
     e.info.segment_bytes = seg->size();
     e.info.load_seconds = seconds;
-    e.info.scratch_peak_bytes = scratch_peak;
+    e.info.allocate_seconds = allocate_seconds;
+    e.info.load_threads = stats.threads;
+    e.info.scratch_peak_bytes = stats.scratch_peak_bytes;
     e.segment = std::move(seg);
     if (session_id != 0) e.sessions.insert(session_id);
     e.last_used = ++tick_;
@@ -178,10 +209,12 @@ Status BaseCache::Load(const PeerCredentials& caller, const BaseLoadOptions& opt
   loaded_cv_.notify_all();
   spdlog::info(
       "base {} loaded from {}: {} tensors ({} quantized to {}), {} checkpoint bytes -> {} "
-      "segment bytes in {:.2f} s ({:.2f} GB/s), scratch peak {} bytes",
+      "segment bytes in {:.2f} s ({:.2f} GB/s; {:.2f} s of it allocating the segment) on {} "
+      "threads, scratch peak {} bytes",
       key, LogSafe(options.path), out->tensors, out->quantized_tensors, out->format,
       out->source_bytes, out->segment_bytes, seconds,
-      seconds > 0 ? out->source_bytes / seconds / 1e9 : 0.0, scratch_peak);
+      seconds > 0 ? out->source_bytes / seconds / 1e9 : 0.0, allocate_seconds, stats.threads,
+      stats.scratch_peak_bytes);
   return Status::Ok();
 }
 

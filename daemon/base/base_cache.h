@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "base/base_fill.h"
 #include "base/base_loader.h"
 #include "base/vram_export.h"
 #include "caller.h"
@@ -52,6 +53,7 @@ struct BaseLoadOptions {
   std::string path;
   std::string format;      // "", "none", "int8", "nf4", "fp8", "nvfp4"
   int64_t block_size = 0;  // 0: 64
+  uint32_t threads = 0;    // loader threads; 0 or more than the daemon's load_threads: those
 };
 
 // What status and clients see of one base.
@@ -69,6 +71,8 @@ struct BaseInfo {
   uint32_t refcount = 0;
   std::vector<uint64_t> sessions;  // holders
   double load_seconds = 0;
+  double allocate_seconds = 0;  // of load_seconds: reserving and creating the segment
+  uint32_t load_threads = 0;    // loader threads the load ran
   uint64_t scratch_peak_bytes = 0;
   bool cached = false;       // true when Load found it already loaded
   uint32_t vram_copies = 0;  // GPUs holding a VRAM copy (share_vram)
@@ -95,10 +99,14 @@ class BaseCache {
   ~BaseCache();
 
   // Loads `options.path` for `caller` (or finds it cached). With `session_id` != 0
-  // the session takes a reference. `progress` may return false to cancel: it is
-  // polled while headers are parsed (with an empty LoadProgress), after each
-  // tensor and between the pieces of a large one. A cancelled load gives back
-  // its budget and segment and returns CANCELLED (base_loader.h).
+  // the session takes a reference. The tensors are read on min(options.threads,
+  // the config's load_threads) threads (base_fill.h), whose scratch is reserved
+  // from the budget beside the segment for the length of the load (a budget too
+  // full for it loads on one thread). `progress` may return false to cancel: it is
+  // polled while headers are parsed (with an empty LoadProgress), then about
+  // every 10 ms while the tensors are read, always on the calling thread. A
+  // cancelled load gives back its budget and segment and returns CANCELLED
+  // (base_loader.h).
   Status Load(const PeerCredentials& caller, const BaseLoadOptions& options, uint64_t session_id,
               const std::function<bool(const LoadProgress&)>& progress, BaseInfo* out);
   // Gives `session_id`'s reference to `key` back. NOT_FOUND if it holds none.

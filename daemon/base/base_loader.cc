@@ -1,14 +1,8 @@
 #include "base/base_loader.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cmath>
 #include <cstring>
 #include <map>
-#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "trainstream/wire/base_manifest.h"
@@ -25,10 +19,6 @@ Status Invalid(const std::string& msg) { return Status(StatusCode::kInvalidArgum
 
 Status Cancelled() { return Status(StatusCode::kCancelled, kLoadCancelled); }
 
-// Reads are split into pieces this large so that a cancelled load stops within
-// one piece (tens of ms) even in a multi-GB tensor.
-constexpr uint64_t kReadPiece = 64ull << 20;
-
 uint64_t Mix(uint64_t h, uint64_t v) {
   // FNV-1a over the 8 bytes of v.
   for (int i = 0; i < 8; ++i) {
@@ -38,66 +28,8 @@ uint64_t Mix(uint64_t h, uint64_t v) {
   return h;
 }
 
-// IEEE half -> float, exact (the kernels read fp32 or bf16; fp16 -> fp32 does
-// not change a value, so the quantized bytes match quantize_tensor's).
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t man = h & 0x3ffu;
-  if (exp == 0) {
-    const float v = std::ldexp(static_cast<float>(man), -24);  // zero or subnormal, exact
-    return sign ? -v : v;
-  }
-  const uint32_t bits =
-      exp == 0x1f ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112u) << 23) | (man << 13);
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 bool IsFloat(SafetensorsDType d) {
   return d == SafetensorsDType::kF32 || d == SafetensorsDType::kF16 || d == SafetensorsDType::kBF16;
-}
-
-// Reads exactly `bytes` at `offset`; an error names the file and the tensor.
-// `cancelled` is polled between pieces.
-Status ReadFully(const SourceFile& f, const std::string& tensor, uint64_t offset, uint64_t bytes,
-                 char* dst, const CancelCheck& cancelled) {
-  uint64_t done = 0;
-  while (done < bytes) {
-    if (done != 0 && cancelled && cancelled()) return Cancelled();
-    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(bytes - done, kReadPiece));
-    const ssize_t r = pread(f.fd, dst + done, chunk, static_cast<off_t>(offset + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      return Status(StatusCode::kDataLoss,
-                    f.path + ": reading tensor \"" + tensor + "\": " + std::strerror(errno));
-    }
-    if (r == 0) {
-      return Status(StatusCode::kDataLoss,
-                    f.path + ": reading tensor \"" + tensor +
-                        "\": the file ended early (it shrank while loading?)");
-    }
-    done += static_cast<uint64_t>(r);
-  }
-  return Status::Ok();
-}
-
-// Index of the first non-finite element, or -1.
-int64_t FirstNonFinite(const PlannedTensor& t, const void* src) {
-  const uint64_t n = t.src.numel();
-  if (t.src.dtype == SafetensorsDType::kF32) {
-    const auto* p = static_cast<const uint32_t*>(src);
-    for (uint64_t i = 0; i < n; ++i)
-      if ((p[i] & 0x7f800000u) == 0x7f800000u) return static_cast<int64_t>(i);
-  } else {
-    // BF16 (exponent 0x7f80) and F16 (0x7c00).
-    const uint16_t mask = t.src.dtype == SafetensorsDType::kBF16 ? 0x7f80 : 0x7c00;
-    const auto* p = static_cast<const uint16_t*>(src);
-    for (uint64_t i = 0; i < n; ++i)
-      if ((p[i] & mask) == mask) return static_cast<int64_t>(i);
-  }
-  return -1;
 }
 
 }  // namespace
@@ -289,9 +221,7 @@ std::string BaseManifestJson(const BasePlan& plan, const std::string& key) {
   return doc.dump();
 }
 
-Status FillBase(const ModelSources& sources, const BasePlan& plan, const std::string& key,
-                char* segment, const std::function<bool(const LoadProgress&)>& progress,
-                uint64_t* scratch_peak) {
+Status WriteBaseManifest(const BasePlan& plan, const std::string& key, char* segment) {
   const std::string manifest = BaseManifestJson(plan, key);
   if (plan.manifest_offset + sizeof(wire::BaseManifestHeader) + manifest.size() >
       plan.data_offset) {
@@ -307,72 +237,6 @@ Status FillBase(const ModelSources& sources, const BasePlan& plan, const std::st
   auto* sh = reinterpret_cast<wire::SegmentHeader*>(segment);
   sh->manifest_offset = plan.manifest_offset;
   sh->manifest_bytes = sizeof(*mh) + manifest.size();
-
-  LoadProgress p;
-  p.bytes_total = plan.source_bytes;
-  p.tensors_total = static_cast<uint32_t>(plan.tensors.size());
-  const CancelCheck cancelled = [&] { return progress && !progress(p); };
-  *scratch_peak = 0;
-  std::unique_ptr<char[]> scratch;
-  uint64_t scratch_bytes = 0;
-  for (const auto& t : plan.tensors) {
-    const SourceFile& f = sources.files[t.file];
-    if (!t.quantized) {
-      Status st =
-          ReadFully(f, t.src.name, t.src.begin, t.src.bytes(), segment + t.offset, cancelled);
-      if (!st.ok()) return st;
-    } else {
-      // Source bytes, plus an fp32 copy for F16 (the kernels read fp32 or bf16).
-      const uint64_t need =
-          t.src.bytes() +
-          (t.src.dtype == SafetensorsDType::kF16 ? t.src.numel() * sizeof(float) : 0);
-      if (need > scratch_bytes) {
-        scratch.reset();  // free first: peak is one buffer, not two
-        scratch.reset(new (std::nothrow) char[need]);
-        if (!scratch) {
-          return Status(StatusCode::kResourceExhausted,
-                        "cannot allocate " + std::to_string(need) +
-                            " bytes of scratch to quantize tensor \"" + t.src.name + "\"");
-        }
-        scratch_bytes = need;
-        *scratch_peak = std::max(*scratch_peak, need);
-      }
-      Status st = ReadFully(f, t.src.name, t.src.begin, t.src.bytes(), scratch.get(), cancelled);
-      if (!st.ok()) return st;
-      const int64_t bad = FirstNonFinite(t, scratch.get());
-      if (bad >= 0) {
-        return Invalid(f.path + ": tensor \"" + t.src.name +
-                       "\" has a non-finite value (NaN or "
-                       "inf) at element " +
-                       std::to_string(bad) +
-                       "; only finite weights can be quantized (load it with format none)");
-      }
-      const void* src = scratch.get();
-      kernels::QuantElemType type = kernels::QuantElemType::kBFloat16;
-      if (t.src.dtype == SafetensorsDType::kF32) {
-        type = kernels::QuantElemType::kFloat32;
-      } else if (t.src.dtype == SafetensorsDType::kF16) {
-        const auto* h = reinterpret_cast<const uint16_t*>(scratch.get());
-        auto* out = reinterpret_cast<float*>(scratch.get() + t.src.bytes());
-        for (uint64_t i = 0; i < t.src.numel(); ++i) out[i] = HalfToFloat(h[i]);
-        src = out;
-        type = kernels::QuantElemType::kFloat32;
-      }
-      auto* tensor_scale = reinterpret_cast<float*>(segment + t.tensor_scale_offset);
-      *tensor_scale = 0.0f;
-      kernels::QuantBuffers out{reinterpret_cast<uint8_t*>(segment + t.offset),
-                                segment + t.scales_offset, tensor_scale};
-      kernels::QuantizeCpu(plan.format, t.layout, type, src, out);
-    }
-    // The checkpoint's pages are not needed again: keep the page cache for others.
-    if (t.src.bytes() != 0) {  // length 0 would mean "to the end of the file"
-      posix_fadvise(f.fd, static_cast<off_t>(t.src.begin), static_cast<off_t>(t.src.bytes()),
-                    POSIX_FADV_DONTNEED);
-    }
-    p.bytes_read += t.src.bytes();
-    p.tensors_done += 1;
-    if (progress && !progress(p)) return Cancelled();
-  }
   return Status::Ok();
 }
 

@@ -1,20 +1,15 @@
-// BaseLoader: turns opened safetensors files into the bytes of a base segment,
-// one tensor at a time.
+// BaseLoader: turns opened safetensors files into the layout of a base segment.
 //
-// Plan() reads and validates every header (safetensors.h), checks the shard
+// PlanBase() reads and validates every header (safetensors.h), checks the shard
 // index against the shards, decides which tensors are quantized, and lays out
-// the segment (wire/base_manifest.h) so its size is known before any memory is
-// taken. Fill() then reads each tensor with pread straight into the segment
-// (unquantized) or into one scratch buffer that the CPU kernels quantize into the
-// segment; peak extra memory is the largest quantized tensor's source bytes (plus
-// an fp32 copy for F16 sources), reported as scratch_peak_bytes.
+// the segment (wire/base_manifest.h) so its size, and every tensor's final
+// offset, is known before any memory is taken. FillBase() (base_fill.h) then
+// reads the tensors into it on several threads.
 //
-// Both can be cancelled: PlanBase polls its `cancelled` while it parses headers
-// (every few thousand JSON events) and between files; FillBase polls `progress`
-// after each tensor and between the 64 MiB pieces a large tensor is read in.
-// Quantizing one tensor is not interrupted (the largest takes well under a
-// second). A cancelled call returns CANCELLED with kLoadCancelled; the caller
-// frees what it reserved for the segment (BaseCache::Load does).
+// PlanBase can be cancelled: it polls its `cancelled` while it parses headers
+// (every few thousand JSON events) and between files. A cancelled call returns
+// CANCELLED with kLoadCancelled; the caller frees what it reserved for the
+// segment (BaseCache::Load does).
 //
 // Which tensors are quantized (when a format is asked): the block-stack linear
 // weights, i.e. 2-D F32/F16/BF16 tensors whose name ends in ".weight" and has a
@@ -23,7 +18,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -60,10 +54,11 @@ struct BasePlan {
 };
 
 struct LoadProgress {
-  uint64_t bytes_read = 0;
+  uint64_t bytes_read = 0;  // checkpoint bytes of the tensors' finished pieces
   uint64_t bytes_total = 0;
   uint32_t tensors_done = 0;
   uint32_t tensors_total = 0;
+  uint32_t threads = 0;  // loader threads at work (0 before they start)
 };
 
 // The message of the CANCELLED status PlanBase and FillBase return when stopped.
@@ -85,12 +80,9 @@ Status PlanBase(const ModelSources& sources, BasePlan* plan,
 // The manifest JSON for `plan` (wire/base_manifest.h), `key` included.
 std::string BaseManifestJson(const BasePlan& plan, const std::string& key);
 
-// Writes the manifest and every tensor into `segment` (plan.total_bytes long,
-// SegmentHeader already written). `progress` is called after each tensor and
-// between the pieces of a large one; when it returns false the load stops with
-// CANCELLED. `scratch_peak` receives the largest scratch allocation.
-Status FillBase(const ModelSources& sources, const BasePlan& plan, const std::string& key,
-                char* segment, const std::function<bool(const LoadProgress&)>& progress,
-                uint64_t* scratch_peak);
+// Writes the manifest of `plan` into `segment` (plan.total_bytes long, SegmentHeader
+// already written) and points the SegmentHeader at it. INTERNAL if the manifest
+// outgrew its planned space (a bug).
+Status WriteBaseManifest(const BasePlan& plan, const std::string& key, char* segment);
 
 }  // namespace trainstream::daemon::base

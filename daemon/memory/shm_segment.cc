@@ -106,7 +106,8 @@ bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* tot
 }
 
 Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
-                          const SegmentOwner& owner, bool lock, std::unique_ptr<ShmSegment>* out) {
+                          const SegmentOwner& owner, bool lock, std::unique_ptr<ShmSegment>* out,
+                          bool prefault) {
   if (total_bytes < wire::kSegmentHeaderBytes) {
     return Status(StatusCode::kInternal, "segment smaller than its header");
   }
@@ -147,7 +148,7 @@ Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_
     return Status(StatusCode::kInternal, msg);
   }
   if (int err = platform::ShmMapping::Map(file, platform::ShmAccess::kReadWrite, total_bytes,
-                                          /*populate=*/true, &seg->mapping_);
+                                          /*populate=*/prefault, &seg->mapping_);
       err != 0) {
     return Status(StatusCode::kInternal, "mmap " + seg->path_ + ": " + std::strerror(err));
   }

@@ -3,7 +3,7 @@
 // 0600, owned by the attaching user when the daemon runs as root, sized with
 // posix_fallocate (so a full /dev/shm fails here, not with SIGBUS later), a
 // SegmentHeader at offset 0 and data after kSegmentHeaderBytes. The daemon maps
-// it MAP_SHARED (prefaulted) for its whole life, registered with
+// it MAP_SHARED (prefaulted, unless asked not to) for its whole life, registered with
 // ClientMemoryGuard from before its first access to after its last (Note [Client
 // pages can vanish]). The file and the mapping are made through the platform
 // seam, Boost.Interprocess where it has the call and POSIX on its handle where it
@@ -58,11 +58,15 @@ class ShmSegment {
 
   // Creates a segment of `total_bytes` (>= kSegmentHeaderBytes) in `dir`.
   // `kind` is a trainstream.v1.SegmentKind value. With `lock`, tries mlock();
-  // a failure is not an error (locked() says whether it worked).
+  // a failure is not an error (locked() says whether it worked). `prefault`
+  // maps it MAP_POPULATE; a caller that writes every page soon after (a base
+  // load, on several threads) passes false and takes the faults where it writes.
+  // Either way its pages exist (posix_fallocate).
   // Errors: RESOURCE_EXHAUSTED when the directory is full (names it, its free
   // space and the fix), INTERNAL/PERMISSION_DENIED for other failures.
   static Status Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
-                       const SegmentOwner& owner, bool lock, std::unique_ptr<ShmSegment>* out);
+                       const SegmentOwner& owner, bool lock, std::unique_ptr<ShmSegment>* out,
+                       bool prefault = true);
 
   // Removes the file now (the mapping stays until destruction). Idempotent.
   void Unlink();

@@ -30,6 +30,8 @@ void ToProto(const base::BaseInfo& b, v1::BaseInfo* out) {
   out->set_cached(b.cached);
   out->set_vram_copies(b.vram_copies);
   out->set_vram_bytes(b.vram_bytes);
+  out->set_load_threads(b.load_threads);
+  out->set_allocate_seconds(b.allocate_seconds);
 }
 
 }  // namespace
@@ -67,6 +69,7 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
   options.path = req->path();
   options.format = req->format();
   options.block_size = req->block_size();
+  options.threads = req->threads();
   // Progress at most every 100 ms (and the last one). The load stops when the
   // client goes away (the call is cancelled), the daemon shuts down, or the
   // session it loads for ends: why, in `stopped`.
@@ -100,6 +103,7 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
     pe->set_bytes_total(p.bytes_total);
     pe->set_tensors_done(p.tensors_done);
     pe->set_tensors_total(p.tensors_total);
+    pe->set_threads(p.threads);
     writer->Write(event);
     return true;
   };

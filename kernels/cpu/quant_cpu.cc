@@ -44,19 +44,23 @@ int64_t MinBlocksPerThread(const QuantLayout& l) {
   return std::max<int64_t>(1, kMinElementsPerThread / l.block_size);
 }
 
-// nvfp4's per-tensor scale: amax / (6 * 448), the dequant multiplier of a block
-// scale. Zero for an all-zero tensor.
-float Nvfp4TensorScale(const IsaKernels& k, const QuantLayout& l, QuantElemType type,
-                       const void* src, int threads) {
+// The whole tensor's largest |x|, split over threads.
+float ParallelAbsMax(const IsaKernels& k, QuantElemType type, const void* src, int64_t n,
+                     int threads) {
   std::vector<float> partial(std::max(1, threads), 0.0f);
   std::atomic<int> slot{0};
-  quant_internal::ParallelFor(l.numel, kMinElementsPerThread, threads, [&](int64_t b, int64_t e) {
+  quant_internal::ParallelFor(n, kMinElementsPerThread, threads, [&](int64_t b, int64_t e) {
     const int s = slot.fetch_add(1);
     partial[s] = k.abs_max(type, src, b, e);
   });
   float amax = 0.0f;
   for (float p : partial) amax = std::max(amax, p);
-  return amax / (kE2m1Max * kE4m3Max);
+  return amax;
+}
+
+int ThreadsFor(const QuantCpuOptions& opts) {
+  return opts.num_threads > 0 ? opts.num_threads
+                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 }  // namespace
@@ -98,6 +102,13 @@ std::string QuantArgsError(QuantFormat fmt, int64_t block_size) {
   return "";
 }
 
+float Nvfp4TensorScale(float amax) { return amax / (kE2m1Max * kE4m3Max); }
+
+float AbsMaxCpu(QuantElemType src_type, const void* src, int64_t n, const QuantCpuOptions& opts) {
+  if (n <= 0) return 0.0f;
+  return ParallelAbsMax(KernelsFor(opts.isa), src_type, src, n, ThreadsFor(opts));
+}
+
 void QuantizeCpu(QuantFormat fmt, const QuantLayout& l, QuantElemType src_type, const void* src,
                  const QuantBuffers& out, const QuantCpuOptions& opts) {
   if (l.num_blocks == 0) {
@@ -105,17 +116,42 @@ void QuantizeCpu(QuantFormat fmt, const QuantLayout& l, QuantElemType src_type, 
     return;
   }
   const IsaKernels k = KernelsFor(opts.isa);
-  const int threads = opts.num_threads > 0
-                          ? opts.num_threads
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = ThreadsFor(opts);
   float tensor_scale = 0.0f;
   if (fmt == QuantFormat::kNvfp4) {
-    tensor_scale = Nvfp4TensorScale(k, l, src_type, src, threads);
+    tensor_scale = Nvfp4TensorScale(ParallelAbsMax(k, src_type, src, l.numel, threads));
     if (out.tensor_scale != nullptr) *out.tensor_scale = tensor_scale;
   }
   quant_internal::ParallelFor(l.num_blocks, MinBlocksPerThread(l), threads,
                               [&](int64_t b0, int64_t b1) {
                                 k.quantize(fmt, l, src_type, src, out, tensor_scale, b0, b1);
+                              });
+}
+
+void QuantizeBlockRangeCpu(QuantFormat fmt, const QuantLayout& l, QuantElemType src_type,
+                           const void* src, int64_t first_block, int64_t end_block,
+                           const QuantBuffers& out, float tensor_scale,
+                           const QuantCpuOptions& opts) {
+  if (end_block <= first_block) return;
+  // The piece as a tensor of its own: the kernels index blocks from the layout's
+  // start and pad past its numel, and a block's bytes depend only on its elements
+  // (and nvfp4's tensor scale). Blocks have an even size, so a piece of a nibble
+  // format starts on a byte.
+  QuantLayout piece = l;
+  const int64_t first_elem = first_block * l.block_size;
+  piece.numel = std::min(l.numel, end_block * l.block_size) - first_elem;
+  piece.num_blocks = end_block - first_block;
+  piece.padded_numel = piece.num_blocks * l.block_size;
+  const bool nibbles = fmt == QuantFormat::kNf4 || fmt == QuantFormat::kNvfp4;
+  piece.data_bytes = nibbles ? piece.padded_numel / 2 : piece.padded_numel;
+  QuantBuffers at;
+  at.data = out.data + (nibbles ? first_elem / 2 : first_elem);
+  at.scales = static_cast<uint8_t*>(out.scales) + first_block * l.scale_bytes_each;
+  at.tensor_scale = nullptr;
+  const IsaKernels k = KernelsFor(opts.isa);
+  quant_internal::ParallelFor(piece.num_blocks, MinBlocksPerThread(piece), ThreadsFor(opts),
+                              [&](int64_t b0, int64_t b1) {
+                                k.quantize(fmt, piece, src_type, src, at, tensor_scale, b0, b1);
                               });
 }
 

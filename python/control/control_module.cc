@@ -65,6 +65,8 @@ py::dict BaseInfoDict(const BaseInfo& b) {
   d["sessions"] = b.sessions;
   d["load_seconds"] = b.load_seconds;
   d["scratch_peak_bytes"] = b.scratch_peak_bytes;
+  d["load_threads"] = b.load_threads;
+  d["allocate_seconds"] = b.allocate_seconds;
   d["cached"] = b.cached;
   d["vram_copies"] = b.vram_copies;
   d["vram_bytes"] = b.vram_bytes;
@@ -81,12 +83,13 @@ BaseProgressFn WrapProgress(const py::object& progress) {
   };
 }
 
-BaseLoadOptions LoadOptions(const std::string& path, const std::string& format,
-                            uint32_t block_size) {
+BaseLoadOptions LoadOptions(const std::string& path, const std::string& format, uint32_t block_size,
+                            uint32_t threads) {
   BaseLoadOptions o;
   o.path = path;
   o.format = format;
   o.block_size = block_size;
+  o.threads = threads;
   return o;
 }
 
@@ -256,21 +259,21 @@ del _error_base
       .def(
           "load_base",
           [](Session& s, const std::string& path, const std::string& format, uint32_t block_size,
-             py::object progress) {
+             py::object progress, uint32_t threads) {
             BaseInfo info;
             std::unique_ptr<MappedRegion> mapped;
             Status st;
             {
               py::gil_scoped_release release;
-              st = s.LoadBase(LoadOptions(path, format, block_size), WrapProgress(progress), &info,
-                              &mapped);
+              st = s.LoadBase(LoadOptions(path, format, block_size, threads),
+                              WrapProgress(progress), &info, &mapped);
             }
             Check(st);
             return py::make_tuple(BaseInfoDict(info),
                                   PyRegion{std::shared_ptr<MappedRegion>(std::move(mapped))});
           },
           py::arg("path"), py::arg("format") = "", py::arg("block_size") = 0,
-          py::arg("progress") = py::none(),
+          py::arg("progress") = py::none(), py::arg("threads") = 0,
           "Loads (or finds) a base, takes this session's reference and maps it read-only: "
           "(info dict, Region)")
       .def(
@@ -361,18 +364,19 @@ del _error_base
       .def(
           "load_base",
           [](Client& c, const std::string& path, const std::string& format, uint32_t block_size,
-             py::object progress) {
+             py::object progress, uint32_t threads) {
             BaseInfo info;
             Status st;
             {
               py::gil_scoped_release release;
-              st = c.LoadBase(LoadOptions(path, format, block_size), WrapProgress(progress), &info);
+              st = c.LoadBase(LoadOptions(path, format, block_size, threads),
+                              WrapProgress(progress), &info);
             }
             Check(st);
             return BaseInfoDict(info);
           },
           py::arg("path"), py::arg("format") = "", py::arg("block_size") = 0,
-          py::arg("progress") = py::none())
+          py::arg("progress") = py::none(), py::arg("threads") = 0)
       .def("list_bases",
            [](Client& c) {
              std::vector<BaseInfo> bases;

@@ -87,6 +87,17 @@ def test_quantized_model_matches_quantize_model(daemon, tmp_path, fmt):
     model.trainstream_base.release()
 
 
+def test_load_threads_and_the_progress_callback(daemon, tmp_path):
+    save_model(str(tmp_path))
+    calls = []
+    model = load_model(str(tmp_path), quantize="nf4", socket=daemon.socket, load_threads=1,
+                       progress=lambda *a: calls.append(a))
+    info = model.trainstream_base.info
+    assert info["load_threads"] == 1
+    assert calls and calls[-1][0] == calls[-1][1] == info["source_bytes"]
+    assert calls[-1][2] == calls[-1][3] == info["tensors"]
+
+
 def test_tied_embeddings_and_config_overrides(daemon, tmp_path):
     ref = save_model(str(tmp_path), tie=True, seed=2)
     model = load_model(str(tmp_path), quantize="none", socket=daemon.socket)
@@ -121,6 +132,10 @@ def test_bad_options_are_value_errors(tmp_path):
         load_model(str(tmp_path), quant_block_size=3)
     with pytest.raises(ValueError, match="dtype"):
         load_model(str(tmp_path), dtype=torch.int8)
+    with pytest.raises(ValueError, match="load_threads=0"):
+        load_model(str(tmp_path), load_threads=0)
+    with pytest.raises(ValueError, match="progress='bar'"):
+        load_model(str(tmp_path), progress="bar")
     with pytest.raises(FileNotFoundError):
         load_model(str(tmp_path / "missing"))
 

@@ -141,11 +141,13 @@ struct BaseLoadOptions {
   std::string path;         // a .safetensors file or model folder; made absolute here
   std::string format;       // "" / "none", "int8", "nf4", "fp8", "nvfp4"
   uint32_t block_size = 0;  // int8 / nf4; 0 takes 64
+  uint32_t threads = 0;     // loader threads; 0: the daemon's load_threads (also the cap)
 };
 
 struct BaseProgress {
   uint64_t bytes_read = 0, bytes_total = 0;
   uint32_t tensors_done = 0, tensors_total = 0;
+  uint32_t threads = 0;  // loader threads at work
 };
 // Called on the calling thread as the daemon reports progress.
 using BaseProgressFn = std::function<void(const BaseProgress&)>;
@@ -161,6 +163,8 @@ struct BaseInfo {
   uint32_t refcount = 0;
   std::vector<uint64_t> sessions;
   double load_seconds = 0;
+  double allocate_seconds = 0;  // of load_seconds: reserving and creating the segment
+  uint32_t load_threads = 0;    // threads the daemon read and quantized on
   uint64_t scratch_peak_bytes = 0;
   bool cached = false;
   uint32_t vram_copies = 0;  // GPUs holding a VRAM copy (share_vram)

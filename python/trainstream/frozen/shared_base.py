@@ -23,7 +23,7 @@ import ctypes
 import json
 import struct
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -33,6 +33,7 @@ from .._native.wire import BASE_MANIFEST_MAGIC as _MANIFEST_MAGIC
 from .._native.wire import SEGMENT_MAGIC as _SEGMENT_MAGIC
 from .._native.wire import SEGMENT_MANIFEST_OFFSET_FIELD as _MANIFEST_OFFSET_FIELD
 from ..errors import DaemonError
+from .load_progress import resolve_progress
 
 __all__ = ["SharedBase", "load_base", "FORMATS"]
 
@@ -263,9 +264,19 @@ class SharedBase:
                 f"tensors={len(self.entries)}, bytes={self.info['segment_bytes']})")
 
 
+def check_load_threads(threads: Any, name: str) -> None:
+    """ValueError unless ``threads`` is None or an integer in [1, 4096] (``name``: the
+    option's name in the message)."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 4096:
+        raise ValueError(f"{name}={threads!r}: use None (the daemon's load_threads) or an "
+                         "integer in [1, 4096]")
+
+
 def load_base(path: str, format: str = "none", block_size: int = 64, *,
               socket: Optional[str] = None, session=None, job: str = "",
-              progress: Optional[Callable[[int, int, int, int], None]] = None,
+              progress: Any = "auto", threads: Optional[int] = None,
               register_cuda: Any = "auto", share_vram: Any = False) -> SharedBase:
     """Loads (or finds cached) the checkpoint at ``path`` in the daemon and maps it.
 
@@ -273,8 +284,12 @@ def load_base(path: str, format: str = "none", block_size: int = 64, *,
     the checkpoint's dtypes), "int8", "nf4", "fp8" or "nvfp4" (block-stack linear
     weights only). ``block_size``: int8 / nf4 (even, >= 2). ``session``: an attached
     ``_control.Session`` to hold the reference (default: a new one, ended by
-    ``release()`` or when the process exits). ``progress(bytes_read, bytes_total,
-    tensors_done, tensors_total)`` is called while the daemon loads.
+    ``release()`` or when the process exits). ``progress``: "auto" (a bar on stderr
+    when it is a terminal), True, False/None, or a callable ``progress(bytes_read,
+    bytes_total, tensors_done, tensors_total)`` called while the daemon loads
+    (``load_progress.py``). ``threads``: how many threads the daemon reads and
+    quantizes on (None: its ``load_threads``, also the most it runs; the bytes do not
+    depend on it).
     ``register_cuda``: "auto" registers the mapping with CUDA read-only when a GPU is
     present (a failure only warns), True requires it, False skips it. ``share_vram``:
     False, or a CUDA device (True: the current one) on which the daemon keeps one VRAM
@@ -292,16 +307,20 @@ def load_base(path: str, format: str = "none", block_size: int = 64, *,
                          "fp8 and nvfp4 use fixed blocks)")
     if not isinstance(path, str) or not path:
         raise ValueError(f"path={path!r}: give a .safetensors file or a model folder")
+    check_load_threads(threads, "threads")
+    callback, close_progress = resolve_progress(progress, f"loading {fmt} base")
     owns = session is None
     if owns:
         from .._native.daemon import connect
         session = connect(socket).attach(job=job or "load_base")
     try:
-        info, region = session.load_base(path, fmt, block_size, progress)
+        info, region = session.load_base(path, fmt, block_size, callback, threads or 0)
     except Exception:
         if owns:
             session.detach()
         raise
+    finally:
+        close_progress()
     base = SharedBase(session, info, region, owns_session=owns)
     if share_vram is not False:
         try:

@@ -20,7 +20,8 @@ from torch import nn
 
 from ..blocks import find_block_stack, find_blocks
 from ..frozen.quantization import QuantLinear, _check_block_size
-from ..frozen.shared_base import SharedBase, load_base
+from ..frozen.load_progress import check_progress
+from ..frozen.shared_base import SharedBase, check_load_threads, load_base
 from ..memory.capacity import ram_available
 from . import peft as _peft_lora  # noqa: F401 (registers QuantLinear as a PEFT LoRA target)
 
@@ -254,7 +255,8 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
                dtype: torch.dtype = torch.bfloat16, quant_block_size: int = 64,
                random_weights: bool = False, ram_fraction: float = 0.85,
                trust_remote_code: bool = False, *, share_vram: Any = False,
-               socket: Optional[str] = None, **config_overrides: Any) -> nn.Module:
+               socket: Optional[str] = None, progress: Any = "auto",
+               load_threads: Optional[int] = None, **config_overrides: Any) -> nn.Module:
     """A Hugging Face model whose frozen block weights are the daemon's shared base.
 
     Args:
@@ -277,6 +279,11 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
             returned on that device, its other weights copied there. Each process's
             own VRAM then grows only by those copies, what it trains and activations.
         socket: the daemon's socket (default: as ``trainstream.wrap``).
+        progress: "auto" (a bar on stderr while the daemon reads, when stderr is a
+            terminal: tqdm's, else a plain line), True (always), False/None, or a
+            callable ``progress(bytes_read, bytes_total, tensors_done, tensors_total)``.
+        load_threads: threads the daemon reads and quantizes the checkpoint on
+            (None: its ``load_threads`` setting, by default one per available CPU).
         **config_overrides: set on the config before the model is built
             (e.g. ``num_hidden_layers=2``).
 
@@ -285,6 +292,8 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
     trainable parameters. The model holds the base as ``model.trainstream_base``
     (and its daemon session): the base stays referenced while the model lives.
     """
+    check_load_threads(load_threads, "load_threads")
+    check_progress(progress)
     vram_device = None
     if share_vram is not False and share_vram is not None:
         from ..frozen.shared_base import _cuda_device
@@ -328,7 +337,7 @@ def load_model(name_or_path: str, quantize: Optional[str] = "auto",
         model.trainstream_load = {"format": fmt, "random_weights": True}
         return model.eval()
     base = load_base(os.path.abspath(checkpoint), fmt, quant_block_size, socket=socket,
-                     job="load_model",
+                     job="load_model", progress=progress, threads=load_threads,
                      share_vram=vram_device if vram_device is not None else False)
     try:
         stats = _bind_to_base(model, base, dtype, vram_device)

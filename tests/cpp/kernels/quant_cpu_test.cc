@@ -1,6 +1,7 @@
 // CPU quantize/dequantize: every vectorized path equals the scalar reference byte for
 // byte (random and adversarial tensors); the NF4 layout matches a hand-computed
 // bitsandbytes example; values on each format's grid round-trip exactly.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -96,6 +97,48 @@ TEST_CASE("vectorized and threaded paths equal the scalar reference byte for byt
           const std::vector<float> a = Dequantize(fmt, ref, tk::Isa::kScalar);
           const std::vector<float> b = Dequantize(fmt, got, isa);
           REQUIRE(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+        }
+      }
+    }
+  }
+}
+
+// The base loader quantizes a tensor piece by piece, on several threads, from a
+// scratch that holds only the piece: the bytes must be QuantizeCpu's.
+TEST_CASE("quantizing a tensor in pieces gives QuantizeCpu's bytes") {
+  for (const auto& [name, x] : TestTensors()) {
+    for (tk::QuantFormat fmt : kFormats) {
+      for (int64_t block : {64, 2, 126}) {
+        const Quantized ref = Quantize(fmt, x, block, tk::Isa::kScalar, 1);
+        const tk::QuantLayout& l = ref.layout;
+        for (int64_t per_piece : {int64_t{1}, int64_t{7}, l.num_blocks}) {
+          INFO(name << " " << tk::QuantFormatName(fmt) << " block " << l.block_size << " "
+                    << per_piece << " blocks per piece");
+          std::vector<uint8_t> data(l.data_bytes, 0xAB), scales(l.scale_bytes(), 0xAB);
+          float untouched = -1.0f;
+          const tk::QuantBuffers out{data.data(), scales.data(), &untouched};
+          float amax = 0.0f;
+          for (int64_t b = 0; b < l.num_blocks; b += per_piece) {
+            const int64_t begin = b * l.block_size;
+            const int64_t end = std::min(l.numel, (b + per_piece) * l.block_size);
+            amax = std::max(
+                amax, tk::AbsMaxCpu(tk::QuantElemType::kFloat32, x.data() + begin, end - begin));
+          }
+          const float tensor_scale =
+              fmt == tk::QuantFormat::kNvfp4 ? tk::Nvfp4TensorScale(amax) : 0.0f;
+          REQUIRE(tensor_scale == ref.tensor_scale);
+          // Last piece first: the order must not matter.
+          for (int64_t b = (l.num_blocks - 1) / per_piece * per_piece; b >= 0; b -= per_piece) {
+            // A private copy of the piece, as the loader's scratch holds it.
+            const int64_t begin = b * l.block_size;
+            const int64_t end = std::min(l.numel, (b + per_piece) * l.block_size);
+            const std::vector<float> piece(x.begin() + begin, x.begin() + end);
+            tk::QuantizeBlockRangeCpu(fmt, l, tk::QuantElemType::kFloat32, piece.data(), b,
+                                      std::min(l.num_blocks, b + per_piece), out, tensor_scale);
+          }
+          REQUIRE(data == ref.data);
+          REQUIRE(scales == ref.scales);
+          REQUIRE(untouched == -1.0f);
         }
       }
     }

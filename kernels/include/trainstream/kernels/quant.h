@@ -52,6 +52,31 @@ struct QuantConstBuffers {
 void QuantizeCpu(QuantFormat fmt, const QuantLayout& layout, QuantElemType src_type,
                  const void* src, const QuantBuffers& out, const QuantCpuOptions& opts = {});
 
+// The piecewise form of QuantizeCpu, for a reader that holds one piece of a tensor
+// at a time (the daemon's base loader). Quantizes blocks [first_block, end_block)
+// of the tensor `layout` describes. `src` holds just those blocks' elements: element
+// first_block * layout.block_size of the tensor is src[0], and the piece ends at
+// min(layout.numel, end_block * layout.block_size) (the last block's padding is
+// zeros, as in QuantizeCpu). `out` is the whole tensor's buffers; only the codes and
+// scales of those blocks are written, and out.tensor_scale never is. `tensor_scale`
+// is nvfp4's per-tensor scale, Nvfp4TensorScale(AbsMaxCpu of the whole tensor);
+// other formats ignore it. Blocks are independent, so pieces quantized separately,
+// in any order and on any threads, give exactly QuantizeCpu's bytes.
+// Preconditions: as QuantizeCpu, and 0 <= first_block <= end_block <= num_blocks.
+void QuantizeBlockRangeCpu(QuantFormat fmt, const QuantLayout& layout, QuantElemType src_type,
+                           const void* src, int64_t first_block, int64_t end_block,
+                           const QuantBuffers& out, float tensor_scale,
+                           const QuantCpuOptions& opts = {});
+
+// The largest |x| of n elements of `src` (finite; +0 for n == 0). The maximum of the
+// pieces' AbsMaxCpu is the whole tensor's.
+float AbsMaxCpu(QuantElemType src_type, const void* src, int64_t n,
+                const QuantCpuOptions& opts = {});
+
+// nvfp4's per-tensor scale for a tensor whose largest |x| is `amax`: amax / (6 * 448),
+// the dequant multiplier of a block scale. Zero for an all-zero tensor.
+float Nvfp4TensorScale(float amax);
+
 // Writes layout.numel elements (padding dropped) of type `dst_type` to `dst`.
 void DequantizeCpu(QuantFormat fmt, const QuantLayout& layout, const QuantConstBuffers& in,
                    QuantElemType dst_type, void* dst, const QuantCpuOptions& opts = {});
