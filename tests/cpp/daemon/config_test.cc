@@ -50,6 +50,7 @@ TEST_CASE("Config file: key = value, comments, quotes, errors name file:line", "
       "budget = 75%\n"
       "log_level = debug\n"
       "threads = 12\n"
+      "load_threads = 6\n"
       "idle_exit = 300\n"
       "allow_group = trainstream\n"
       "admin_group = wheel\n"
@@ -63,6 +64,7 @@ TEST_CASE("Config file: key = value, comments, quotes, errors name file:line", "
   CHECK(c.budget == "75%");
   CHECK(c.log_level == "debug");
   CHECK(c.threads == 12);
+  CHECK(c.load_threads == 6);
   CHECK(c.idle_exit_s == 300);
   CHECK(c.allow_group == "trainstream");
   CHECK(c.admin_group == "wheel");
@@ -82,8 +84,20 @@ TEST_CASE("Config file: key = value, comments, quotes, errors name file:line", "
   CHECK_FALSE(ParseConfigText("lock_memory = maybe\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("max_connections_per_uid = -1\n", "f", &d).ok());
   CHECK_FALSE(ParseConfigText("max_connections_per_uid = 2000000\n", "f", &d).ok());
+  CHECK(ParseConfigText("load_threads = 5000\n", "f", &d).message().find("at most 4096") !=
+        std::string::npos);
   CHECK(LoadConfigFile("/nonexistent/trainstreamd.conf", &d).code() ==
         trainstream::StatusCode::kNotFound);
+}
+
+TEST_CASE("A base load runs the asked threads, capped at load_threads", "[config]") {
+  DaemonConfig c;
+  CHECK(BaseLoadThreads(c, 0) == AvailableCpus());
+  CHECK(AvailableCpus() >= 1);
+  c.load_threads = 3;
+  CHECK(BaseLoadThreads(c, 0) == 3);
+  CHECK(BaseLoadThreads(c, 2) == 2);
+  CHECK(BaseLoadThreads(c, 8) == 3);
 }
 
 TEST_CASE("Tokens are 128-bit random hex and differ", "[token]") {
