@@ -283,10 +283,10 @@ def test_a_step_whose_peak_counter_was_reset_outside_decides_nothing(monkeypatch
     paged = {"bytes": 0}  # the offloader's running total: 800 MiB more per step
     monkeypatch.setattr(adapter, "_offloaded", lambda: paged["bytes"])
 
-    def step():
+    def step():  # the blocks page their activations during the forward
         adapter.on_forward(None, ())
-        adapter.on_forward_end()
         paged["bytes"] += 8 * 100 * MiB
+        adapter.on_forward_end()
     step()
     step()  # calibration: 600 MiB of room at 100 MiB a block, the last 5 keep
     assert pager.policy == [OFFLOAD] * 3 + [KEEP] * 5

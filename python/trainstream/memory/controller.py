@@ -130,6 +130,7 @@ class MemoryController:
         torch.cuda.reset_peak_memory_stats(self.pager.device)
         self.forward_end_bytes = 0
         self.t_start = now
+        self.offloaded_at_start = self._offloaded()
 
     # Note [A peak counter reset by someone else]
     # Each step's peak is CUDA's max_memory_allocated since the controller reset it at
@@ -144,7 +145,6 @@ class MemoryController:
         if self.measure and torch.is_grad_enabled() and not in_backward():
             self.forward_end_bytes = max(self.forward_end_bytes,
                                          torch.cuda.memory_allocated(self.pager.device))
-        self.offloaded_at_start = self._offloaded()
 
     def _sync_time(self) -> float:
         torch.cuda.synchronize(self.pager.device)
