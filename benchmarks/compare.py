@@ -161,6 +161,8 @@ def run_all(args) -> dict:
     scenarios = parse_scenarios(args.scenarios)
     engines = list(ENGINES.values()) if args.engines == "all" else parse_engines(args.engines)
     caps = {"capped": [args.cap_gib], "uncapped": [None], "both": [args.cap_gib, None]}[args.caps]
+    uncapped = None if args.uncapped_engines == "all" else \
+        parse_engines(args.uncapped_engines, "--uncapped-engines")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     doc = {"schema": 1, "tool": "benchmarks/compare.py",
@@ -195,6 +197,8 @@ def run_all(args) -> dict:
             written.append(entry["checkpoint"])
             for cap in caps:
                 for e in runnable:
+                    if cap is None and uncapped is not None and e not in uncapped:
+                        continue
                     r = _run_engine(args, sc, e, cap, entry["checkpoint"])
                     doc["results"].append(r)
                     log(report.one_line(r))
@@ -273,6 +277,8 @@ def main(argv=None) -> int:
     caps.add_argument("--both", dest="caps", action="store_const", const="both",
                       help="run under the cap, then uncapped")
     ap.set_defaults(caps="capped")
+    ap.add_argument("--uncapped-engines", default="all",
+                    help="with --both or --uncapped: the engines that run uncapped (default all)")
     ap.add_argument("--steps", type=int, default=8, help="measured steps; the median is reported")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps before measuring, at least")
     ap.add_argument("--max-warmup", type=int, default=20,
@@ -328,8 +334,9 @@ def main(argv=None) -> int:
         return 0
     try:
         parse_scenarios(args.scenarios)
-        if args.engines != "all":
-            parse_engines(args.engines)
+        for flag in ("engines", "uncapped_engines"):
+            if getattr(args, flag) != "all":
+                parse_engines(getattr(args, flag), "--" + flag.replace("_", "-"))
     except ValueError as e:
         ap.error(str(e))
     args.command = "python benchmarks/compare.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

@@ -129,8 +129,8 @@ def perplexity(model, heldout, device, autocast, batch: int) -> float:
     return math.exp(total / n)
 
 
-def pretrain(cfg_shape, data, s, device, seed, folder):
-    """Trains the small model from scratch and saves it (bf16) to ``folder``."""
+def pretrain(cfg_shape, data, s, device, seed):
+    """The small model trained from scratch (fp32 weights) and what the training did."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
@@ -159,7 +159,6 @@ def pretrain(cfg_shape, data, s, device, seed, folder):
     info = {"params": sum(p.numel() for p in model.parameters()), "config": cfg_shape,
             "pretrain_steps": steps, "pretrain_losses": losses,
             "pretrain_s": round(time.perf_counter() - t0, 1)}
-    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     return model, info
 
 
@@ -253,11 +252,11 @@ def main(argv=None) -> int:
     try:
         if sock is None:
             proc, sock, cleanup = start_daemon(args.budget)
-        model, doc["model"] = pretrain(MODELS[size], data["pretrain"], s, device, args.seed, folder)
+        model, doc["model"] = pretrain(MODELS[size], data["pretrain"], s, device, args.seed)
         heldout = windows(data["heldout"], s["seq"], s["windows"])
-        model.float()
         doc["model"]["fp32_heldout_ppl"] = round(perplexity(model, heldout, device, device == "cuda",
                                                             s["batch"]), 4)
+        model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)  # the checkpoint
         del model
         for fmt in fmts:
             try:

@@ -371,10 +371,10 @@ ENGINES: Dict[str, Engine] = {e.name: e for e in (
 )}
 
 
-def parse_engines(text: str):
+def parse_engines(text: str, flag: str = "--engines"):
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in ENGINES]
     if bad or not names:
-        raise ValueError(f"--engines {text!r}: unknown {', '.join(map(repr, bad)) or '(none given)'}; "
+        raise ValueError(f"{flag} {text!r}: unknown {', '.join(map(repr, bad)) or '(none given)'}; "
                          f"accepted: all, or a comma-separated list of {', '.join(ENGINES)}")
     return [ENGINES[n] for n in names]

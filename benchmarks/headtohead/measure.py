@@ -64,14 +64,15 @@ class DeviceMemory:
     """The used memory of one GPU from NVML (pynvml) or, without it, nvidia-smi;
     ``source`` says which, or why neither ("" while not asked)."""
 
-    def __init__(self, index: int):
-        self.index = index
+    def __init__(self, index):
+        self.index = index  # a number, or a GPU's UUID ("GPU-...")
         self.source = ""
         self._handle = None
         try:
             import pynvml
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(index) if isinstance(index, str) \
+                else pynvml.nvmlDeviceGetHandleByIndex(index)
             self._nvml = pynvml
             self.source = "nvml"
         except Exception as e:  # noqa: BLE001 (no NVML: nvidia-smi, else none)
@@ -98,11 +99,13 @@ class DeviceMemory:
         return None
 
 
-def visible_gpu_index() -> int:
-    """The physical index of the GPU this process's cuda:0 is (CUDA_VISIBLE_DEVICES's
-    first entry when it is a number), for NVML."""
+def visible_gpu_index():
+    """The GPU this process's cuda:0 is, for NVML: CUDA_VISIBLE_DEVICES's first entry
+    (its physical index, or its UUID), else 0."""
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    return int(first) if first.isdigit() else 0
+    if first.isdigit():
+        return int(first)
+    return first if first.startswith("GPU-") else 0
 
 
 class Sampler(threading.Thread):

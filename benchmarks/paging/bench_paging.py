@@ -406,6 +406,8 @@ def run_case_process(cmd, case: str, timeout: float, stderr_tail: int = 800,
 def _stream_case_process(cmd, case, timeout, stderr_tail, on_line, env) -> dict:
     import threading
     with tempfile.TemporaryFile("w+") as err:
+        # The caller's process group (no session of its own): a `timeout` around the
+        # whole run, which signals its group, ends the case too.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         results = []
 
