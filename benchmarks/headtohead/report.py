@@ -188,9 +188,10 @@ def charts(doc: dict, out: str) -> Dict[str, str]:
                                       lambda r: r.get("host_bytes_per_trained_param"))}
     files = {}
     for name, (xlabel, value) in metrics.items():
-        rows = max(len(p[2]) for p in panels)
-        fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.8 + (0.32 * rows + 0.9) * len(panels)),
-                                 squeeze=False)
+        # Each panel as tall as its engines need.
+        heights = [0.9 + 0.28 * len(p[2]) for p in panels]
+        fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.4 + sum(heights)), squeeze=False,
+                                 gridspec_kw={"height_ratios": heights})
         for ax, (sc, capped, results) in zip(axes[:, 0], panels):
             results = sorted(results, key=lambda r: (r["status"] != "ok", r.get("step_s") or 0))
             labels = [r.get("label", r["engine"]) for r in results]
