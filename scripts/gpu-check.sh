@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, capdiag, frontdoor
+STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, capdiag, frontdoor, compare, quality
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -156,6 +156,32 @@ if [[ $STAGES == *frontdoor* ]]; then
       > "$OUT/bench-losses.log" 2>&1 || { rc=1; echo "bench losses failed"; }
     tail -20 "$OUT/bench-losses.log" | tee -a "$OUT/bench.log"
   fi
+fi
+# Head-to-head against other libraries and the formats' perplexity (issue 22;
+# docs/benchmarks-compare.md). The peers' wheels come in .whl/ (carried; made with
+# benchmarks/headtohead/peer_wheels.py) and install into /tmp/site. COMPARE_ARGS picks
+# the scenarios, engines and caps; results land in $OUT/compare/ (written after every
+# engine, so a call cut off by its limit still returns the engines that finished). No
+# charts there (a call returns at most 8 files): compare.py --merge draws them here.
+if [[ $STAGES == *compare* || $STAGES == *quality* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl >> "$OUT/compare.log" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+fi
+if [[ $STAGES == *compare* ]]; then
+  echo "== compare ${COMPARE_ARGS:-}" | tee -a "$OUT/bench.log"
+  timeout ${COMPARE_TIMEOUT:-480} python3 benchmarks/compare.py --out "$OUT/compare" \
+    --ckpt-dir "${CKPT_DIR:-/tmp/compare-ckpt}" --no-charts ${COMPARE_ARGS:-} >> "$OUT/compare.log" 2>&1 \
+    || { rc=1; echo "compare failed"; }
+  tail -40 "$OUT/compare.log" | tee -a "$OUT/bench.log"
+fi
+if [[ $STAGES == *quality* ]]; then
+  echo "== quality" | tee -a "$OUT/bench.log"
+  timeout ${QUALITY_TIMEOUT:-300} python3 benchmarks/quality.py --out "$OUT/quality.json" ${QUALITY_ARGS:-} \
+    >> "$OUT/quality.log" 2>&1 || { rc=1; echo "quality failed"; }
+  tail -12 "$OUT/quality.log" | tee -a "$OUT/bench.log"
 fi
 # The CUDA cap test's scenario with the allocator's history recorded (diag_cap.py).
 if [[ $STAGES == *capdiag* ]]; then

@@ -43,7 +43,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def qwen2_tensors(a):
-    """(name, shape) in checkpoint order, Qwen2 naming."""
+    """(name, shape) in checkpoint order, Qwen2 naming; no ``lm_head.weight`` when
+    ``a.tie_word_embeddings`` (optional, default False: the output layer is the
+    embedding, as in Qwen2.5-1.5B)."""
     h, kv = a.hidden, a.kv_heads * (a.hidden // a.heads)
     out = [("model.embed_tokens.weight", (a.vocab, h))]
     for i in range(a.layers):
@@ -57,7 +59,9 @@ def qwen2_tensors(a):
                 (p + "mlp.gate_proj.weight", (a.intermediate, h)),
                 (p + "mlp.up_proj.weight", (a.intermediate, h)),
                 (p + "mlp.down_proj.weight", (h, a.intermediate))]
-    out += [("model.norm.weight", (h,)), ("lm_head.weight", (a.vocab, h))]
+    out += [("model.norm.weight", (h,))]
+    if not getattr(a, "tie_word_embeddings", False):
+        out += [("lm_head.weight", (a.vocab, h))]
     return out
 
 
@@ -82,10 +86,12 @@ def write_checkpoint(a, folder):
         size += nbytes
     shards.append(cur)
     weight_map, total = {}, 0
+    total_elems = sum(numel(shape) for _, shape in tensors)
     # Random bf16 values (std 0.02) from a 256 MiB pool, each tensor starting at its own
     # offset: writing is then disk-bound, not random-number-bound.
+    # A small checkpoint draws only as many values as it holds.
     gen = torch.Generator().manual_seed(0)
-    pool = (torch.randn(1 << 27, generator=gen) * 0.02).to(torch.bfloat16)
+    pool = (torch.randn(min(1 << 27, total_elems), generator=gen) * 0.02).to(torch.bfloat16)
     pool_bytes = memoryview(pool.view(torch.uint8).numpy())
     t0 = time.perf_counter()
     for i, part in enumerate(shards):
@@ -120,7 +126,8 @@ def write_checkpoint(a, folder):
               "num_hidden_layers": a.layers, "num_attention_heads": a.heads,
               "num_key_value_heads": a.kv_heads, "vocab_size": a.vocab,
               "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+              "tie_word_embeddings": bool(getattr(a, "tie_word_embeddings", False)),
+              "torch_dtype": "bfloat16", "hidden_act": "silu"}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     dt = time.perf_counter() - t0

@@ -1,0 +1,272 @@
+"""compare.py's outputs from its results JSON: the Markdown tables, the PNG charts
+(matplotlib) and the README's results section. Everything here reads the JSON only, so
+results from several GPU-host calls can be merged and rendered later, anywhere."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+GIB = 2**30
+STATUS_SHORT = {"oom": "out of memory", "timeout": "timed out", "killed": "killed",
+                "error": "error", "not installed": "not installed", "needs CUDA": "needs CUDA"}
+
+
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def merge(docs: List[dict]) -> dict:
+    """One document from several runs: the first's machine and command (the others'
+    commands listed too); a result of a later document replaces an earlier one of the
+    same scenario, engine and cap."""
+    if not docs:
+        raise ValueError("nothing to merge: give at least one results.json")
+    out = dict(docs[0])
+    out["commands"] = [d.get("command") for d in docs]
+    out["scenarios"], out["engines"] = {}, {}
+    keyed: Dict[tuple, dict] = {}
+    for d in docs:
+        out["scenarios"].update(d.get("scenarios", {}))
+        out["engines"].update(d.get("engines", {}))
+        for r in d.get("results", []):
+            keyed[(r["scenario"], r["engine"], r.get("capped"))] = r
+    out["results"] = list(keyed.values())
+    return out
+
+
+def _gib(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / GIB:.1f}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def one_line(r: dict) -> str:
+    head = f"{r['scenario']:<11} {r['engine']:<22} {'cap' if r.get('capped') else 'free':<4}"
+    if r["status"] != "ok":
+        return f"{head} {_outcome(r, None)[:200]}"
+    return (f"{head} {r['step_s']:.4f} s/step, VRAM {_gib(r.get('peak_vram_bytes'))} GiB (NVML "
+            f"{_gib(r.get('peak_nvml_bytes'))}), host {_gib(r.get('host_bytes'))} GiB, loss "
+            f"{r['losses'][0]} -> {r['losses'][-1]}")
+
+
+def groups(doc: dict):
+    """(scenario, capped, [results run]) in the document's scenario order."""
+    order = list(doc.get("scenarios", {}))
+    seen = {}
+    for r in doc["results"]:
+        if r["status"] == "n/a":
+            continue
+        seen.setdefault((r["scenario"], bool(r.get("capped"))), []).append(r)
+    for sc in order:
+        for capped in (True, False):
+            if (sc, capped) in seen:
+                yield sc, capped, seen[(sc, capped)]
+
+
+def _outcome(r: dict, fastest: Optional[float]) -> str:
+    if r["status"] == "ok":
+        if not fastest:
+            return "ran"
+        ratio = r["step_s"] / fastest
+        text = "fastest" if ratio <= 1.0 + 1e-9 else f"{ratio:.2f}x the fastest"
+        if r.get("still_adapting"):
+            text += " (still adapting when measured)"
+        if r.get("within_cap") is False:
+            text += " (torch's peak above the cap)"
+        return text
+    reason = r.get("reason", "")
+    return reason if reason.startswith(STATUS_SHORT.get(r["status"], "\0")) else \
+        f"{STATUS_SHORT.get(r['status'], r['status'])}: {reason}"
+
+
+def _cap_text(doc: dict, capped: bool, results: List[dict]) -> str:
+    if not capped:
+        return "uncapped"
+    cap = next((r.get("cap_gib") for r in results if r.get("cap_gib")), None)
+    return f"{cap:g} GiB VRAM cap" if cap else "capped"
+
+
+def table(doc: dict, sc: str, capped: bool, results: List[dict]) -> str:
+    info = doc.get("scenarios", {}).get(sc, {})
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["step_s"])
+    rest = [r for r in results if r["status"] != "ok"]
+    fastest = ok[0]["step_s"] if ok else None
+    what = "full fine-tune" if info.get("kind") == "full" else "LoRA r=16"
+    lines = [f"**{sc}**: {what}, {_count(info.get('params', 0))} parameters, batch "
+             f"{info.get('batch')}x{info.get('seq')}, {_cap_text(doc, capped, results)}", "",
+             "| engine | step time | peak VRAM GiB (torch / NVML) | host GiB (B per trained param) | "
+             "loss first -> last | outcome |", "|---|---|---|---|---|---|"]
+    for r in ok + rest:
+        if r["status"] == "ok":
+            per = r.get("host_bytes_per_trained_param")
+            host = _gib(r.get("host_bytes")) + (f" ({per:.1f})" if per is not None else "")
+            lines.append(f"| {r['label']} | {r['step_s']:.3f} s | {_gib(r.get('peak_vram_bytes'))} / "
+                         f"{_gib(r.get('peak_nvml_bytes'))} | {host} | {r['losses'][0]} -> "
+                         f"{r['losses'][-1]} | {_outcome(r, fastest)} |")
+        else:
+            lines.append(f"| {r.get('label', r['engine'])} | - | {_gib(r.get('peak_vram_bytes'))} / "
+                         f"{_gib(r.get('peak_nvml_bytes'))} | - | - | "
+                         f"{_outcome(r, fastest).replace('|', '/')[:300]} |")
+    return "\n".join(lines)
+
+
+def trainstream_against_peers(results: List[dict]) -> Optional[str]:
+    """TrainStream's fastest run against the fastest peer's, one line (None when
+    either did not run)."""
+    ok = [r for r in results if r["status"] == "ok"]
+    ours = min((r for r in ok if r["engine"].startswith("trainstream")), key=lambda r: r["step_s"],
+               default=None)
+    peer = min((r for r in ok if not r["engine"].startswith("trainstream")), key=lambda r: r["step_s"],
+               default=None)
+    if ours is None or peer is None:
+        return None
+    ratio = ours["step_s"] / peer["step_s"]
+    verdict = "faster" if ratio < 1 else "slower"
+    return (f"TrainStream's best ({ours['label']}, {ours['step_s']:.3f} s) is {ratio:.2f}x the best "
+            f"peer's step ({peer['label']}, {peer['step_s']:.3f} s): {verdict}")
+
+
+def markdown(doc: dict) -> str:
+    parts = [f"Command: `{doc.get('command', '')}`", "", machine_line(doc.get("machine", {})), ""]
+    for sc, capped, results in groups(doc):
+        parts += [table(doc, sc, capped, results), ""]
+        line = trainstream_against_peers(results)
+        if line:
+            parts += [line, ""]
+    missing = not_run(doc)
+    if missing:
+        parts += ["Engines that did not run:", ""] + [f"- {m}" for m in missing] + [""]
+    return "\n".join(parts)
+
+
+def not_run(doc: dict) -> List[str]:
+    """One line per engine that could not run at all (not installed, needs CUDA, an
+    import error), with the reason; an engine counted once."""
+    out, seen = [], set()
+    for r in doc["results"]:
+        if r["status"] in ("not installed", "needs CUDA") or (
+                r["status"] == "error" and r.get("reason", "").startswith("import ")):
+            if r["engine"] not in seen:
+                seen.add(r["engine"])
+                out.append(f"{r.get('label', r['engine'])}: {r.get('reason', r['status'])}")
+    return out
+
+
+def machine_line(m: dict) -> str:
+    if not m or m.get("error"):
+        return f"Machine: not described ({m.get('error', 'no record') if m else 'no record'})"
+    gpu = (f"{m['gpu']} ({m.get('vram_bytes', 0) / 1e9:.0f} GB), driver {m.get('driver', '?')}"
+           if m.get("gpu") else "no GPU")
+    pcie = (f"; pinned PCIe H2D {m['pcie_h2d_gb_s']} GB/s, D2H {m['pcie_d2h_gb_s']} GB/s"
+            if m.get("pcie_h2d_gb_s") else "")
+    return (f"Machine: {gpu}; {m.get('cpu', '?')}, {m.get('cpu_cores')} cores; "
+            f"{m.get('ram_bytes', 0) / GIB:.0f} GiB RAM{pcie}; torch {m.get('torch')} "
+            f"(CUDA {m.get('cuda')}), Python {m.get('python')}")
+
+
+def charts(doc: dict, out: str) -> Dict[str, str]:
+    """step_time.png, peak_vram.png and host_per_param.png in ``out``: one panel per
+    scenario and cap, one bar per engine (a failed engine's bar is empty and labelled
+    with why). Returns {name: file} or {"error": why} when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return {"error": f"not drawn: matplotlib not installed: {e}"}
+    panels = list(groups(doc))
+    if not panels:
+        return {"error": "not drawn: no results"}
+    metrics = {"step_time.png": ("step time (s)", lambda r: r.get("step_s")),
+               "peak_vram.png": ("peak VRAM, torch allocated (GiB)",
+                                 lambda r: (r.get("peak_vram_bytes") or 0) / GIB or None),
+               "host_per_param.png": ("host bytes per trained parameter",
+                                      lambda r: r.get("host_bytes_per_trained_param"))}
+    files = {}
+    for name, (xlabel, value) in metrics.items():
+        # Each panel as tall as its engines need.
+        heights = [0.9 + 0.28 * len(p[2]) for p in panels]
+        fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.4 + sum(heights)), squeeze=False,
+                                 gridspec_kw={"height_ratios": heights})
+        for ax, (sc, capped, results) in zip(axes[:, 0], panels):
+            results = sorted(results, key=lambda r: (r["status"] != "ok", r.get("step_s") or 0))
+            labels = [r.get("label", r["engine"]) for r in results]
+            # A failed run keeps its peak VRAM reading (where it ran out, say), hatched.
+            values = [value(r) if r["status"] == "ok" or name == "peak_vram.png" else None
+                      for r in results]
+            colors = ["#d62728" if r["engine"].startswith("trainstream") else "#1f77b4" for r in results]
+            bars = ax.barh(range(len(results)), [v or 0 for v in values], color=colors)
+            top = max([v for v in values if v] or [1.0])
+            for i, (r, v) in enumerate(zip(results, values)):
+                if r["status"] != "ok":
+                    bars[i].set_hatch("//")
+                    bars[i].set_alpha(0.5)
+                status = STATUS_SHORT.get(r["status"], r["status"])
+                text = (f"{v:.3g}" if r["status"] == "ok" else f"{status} ({v:.3g})") if v else \
+                    ("no reading" if r["status"] == "ok" else status)
+                ax.text((v or 0) + top * 0.01, i, text, va="center", fontsize=7)
+            ax.set_yticks(range(len(results)), labels, fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlim(0, top * 1.25)
+            ax.set_title(f"{sc}, {_cap_text(doc, capped, results)}", fontsize=9)
+            ax.set_xlabel(xlabel, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, name), dpi=110)
+        plt.close(fig)
+        files[name.split(".")[0]] = name
+    return files
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def quality_table(q: dict) -> str:
+    lines = [f"Perplexity on held-out text ({q.get('corpus', {}).get('description', '')}), "
+             f"{q.get('model', {}).get('params', 0) / 1e6:.1f}M-parameter Qwen2-shaped model trained "
+             f"in the script; LoRA r={q.get('lora', {}).get('r')} for "
+             f"{q.get('lora', {}).get('steps')} steps on every base", "",
+             "| base format | perplexity before LoRA | vs bf16 | after LoRA | vs bf16 |", "|---|---|---|---|---|"]
+    for row in q.get("formats", []):
+        if row.get("error"):
+            lines.append(f"| {row['format']} | error: {row['error'][:200]} | | | |")
+            continue
+        lines.append(f"| {row['format']} | {row['ppl_before']:.3f} | {_pct(row.get('vs_bf16_before'))} | "
+                     f"{row['ppl_after']:.3f} | {_pct(row.get('vs_bf16_after'))} |")
+    return "\n".join(lines)
+
+
+FAIRNESS = ("Each engine ran in a fresh process on the same random-weight checkpoint, batch, "
+            "learning rate and loop; step time is the median of the same number of steps after "
+            "the warm-up (for TrainStream, after it stopped adapting); peak VRAM is over the whole "
+            "run; host memory is the process's own (PSS less shared pages) plus the daemon's "
+            "shared memory. docs/benchmarks-compare.md has the rules.")
+
+
+def readme(doc: dict, quality: Optional[dict], charts_prefix: str) -> str:
+    """The README's results section, made from the JSON alone."""
+    cmds = doc.get("commands") or [doc.get("command")]
+    parts = ["## Against other libraries (benchmarks/compare.py)", "",
+             machine_line(doc.get("machine", {})), "",
+             "Reproduce with" + (" (one command per device call):" if len(cmds) > 1 else ":"), "",
+             "```bash", *[c for c in cmds if c], "```", "", FAIRNESS, ""]
+    for sc, capped, results in groups(doc):
+        parts += [table(doc, sc, capped, results), ""]
+        line = trainstream_against_peers(results)
+        if line:
+            parts += [line, ""]
+    files = doc.get("charts") or {}
+    for key, title in (("step_time", "Step time"), ("peak_vram", "Peak VRAM"),
+                       ("host_per_param", "Host memory per trained parameter")):
+        if key in files:
+            parts += [f"![{title}]({charts_prefix}{files[key]})", ""]
+    missing = not_run(doc)
+    if missing:
+        parts += ["Could not run here:", ""] + [f"- {m}" for m in missing] + [""]
+    if quality:
+        parts += ["### Quality of each quantized base (benchmarks/quality.py)", "", quality_table(quality), ""]
+    return "\n".join(parts)

@@ -1,0 +1,185 @@
+"""benchmarks/compare.py and benchmarks/quality.py at --tiny on the CPU (issue 22): the
+head-to-head runs each engine in its own process and reports what it measured, or why
+an engine could not run; quality.py trains its small model on the standard library's
+sources and measures every format's perplexity before and after LoRA. The full runs
+are the GPU host's (docs/benchmarks-compare.md); these check the scripts end to end."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
+ENGINES = "stock,trainstream,trainstream_nf4,trainstream_gpu_bf16,deepspeed_zero2,bnb_qlora"
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.fixture(scope="module")
+def compare(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    # The suite's PYTHONPATH (the built package); each TrainStream engine starts its own
+    # daemon from the build tree (TRAINSTREAM_BUILD_DIR), so no socket is shared.
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "compare.py"), "--tiny", "--scenarios", "full1.5b,lora14b",
+         "--engines", ENGINES, "--steps", "3", "--warmup", "1", "--live", "--out", str(out),
+         "--timeout", "240"],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, f"compare.py exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    doc = json.loads((out / "results.json").read_text())
+    return out, doc, proc
+
+
+def _result(doc, scenario, engine):
+    found = [r for r in doc["results"] if r["scenario"] == scenario and r["engine"] == engine]
+    assert len(found) == 1, (scenario, engine, found)
+    return found[0]
+
+
+def test_compare_records_the_machine_and_scenarios(compare):
+    _, doc, _ = compare
+    m = doc["machine"]
+    assert m["cpu_cores"] >= 1 and m["ram_bytes"] > 0 and m["torch"], m
+    assert set(doc["scenarios"]) == {"full1.5b", "lora14b"}
+    full, lora = doc["scenarios"]["full1.5b"], doc["scenarios"]["lora14b"]
+    assert full["trained_params"] == full["params"] > 0
+    assert 0 < lora["trained_params"] < lora["params"]
+    assert (full["lr"], lora["lr"]) == (2e-5, 2e-4)  # the same rates as every engine's
+    assert doc["command"].startswith("python benchmarks/compare.py --tiny")
+
+
+def test_compare_engines_that_run_report_positive_figures(compare):
+    _, doc, _ = compare
+    ran = [r for r in doc["results"] if r["status"] == "ok"]
+    names = {(r["scenario"], r["engine"]) for r in ran}
+    expected = {("full1.5b", "stock"), ("full1.5b", "trainstream"), ("lora14b", "stock"),
+                ("lora14b", "trainstream"), ("lora14b", "trainstream_nf4")}
+    assert expected <= names, [(r["scenario"], r["engine"], r["status"], r.get("reason")) for r in doc["results"]]
+    for r in ran:
+        assert r["step_s"] > 0 and len(r["step_times"]) == 3 and all(t > 0 for t in r["step_times"]), r
+        assert r["step_s"] == sorted(r["step_times"])[1]  # the median of the measured steps
+        assert r["warmup_steps"] >= 1 and len(r["losses"]) == r["warmup_steps"] + 3
+        assert all(math.isfinite(v) for v in r["losses"]), r["losses"]
+        assert r["host_bytes"] > 0 and r["host_own_bytes"] > 0 and r["samples"] >= 1, r
+        assert r["trained_params"] > 0 and r["host_bytes_per_trained_param"] > 0
+        assert r["wall_s"] > 0
+
+
+def test_compare_trainstream_trains_and_counts_its_daemon(compare):
+    _, doc, _ = compare
+    for scenario, engine in (("full1.5b", "trainstream"), ("lora14b", "trainstream"),
+                             ("lora14b", "trainstream_nf4")):
+        r = _result(doc, scenario, engine)
+        assert r["status"] == "ok", r.get("reason")
+        assert r["losses"][-1] < r["losses"][0], r["losses"]  # the same batch every step
+        # Its own daemon's shared memory is part of its host figure.
+        assert 0 < r["daemon_shm_bytes"] < r["host_bytes"]
+        assert r["still_adapting"] is False
+        assert r["report"]["optimizer_mode"] in ("cpu", "gpu")
+    assert _result(doc, "lora14b", "trainstream_nf4")["info"]["base"] == "load_model(quantize='nf4')"
+    # The same model, data and learning rate: the first loss is the same for stock and
+    # TrainStream on the full fine-tune (same checkpoint, same batch).
+    a, b = _result(doc, "full1.5b", "stock"), _result(doc, "full1.5b", "trainstream")
+    assert abs(a["losses"][0] - b["losses"][0]) < 1e-3, (a["losses"], b["losses"])
+
+
+def test_compare_lists_engines_that_cannot_run_with_the_reason(compare):
+    out, doc, _ = compare
+    for scenario in ("full1.5b", "lora14b"):
+        ds = _result(doc, scenario, "deepspeed_zero2")
+        if not _installed("deepspeed"):
+            assert ds["status"] == "not installed", ds
+            assert ds["reason"].startswith("not installed: ModuleNotFoundError") and "deepspeed" in ds["reason"]
+    if not _cuda():
+        gpu = _result(doc, "full1.5b", "trainstream_gpu_bf16")
+        assert gpu["status"] == "needs CUDA" and gpu["reason"].startswith("needs CUDA"), gpu
+    bnb = _result(doc, "lora14b", "bnb_qlora")
+    if not _installed("bitsandbytes"):
+        assert bnb["status"] == "not installed" and "bitsandbytes" in bnb["reason"], bnb
+    # Adapter-only engines are not a full fine-tune: listed as such, never dropped.
+    na = _result(doc, "full1.5b", "trainstream_nf4")
+    assert na["status"] == "n/a" and "adapters" in na["reason"]
+    na = _result(doc, "lora14b", "trainstream_gpu_bf16")
+    assert na["status"] == "n/a" and "full fine-tunes only" in na["reason"]
+    md = (out / "results.md").read_text()
+    assert "| engine | step time |" in md and "Engines that did not run:" in md
+    assert "DeepSpeed ZeRO-2" in md and "optimizer_mode='gpu'" in md
+
+
+def test_compare_live_streams_steps_and_memory(compare):
+    _, doc, proc = compare
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    steps = [r for r in records if r["type"] == "step"]
+    memory = [r for r in records if r["type"] == "memory"]
+    assert memory and all(r["host"] > 0 for r in memory)
+    for r in doc["results"]:
+        if r["status"] == "ok":
+            mine = [s for s in steps if (s["scenario"], s["engine"]) == (r["scenario"], r["engine"])]
+            assert [s["loss"] for s in mine] == r["losses"]
+
+
+def test_compare_charts_and_readme(compare):
+    out, doc, _ = compare
+    charts = doc["charts"]
+    if _installed("matplotlib"):
+        for name in ("step_time.png", "peak_vram.png", "host_per_param.png"):
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert charts["error"].startswith("not drawn: matplotlib not installed")
+    text = subprocess.run([sys.executable, str(BENCH / "compare.py"), "--readme", str(out / "results.json")],
+                          capture_output=True, text=True, timeout=120, check=True).stdout
+    assert text.startswith("## Against other libraries (benchmarks/compare.py)")
+    assert "Machine:" in text and "python benchmarks/compare.py --tiny" in text
+    assert "**lora14b**: LoRA r=16" in text and "TrainStream's best" in text
+
+
+def test_merge_keeps_the_later_result_of_a_run():
+    sys.path.insert(0, str(BENCH))
+    from headtohead import report
+    a = {"command": "a", "machine": {}, "scenarios": {"s": {}}, "engines": {"e": "E"},
+         "results": [{"scenario": "s", "engine": "e", "capped": True, "status": "oom", "reason": "x"}]}
+    b = {"command": "b", "machine": {}, "scenarios": {"s": {}}, "engines": {"e": "E"},
+         "results": [{"scenario": "s", "engine": "e", "capped": True, "status": "ok", "step_s": 1.0},
+                     {"scenario": "s", "engine": "e", "capped": False, "status": "ok", "step_s": 2.0}]}
+    m = report.merge([a, b])
+    assert m["commands"] == ["a", "b"]
+    assert sorted((r["capped"], r["status"]) for r in m["results"]) == [(False, "ok"), (True, "ok")]
+    with pytest.raises(ValueError, match="nothing to merge"):
+        report.merge([])
+
+
+def test_quality_measures_every_format_before_and_after_lora(tmp_path):
+    out = tmp_path / "quality.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "quality.py"), "--tiny", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["corpus"]["heldout_bytes"] > 0 and doc["corpus"]["pretrain_bytes"] > doc["corpus"]["heldout_bytes"]
+    losses = doc["model"]["pretrain_losses"]
+    assert losses[-1][1] < losses[0][1] - 1.0, losses  # the model learned the text
+    rows = {r["format"]: r for r in doc["formats"]}
+    assert set(rows) == {"bf16", "int8", "nf4", "fp8", "nvfp4"}, rows
+    bf16 = rows["bf16"]
+    assert bf16["vs_bf16_before"] == 0 and bf16["vs_bf16_after"] == 0
+    for name, r in rows.items():
+        assert "error" not in r, r
+        assert 1.0 < r["ppl_before"] < 256 and 1.0 < r["ppl_after"] < 256, r  # better than uniform bytes
+        assert r["ppl_after"] < r["ppl_before"], r  # the fine-tune helps on held-out text
+        assert r["lora_loss_last"] < r["lora_loss_first"], r
+        if name != "bf16":
+            assert r["state_bytes"] < bf16["state_bytes"], (name, r["state_bytes"], bf16["state_bytes"])
+            assert abs(r["vs_bf16_before"]) < 0.5, r  # a quantized base, not a broken one
+    assert "| base format | perplexity before LoRA |" in proc.stdout
