@@ -103,8 +103,11 @@ class ShmSegment {
 // every segment's name carries its daemon's tag, a hash of the socket path
 // ("trainstream-<tag>-<random>"): a daemon that took the socket's lock file (no
 // other daemon serves that socket) removes every file with its tag before it
-// serves, whoever held them. The lock file records the pid and shm dir of the
-// daemon holding it, so the one that follows knows where to look.
+// serves, whoever held them, except the optimizer state it adopts (and the
+// staging segments that state's updates read): Note [Optimizer state outlives
+// the daemon] (trainstream/wire/state_record.h). The lock file records the pid
+// and shm dir of the daemon holding it, so the one that follows knows where to
+// look.
 
 // Sets the tag of every segment this process creates from now on (once, at
 // startup, before any segment exists). "" (the default) gives untagged names.
