@@ -5,6 +5,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -215,6 +216,11 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
   s->local_rank = req.local_rank();
   s->group = req.has_group() ? req.group().key() : "";
   s->started = std::chrono::steady_clock::now();
+  if (config_.recovery_grace_s > 0) {
+    s->recovery_token = RandomHex(16);
+    s->owner_proof = ProofOf(s->recovery_token);
+    s->owner_start = ProcessStartTime(creds.pid);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     size_t held = 0;
@@ -251,6 +257,7 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
   attached->set_session_id(s->id);
   attached->set_session_token(s->token);
   attached->set_shm_dir(config_.shm_dir);
+  attached->set_recovery_token(s->recovery_token);
   {
     std::lock_guard<std::mutex> lock(s->regions_mu);
     FillRegion(s->regions.at(s->control_region_id), attached->mutable_control());
@@ -427,7 +434,12 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
   if (s.closed) return Status(StatusCode::kNotFound, "session_id: the session has ended");
   Status st = ValidateRegistration(req, s.param_ids);
   if (!st.ok()) return st;
-  const RegistrationLayout layout = ComputeRegistrationLayout(req);
+  const bool recoverable = !s.recovery_token.empty();
+  RecoveryLayoutOptions recovery;
+  recovery.enabled = recoverable;
+  recovery.chunk_elems = kPlaneChunkElems;
+  recovery.journal_slots = optimizer_->pool()->size();
+  const RegistrationLayout layout = ComputeRegistrationLayout(req, 1, false, recovery);
 
   std::unique_ptr<ShmSegment> state, staging;
   st = CreateSegment(s, v1::SEGMENT_KIND_STATE, layout.state_bytes,
@@ -450,7 +462,16 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
     slot->set_param_offset(pl.param_offset);
     slot->set_numel(pl.numel);
   }
-  PlaneRegistration plane = BindRegistration(req, layout, state->base(), staging->base());
+  RecoveryOwner owner;
+  std::copy(s.owner_proof.begin(), s.owner_proof.end(), owner.proof);
+  owner.uid = s.creds.uid;
+  owner.pid = s.creds.pid;
+  owner.start = s.owner_start;
+  owner.registration = s.registrations;
+  owner.staging_name = staging->name();
+  owner.staging_bytes = staging->size();
+  PlaneRegistration plane =
+      BindRegistration(req, layout, state->base(), staging->base(), recoverable ? &owner : nullptr);
   if (Status added = optimizer_->AddParameters(s.id, plane.options, std::move(plane.params));
       !added.ok()) {
     DropSegment(std::move(staging));
@@ -466,6 +487,7 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
     FillRegion(s.regions.at(staging_id), resp->mutable_staging());
   }
   for (const auto& p : req.params()) s.param_ids.insert(p.param_id());
+  ++s.registrations;
   spdlog::info("session {}: registered {} parameters (staging {} bytes, state {} bytes)", s.id,
                req.params_size(), layout.staging_bytes, layout.state_bytes);
   return Status::Ok();

@@ -33,6 +33,7 @@
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
 #include "planes/client_rings.h"
+#include "recovery/owner.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 
@@ -90,11 +91,18 @@ class Session {
   std::chrono::steady_clock::time_point started;
   uint64_t control_region_id = 0;
   ControlRings rings;  // the control region's layout, as the daemon wrote it
+  // Recovery (docs/recovery.md): the token the client keeps, its SHA-256 that
+  // the session's state segments hold, and the client's start time. Empty
+  // token: recovery is off.
+  std::string recovery_token;
+  OwnerProof owner_proof{};
+  uint64_t owner_start = 0;
 
   std::mutex mu;
   bool closed = false;             // Guarded by mu.
   std::set<uint64_t> param_ids;    // Guarded by mu.
   bool optimizer_started = false;  // Guarded by mu.
+  uint32_t registrations = 0;      // Guarded by mu: RegisterParameters calls that succeeded
 
   std::mutex regions_mu;
   std::map<uint64_t, SessionRegion> regions;  // Guarded by regions_mu (writes also hold mu).

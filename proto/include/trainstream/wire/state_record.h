@@ -8,9 +8,10 @@
 // in-place AdamW update can be neither undone nor inverted. So the engine
 // (daemon/optimizer/adamw_engine.cc) writes, in this order, for each parameter
 // p and step s:
-//   1. SubmitGrad      mark = s*4 + kMarkSubmitted
-//   2. before updating hyper-parameters, clip coefficient, torch step and
-//                      gradient sum of squares into p's record, then
+//   1. SubmitGrad      mark = s*4 + kMarkSubmitted; its norm phase then
+//                      records the gradient's sum of squares
+//   2. before updating hyper-parameters, clip coefficient and torch step
+//                      into p's record, then
 //                      mark = s*4 + kMarkUpdating (in clipping mode for every
 //                      parameter of the step, then the step record's decision,
 //                      before the first update of the step starts)
@@ -20,12 +21,15 @@
 //      chunk           only then PARAM_READY (a client never sees an update a
 //                      crash could take back)
 //   5. step end        the step record (the other of two copies, then the index)
-// A restarted daemon adopting the segment (daemon/recovery/) restores each
-// torn sub-chunk from its journal and rolls every parameter marked updating
-// forward from its chunks' progress, with the same inputs and the same kernel:
-// bit for bit what the dead daemon would have written. A parameter only
-// submitted was not touched: its client posts it again. Stores are ordered
-// with release; a SIGKILLed process loses no retired store.
+// A restarted daemon adopting the segment (daemon/recovery/) restores every
+// torn sub-chunk from the journals, then rolls each parameter marked updating
+// (in clipping mode: of a step whose decision is recorded) forward from its
+// chunks' progress, with the same inputs through the same ApplyJournaled
+// (optimizer/journaled_update.h, in journal slot 0): bit for bit what the dead
+// daemon would have written, and a daemon killed while it recovers leaves
+// state the next one recovers the same way. A parameter only submitted was
+// not touched: its client posts it again. Stores are ordered with release; a
+// SIGKILLed process loses no retired store.
 #pragma once
 
 #include <atomic>
@@ -74,7 +78,7 @@ struct RecoveryHeader {
   uint64_t total_chunks;
   uint64_t journal_offset;  // journal_slots slots of journal_slot_bytes each
   uint64_t journal_slot_bytes;
-  uint32_t journal_slots;  // one per worker of the daemon's pool
+  uint32_t journal_slots;                     // one per worker of the daemon's pool
   std::atomic<uint32_t> current_step_record;  // which of step_records is whole (0 or 1)
   uint64_t staging_bytes;  // the registration's staging segment: its size and name
   char staging_name[64];
@@ -86,13 +90,13 @@ static_assert(sizeof(RecoveryHeader) == 384, "wire format");
 
 // One per parameter, in manifest order.
 struct alignas(64) ParamRecord {
-  std::atomic<uint64_t> mark;     // step * 4 + phase of the engine's last submission
-  std::atomic<uint64_t> applied;  // step * 2 + skipped of the last update that landed
-  uint64_t state_step;            // mark updating: the torch step the update produces
+  std::atomic<uint64_t> mark;                  // step * 4 + phase of the engine's last submission
+  std::atomic<uint64_t> applied;               // step * 2 + skipped of the last update that landed
+  uint64_t state_step;                         // mark updating: the torch step the update produces
   double lr, beta1, beta2, eps, weight_decay;  // mark updating: the step's
   float grad_scale;                            // mark updating: clip coefficient
   uint32_t grad_dtype;                         // DType of the slot the engine reads
-  double grad_sumsq;                           // mark updating: of that gradient
+  double grad_sumsq;                           // of the marked step's gradient, once known
   uint64_t grad_offset;                        // staging segment: the slot the engine reads
   uint64_t param_offset;                       // staging segment: the weights it writes
   uint64_t chunk_first;                        // its ChunkProgress entries
@@ -118,5 +122,23 @@ struct alignas(64) JournalSlotHeader {
   uint64_t reserved[3];
 };
 static_assert(sizeof(JournalSlotHeader) == 64, "wire format");
+
+// Where the three arrays of a journal slot lie, from the slot's start.
+struct JournalSlotLayout {
+  uint64_t master;
+  uint64_t exp_avg;
+  uint64_t exp_avg_sq;
+  uint64_t bytes;  // the slot's size, a multiple of 64
+};
+
+inline JournalSlotLayout JournalSlotLayoutFor(uint64_t sub_chunk_elems, uint64_t moment_bytes) {
+  auto align = [](uint64_t v) { return (v + 63) / 64 * 64; };
+  JournalSlotLayout l{};
+  l.master = sizeof(JournalSlotHeader);
+  l.exp_avg = align(l.master + sub_chunk_elems * 4);
+  l.exp_avg_sq = align(l.exp_avg + sub_chunk_elems * moment_bytes);
+  l.bytes = align(l.exp_avg_sq + sub_chunk_elems * moment_bytes);
+  return l;
+}
 
 }  // namespace trainstream::wire
