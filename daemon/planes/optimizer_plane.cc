@@ -238,7 +238,7 @@ struct OptimizerPlane::Impl {
 
   // ------------------------------------------------------------ parameters
   Status AddParameters(const SessionOptimizerOptions& o, std::vector<ParamBinding> params,
-                       bool adopted) {
+                       bool adopted, std::vector<CarriedNorm> carried) {
     std::lock_guard<std::mutex> lock(pending_mu);
     if (have_options) {
       if (o.moment_dtype != engine_options.moment_dtype ||
@@ -252,15 +252,18 @@ struct OptimizerPlane::Impl {
       have_options = true;
     }
     for (auto& p : params) pending.push_back({std::move(p), adopted});
+    for (auto& c : carried) pending_carried.push_back(c);
     return Status::Ok();
   }
 
   // Plane thread: creates the engine with the first options, adds what came.
   void ApplyPending() {
     std::vector<PendingParam> adds;
+    std::vector<CarriedNorm> carried;
     {
       std::lock_guard<std::mutex> lock(pending_mu);
       adds.swap(pending);
+      carried.swap(pending_carried);
       if (!engine && have_options) CreateEngine();
     }
     bool fresh = false, adopted = false;
@@ -299,6 +302,11 @@ struct OptimizerPlane::Impl {
     if (adopted) {
       engine->AdoptInitialized();
       initialised = true;
+    }
+    for (const CarriedNorm& c : carried) {
+      if (Status st = engine->CarryNorm(c.step, c.param_id, c.sumsq, c.updated); !st.ok())
+        spdlog::warn("{}: carrying the norm of param {} into step {}: {}", options.name, c.param_id,
+                     c.step, st.message());
     }
     if (fresh) needs_init = true;
   }
@@ -629,8 +637,9 @@ struct OptimizerPlane::Impl {
     ParamBinding binding;
     bool adopted = false;
   };
-  std::mutex pending_mu;  // guards pending, engine_options, have_options
+  std::mutex pending_mu;  // guards pending, pending_carried, engine_options, have_options
   std::vector<PendingParam> pending;
+  std::vector<CarriedNorm> pending_carried;
   SessionOptimizerOptions engine_options;
   bool have_options = false;
 
@@ -667,8 +676,9 @@ OptimizerPlane::OptimizerPlane(PlaneOptions options, std::vector<PlaneMember> me
 OptimizerPlane::~OptimizerPlane() { Stop("", -1); }
 
 Status OptimizerPlane::AddParameters(const SessionOptimizerOptions& options,
-                                     std::vector<ParamBinding> params, bool adopted) {
-  return impl_->AddParameters(options, std::move(params), adopted);
+                                     std::vector<ParamBinding> params, bool adopted,
+                                     std::vector<CarriedNorm> carried) {
+  return impl_->AddParameters(options, std::move(params), adopted, std::move(carried));
 }
 
 void OptimizerPlane::Stop(const std::string& why, int leaver) {

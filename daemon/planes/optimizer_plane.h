@@ -90,6 +90,14 @@ struct SessionOptimizerOptions {
   uint32_t threads = 0;  // worker threads for this plane's engine (0: the whole pool)
 };
 
+// An update that landed before a restart, for its step's norm (recovery).
+struct CarriedNorm {
+  uint64_t step = 0;
+  uint64_t param_id = 0;
+  double sumsq = 0;
+  bool updated = true;  // false: it was skipped (a non-finite gradient)
+};
+
 // Resolves a (region_id, offset, bytes) of one session to a pointer, or
 // nullptr when out of range. Provided by the session layer.
 using RegionResolver = std::function<void*(uint64_t region_id, uint64_t offset, uint64_t bytes)>;
@@ -135,8 +143,10 @@ class OptimizerPlane {
   // `adopted`: the parameters' state was adopted after a restart
   // (daemon/recovery/): master and moments stay as they are (no
   // kParamFromSlot), their torch steps come from their manifest entries.
+  // `carried`: norms of updates that landed before the restart, counted in
+  // their steps (AdamWEngine::CarryNorm).
   Status AddParameters(const SessionOptimizerOptions& options, std::vector<ParamBinding> params,
-                       bool adopted = false);
+                       bool adopted = false, std::vector<CarriedNorm> carried = {});
 
   // Stops the thread and waits for in-flight updates; afterwards no member's
   // memory is touched by the plane. Then, when `why` is not empty, posts

@@ -109,7 +109,9 @@ Status CheckStateSegment(char* base, uint64_t bytes, StateSegmentView* out) {
   v.staging_bytes = rh->staging_bytes;
   if (v.staging_bytes < wire::kSegmentHeaderBytes) return Bad("staging size");
   v.max_grad_norm = rh->max_grad_norm;
-  if (!(v.max_grad_norm >= 0)) return Bad("max_grad_norm");
+  if (!(v.max_grad_norm >= 0) || v.max_grad_norm > 1e300) return Bad("max_grad_norm");
+  v.threads = rh->threads;
+  if (v.threads > 4096) return Bad("threads");
 
   const auto* entries = reinterpret_cast<const wire::StateManifestEntry*>(base + entries_offset);
   uint64_t chunks_seen = 0;

@@ -58,6 +58,7 @@ struct StateSegmentView {
   std::string staging_name;
   uint64_t staging_bytes = 0;
   double max_grad_norm = 0;
+  uint32_t threads = 0;
   std::vector<CheckedParam> params;
 };
 

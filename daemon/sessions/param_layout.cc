@@ -250,6 +250,7 @@ wire::StateManifestEntry* WriteStateManifest(char* state_base, const Registratio
   rh->staging_bytes = owner->staging_bytes;
   std::strncpy(rh->staging_name, owner->staging_name.c_str(), sizeof(rh->staging_name) - 1);
   rh->max_grad_norm = req.max_grad_norm();
+  rh->threads = req.threads();
   auto* records = reinterpret_cast<wire::ParamRecord*>(state_base + layout.records_offset);
   for (int i = 0; i < req.params_size(); ++i) {
     const auto& p = req.params(i);

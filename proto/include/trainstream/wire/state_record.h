@@ -83,7 +83,9 @@ struct RecoveryHeader {
   uint64_t staging_bytes;  // the registration's staging segment: its size and name
   char staging_name[64];
   double max_grad_norm;  // > 0: clipping mode (the step record's decision applies)
-  uint64_t reserved[6];
+  uint32_t threads;      // the registration's worker-thread limit (0: the whole pool)
+  uint32_t reserved0;
+  uint64_t reserved[5];
   StepRecord step_records[2];
 };
 static_assert(sizeof(RecoveryHeader) == 384, "wire format");
