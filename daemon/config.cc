@@ -170,6 +170,10 @@ Status ParseConfigText(const std::string& text, const std::string& origin, Daemo
       s = ParseUnsigned(value, field, &n);
       if (s.ok() && n > 1000000) s = Invalid(field + ": at most 1000000 (0: no cap)");
       if (s.ok()) config->max_connections_per_uid = static_cast<uint32_t>(n);
+    } else if (key == "recovery_grace") {
+      s = ParseUnsigned(value, field, &n);
+      if (s.ok() && n > 7 * 24 * 3600) s = Invalid(field + ": at most 604800 (a week; 0: off)");
+      if (s.ok()) config->recovery_grace_s = n;
     } else if (key == "lock_memory") {
       s = ParseBool(value, field, &config->lock_memory);
     } else {

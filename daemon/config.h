@@ -24,6 +24,9 @@ struct DaemonConfig {
   uint64_t max_region_bytes = 1ull << 40;  // per AllocateRegion request
   uint32_t max_connections_per_uid = 64;   // open connections one uid may hold; 0: no cap
   bool lock_memory = true;                 // mlock() segments (counted as pinned)
+  // Seconds an adopted optimizer state waits for its client after a restart
+  // (docs/recovery.md); 0 turns recovery off (no commit records, no adoption).
+  uint64_t recovery_grace_s = 300;
   bool foreground = false;
 };
 

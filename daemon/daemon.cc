@@ -45,11 +45,12 @@ namespace {
 
 // Note [Segments outlive a crashed daemon] (shm_segment.h). Runs with the
 // socket's lock held: no other daemon of this socket is alive. Reads what the
-// previous holder wrote into the lock file, removes its segments (and any of
-// ours in this shm dir), then writes this daemon's identity there.
-void ReclaimAndClaim(const DaemonConfig& config) {
+// previous holder wrote into the lock file, adopts the optimizer state it left
+// (Note [Optimizer state outlives the daemon]) and removes the rest of its
+// segments (and any of ours in this shm dir), then writes this daemon's
+// identity there.
+void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry) {
   const std::string tag = SegmentTagFor(config.socket_path);
-  SetSegmentTag(tag);
   const std::string lock_path = config.socket_path + ".lock";
   int fd = open(lock_path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   std::string previous;
@@ -70,7 +71,17 @@ void ReclaimAndClaim(const DaemonConfig& config) {
   std::vector<std::string> dirs = {config.shm_dir};
   if (!previous_dir.empty() && previous_dir != config.shm_dir) dirs.push_back(previous_dir);
   for (const auto& dir : dirs) {
-    ReclaimResult r = ReclaimSegments(dir, tag);
+    const AdoptionStore::Scan a = registry->AdoptPrevious(dir, tag);
+    for (const auto& note : a.notes) spdlog::warn("not adopted: {}", note);
+    if (a.states != 0) {
+      spdlog::warn(
+          "adopted the optimizer state of {} sessions ({} segments, {}) in {} left by a "
+          "trainstreamd (pid {}) that did not exit cleanly: {} parameters' updates finished, "
+          "{} torn sub-chunks restored; each waits {} s for its client to re-attach",
+          a.states, a.segments, HumanBytes(a.bytes), dir, previous_pid, a.rolled_forward,
+          a.restored_subchunks, config.recovery_grace_s);
+    }
+    ReclaimResult r = ReclaimSegments(dir, tag, a.kept);
     if (r.files != 0) {
       spdlog::warn(
           "removed {} segment files ({}) in {} left by a trainstreamd (pid {}) that did "
@@ -127,7 +138,8 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   if (auto s = UnixListener::Bind(config.socket_path, 0660, socket_gid, &listener); !s.ok()) {
     return refuse(s.message());
   }
-  ReclaimAndClaim(config);
+  // Every segment from here on carries this socket's tag.
+  SetSegmentTag(SegmentTagFor(config.socket_path));
 
   DaemonState state;
   state.socket_path = config.socket_path;
@@ -148,6 +160,8 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   PidWatcher* w = watcher.get();
   registry->SetPidHooks([w](uint64_t id, pid_t pid) { return w->Watch(id, pid); },
                         [w](uint64_t id) { w->Unwatch(id); });
+  // Before the first connection, with the budget in place.
+  AdoptReclaimAndClaim(config, registry.get());
 
   // Frozen bases: sessions' references drop when they end, and unreferenced
   // bases make room when any reservation would not fit.
@@ -208,12 +222,14 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
       ssize_t ignored = read(state.wake_fd, &v, sizeof(v));
       (void)ignored;
     }
+    registry->SweepAdopted();
     if (state.shutdown_requested.load() && !state.draining.load()) break;
     if (state.draining.load() && registry->size() == 0) {
       why = "drained";
       break;
     }
-    if (config.idle_exit_s > 0 && registry->size() == 0) {
+    // An adopted state keeps the daemon up for its client (until its grace ends).
+    if (config.idle_exit_s > 0 && registry->size() == 0 && registry->adopted_waiting() == 0) {
       const int64_t idle_ns = std::chrono::steady_clock::now().time_since_epoch().count() -
                               state.last_activity_ns.load();
       if (idle_ns >= static_cast<int64_t>(config.idle_exit_s) * 1000000000LL) {

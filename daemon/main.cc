@@ -103,6 +103,7 @@ int main(int argc, char** argv) {
   unsigned threads = 0, load_threads = 0;
   uint64_t idle_exit = 0;
   uint32_t max_connections_per_uid = 0;
+  uint64_t recovery_grace = 0;
   bool foreground = false;
   app.add_option("--config", config_path, "Config file (key = value lines; docs/daemon.md)");
   app.add_option("--socket", socket,
@@ -126,6 +127,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-connections-per-uid", max_connections_per_uid,
                  "Open connections one uid may hold; more are closed at once (default 64; 0: "
                  "no cap)");
+  app.add_option("--recovery-grace", recovery_grace,
+                 "Seconds an adopted optimizer state of a dead daemon waits for its client "
+                 "(default 300; 0: recovery off, docs/recovery.md)");
   // A flag given twice takes the last value (wrappers append overrides).
   for (CLI::Option* opt : app.get_options())
     opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -150,6 +154,7 @@ int main(int argc, char** argv) {
   if (!admin_group.empty()) config.admin_group = admin_group;
   if (app.count("--max-connections-per-uid") != 0)
     config.max_connections_per_uid = max_connections_per_uid;
+  if (app.count("--recovery-grace") != 0) config.recovery_grace_s = recovery_grace;
   config.foreground = foreground;
   {
     // Check the merged values once more so a bad flag is reported like a bad file.
@@ -157,7 +162,8 @@ int main(int argc, char** argv) {
     std::string text =
         "budget = " + config.budget + "\nlog_level = " + config.log_level +
         "\nmax_connections_per_uid = " + std::to_string(config.max_connections_per_uid) +
-        "\nload_threads = " + std::to_string(config.load_threads) + "\n";
+        "\nload_threads = " + std::to_string(config.load_threads) +
+        "\nrecovery_grace = " + std::to_string(config.recovery_grace_s) + "\n";
     trainstream::Status s = trainstream::daemon::ParseConfigText(text, "command line", &check);
     if (!s.ok()) {
       std::fprintf(stderr, "trainstreamd: %s\n", s.message().c_str());

@@ -47,7 +47,7 @@ runtime=(libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 libc-are
          libspdlog1.10 libfmt9)
 build=(libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev libprotoc32
        protobuf-compiler libabsl-dev libre2-dev libc-ares-dev libspdlog-dev libfmt-dev
-       libcli11-dev nlohmann-json3-dev catch2)
+       libcli11-dev nlohmann-json3-dev catch2 libssl-dev)
 
 if ! compgen -G "/var/lib/apt/lists/*_Packages*" >/dev/null; then
   echo "bundle-deps.sh: apt lists are empty; running apt-get update" >&2

@@ -13,10 +13,12 @@
 // --check param the exact per-parameter check (two reads for multi-chunk tensors).
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -44,6 +46,7 @@ struct Args {
   std::string mode = "eager";   // eager | deferred (clipping on)
   std::string check = "chunk";  // eager non-finite check: chunk | param
   bool pin = true;
+  bool durable = false;  // commit records and the undo journal (docs/recovery.md)
   int iters = 10;
   int warmup = 2;
   bool json = false;
@@ -56,7 +59,8 @@ struct Args {
       "1,2,...|0=physical cores] [--grad-dtype fp32,bf16,fp16] [--moment-dtype fp32,bf16] "
       "[--param-dtype fp32,bf16,fp16,master,bf16-split] [--isa auto|scalar|avx2|avx512] [--mode "
       "eager|deferred] [--check chunk|param] [--chunk-elems N (0: engine default)] [--pin 0|1] "
-      "[--iters N] [--warmup N] [--json]\n",
+      "[--durable 0|1 (recovery records; needs --check param)] [--iters N] [--warmup N] "
+      "[--json]\n",
       msg);
   std::exit(2);
 }
@@ -93,6 +97,8 @@ Args Parse(int argc, char** argv) {
       a.chunk_elems = std::stoull(value());
     else if (flag == "--pin")
       a.pin = value() != "0";
+    else if (flag == "--durable")
+      a.durable = value() == "1";
     else if (flag == "--iters")
       a.iters = std::stoi(value());
     else if (flag == "--warmup")
@@ -106,6 +112,7 @@ Args Parse(int argc, char** argv) {
   }
   if (a.mode != "eager" && a.mode != "deferred") Usage("--mode must be eager or deferred");
   if (a.check != "chunk" && a.check != "param") Usage("--check must be chunk or param");
+  if (a.durable && a.check != "param") Usage("--durable 1 needs --check param");
   if (a.params == 0 || a.tensor_elems == 0 || a.iters <= 0) Usage("sizes and iters must be > 0");
   return a;
 }
@@ -154,6 +161,20 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
   std::vector<float> table((size_t{1} << 20) + 7);
   for (float& f : table) f = normal(rng);
   size_t table_pos = 0;
+  // --durable: the records a state segment holds (Note [Optimizer state
+  // outlives the daemon]), here in process memory; sized before any is handed out.
+  const size_t tensors = (a.params + a.tensor_elems - 1) / a.tensor_elems;
+  const size_t chunk = std::max<size_t>(opt.chunk_elems, 64);
+  const uint64_t slot_bytes =
+      trainstream::wire::JournalSlotLayoutFor(trainstream::wire::kSubChunkElems, tk::DTypeSize(md))
+          .bytes;
+  auto header = std::make_unique<trainstream::wire::RecoveryHeader>();
+  std::vector<trainstream::wire::ParamRecord> records(a.durable ? tensors : 0);
+  std::vector<trainstream::wire::ChunkProgress> progress(
+      a.durable ? tensors * ((a.tensor_elems + chunk - 1) / chunk) : 0);
+  std::vector<uint64_t> torch_steps(tensors);
+  std::vector<char> journal(a.durable ? pool.size() * slot_bytes : 0);
+  size_t chunks_used = 0;
   while (left > 0) {
     const size_t n = std::min(left, a.tensor_elems);
     to::ParamBinding b;
@@ -196,6 +217,19 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
       allocations.push_back(p);
     }
     if (!out_is_master) allocations.push_back(b.param_slot);
+    if (a.durable) {
+      to::DurableRecords& d = b.durable;
+      d.record = &records[b.param_id];
+      d.record->chunks = (n + chunk - 1) / chunk;
+      d.progress = &progress[chunks_used];
+      chunks_used += d.record->chunks;
+      d.torch_step = &torch_steps[b.param_id];
+      d.entry = b.param_id;
+      d.journal = journal.data();
+      d.journal_slot_bytes = slot_bytes;
+      d.journal_slots = pool.size();
+      d.header = header.get();
+    }
     if (trainstream::Status st = engine.AddParam(b); !st.ok()) Usage(st.message().c_str());
     left -= n;
   }
@@ -229,17 +263,19 @@ void RunOne(const Args& a, unsigned threads, tk::DType gd, tk::DType md, tk::DTy
     std::printf(
         "{\"bench\": \"adamw\", \"params\": %zu, \"tensor_elems\": %zu, \"threads\": %u, "
         "\"grad_dtype\": \"%s\", \"moment_dtype\": \"%s\", \"param_dtype\": \"%s\", \"isa\": "
-        "\"%s\", \"mode\": \"%s\", \"check\": \"%s\", \"iters\": %d, \"seconds_per_step\": %.6f, "
-        "\"gparams_per_s\": %.4f, \"bytes_per_param\": %.0f, \"gb_per_s\": %.2f}\n",
+        "\"%s\", \"mode\": \"%s\", \"check\": \"%s\", \"durable\": %s, \"iters\": %d, "
+        "\"seconds_per_step\": %.6f, \"gparams_per_s\": %.4f, \"bytes_per_param\": %.0f, "
+        "\"gb_per_s\": %.2f}\n",
         a.params, a.tensor_elems, pool.size(), tk::DTypeName(gd), tk::DTypeName(md), pname,
-        tk::IsaName(isa), a.mode.c_str(), a.check.c_str(), a.iters, seconds, gparams, bytes,
-        gparams * bytes);
+        tk::IsaName(isa), a.mode.c_str(), a.check.c_str(), a.durable ? "true" : "false", a.iters,
+        seconds, gparams, bytes, gparams * bytes);
   } else {
     std::printf(
-        "threads %2u  grad %-4s moments %-4s param %-6s isa %-6s %s/%s: %8.3f ms/step  %6.3f "
+        "threads %2u  grad %-4s moments %-4s param %-6s isa %-6s %s/%s%s: %8.3f ms/step  %6.3f "
         "Gparam/s  %6.1f GB/s (%.0f B/param)\n",
         pool.size(), tk::DTypeName(gd), tk::DTypeName(md), pname, tk::IsaName(isa), a.mode.c_str(),
-        a.check.c_str(), seconds * 1e3, gparams, gparams * bytes, bytes);
+        a.check.c_str(), a.durable ? "/durable" : "", seconds * 1e3, gparams, gparams * bytes,
+        bytes);
   }
   std::fflush(stdout);
   for (void* p : allocations) std::free(p);

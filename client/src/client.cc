@@ -134,6 +134,7 @@ Status Client::Attach(const AttachOptions& options, std::unique_ptr<Session>* ou
     g->set_world_size(options.group.world_size);
     g->set_timeout_s(options.group.timeout_s);
   }
+  if (!options.resume_token.empty()) a->mutable_resume()->set_recovery_token(options.resume_token);
   v1::SessionEvent event;
   if (!impl->stream->Write(msg) || !impl->stream->Read(&event)) {
     return FromGrpc(impl->stream->Finish(), impl->socket_path);
@@ -147,7 +148,32 @@ Status Client::Attach(const AttachOptions& options, std::unique_ptr<Session>* ou
   impl->group_timeout_s = options.group.key.empty() ? 0 : options.group.timeout_s;
   impl->id = att.session_id();
   impl->token = att.session_token();
+  impl->recovery_token = att.recovery_token();
   impl->shm_dir = att.shm_dir();
+  if (att.has_resumed()) {
+    const v1::ResumedState& r = att.resumed();
+    auto resumed = std::make_unique<ResumedState>();
+    resumed->completed_step = r.completed_step();
+    resumed->completed_grad_norm = r.completed_grad_norm();
+    resumed->completed_status = r.completed_status();
+    resumed->completed_params_updated = r.completed_params_updated();
+    resumed->restored_subchunks = r.restored_subchunks();
+    resumed->rolled_forward = r.rolled_forward();
+    resumed->waited_s = r.waited_s();
+    for (const auto& reg : r.registrations()) {
+      ResumedRegistration out;
+      out.staging = ToInfo(reg.staging());
+      for (const auto& sl : reg.slots()) {
+        out.slots.push_back(ParameterSlots{sl.param_id(), sl.grad_offset(), sl.param_offset(),
+                                           sl.numel(), sl.sum_offset()});
+      }
+      for (const auto& p : reg.params())
+        out.params.push_back(
+            ResumedParam{p.param_id(), p.applied_step(), p.skipped(), p.torch_step()});
+      resumed->registrations.push_back(std::move(out));
+    }
+    impl->resumed = std::move(resumed);
+  }
   Status s = MappedRegion::Map(impl->shm_dir, ToInfo(att.control()), &impl->control);
   if (!s.ok()) {
     impl->stream_context.TryCancel();
@@ -173,6 +199,8 @@ void Session::Impl::ReadEvents() {
     if (n.kind() == v1::DaemonNotice::KIND_SHUTDOWN ||
         n.kind() == v1::DaemonNotice::KIND_SESSION_ENDED) {
       alive = false;
+      end =
+          n.kind() == v1::DaemonNotice::KIND_SHUTDOWN ? SessionEnd::kShutdown : SessionEnd::kEnded;
       // Close our side so the daemon's handler finishes promptly.
       stream_context.TryCancel();
     }
@@ -184,8 +212,11 @@ void Session::Impl::ReadEvents() {
     if (!detached) {
       why = st.ok() ? "the daemon closed the session stream"
                     : "session stream ended: " + st.error_message();
+      // A stream that breaks without a notice: the daemon died.
+      end = st.ok() ? SessionEnd::kEnded : SessionEnd::kDaemonGone;
     } else {
       why = "detached";
+      end = SessionEnd::kDetached;
     }
   }
 }
@@ -210,6 +241,14 @@ uint64_t Session::id() const { return impl_->id; }
 const std::string& Session::token() const { return impl_->token; }
 const std::string& Session::shm_dir() const { return impl_->shm_dir; }
 MappedRegion& Session::control() { return *impl_->control; }
+
+SessionEnd Session::end_kind() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->end;
+}
+
+const std::string& Session::recovery_token() const { return impl_->recovery_token; }
+const ResumedState* Session::resumed() const { return impl_->resumed.get(); }
 
 bool Session::alive(std::string* why) const {
   std::lock_guard<std::mutex> lock(impl_->mu);

@@ -30,15 +30,18 @@ struct Session::Impl {
 
   uint64_t id = 0;
   std::string token;
+  std::string recovery_token;
+  std::unique_ptr<ResumedState> resumed;
   std::string shm_dir;
   std::unique_ptr<MappedRegion> control;
   double group_timeout_s = 0;  // group sessions: how long registration may wait
 
   std::thread reader;  // reads daemon events until the stream ends
   mutable std::mutex mu;
-  bool alive = true;      // Guarded by mu.
-  std::string why;        // Guarded by mu: why the session ended (or a drain notice)
-  bool detached = false;  // Guarded by mu.
+  bool alive = true;                   // Guarded by mu.
+  std::string why;                     // Guarded by mu: why the session ended (or a drain notice)
+  bool detached = false;               // Guarded by mu.
+  SessionEnd end = SessionEnd::kNone;  // Guarded by mu.
 
   void ReadEvents();
 };

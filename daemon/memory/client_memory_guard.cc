@@ -120,6 +120,11 @@ void ClientMemoryGuard::Unregister(int handle) {
   r.state.store(kFree, std::memory_order_release);
 }
 
+void ClientMemoryGuard::SetOwner(int handle, uint64_t owner) {
+  if (handle < 0 || static_cast<size_t>(handle) >= kMaxRanges) return;
+  g_ranges[handle].owner.store(owner, std::memory_order_relaxed);
+}
+
 bool ClientMemoryGuard::Faulted(int handle) {
   if (handle < 0 || static_cast<size_t>(handle) >= kMaxRanges) return false;
   const uint32_t st = g_ranges[handle].state.load(std::memory_order_acquire);

@@ -50,6 +50,9 @@ class ClientMemoryGuard {
   // in use. The range must stay mapped until Unregister(handle) returns.
   static int Register(void* base, size_t bytes, uint64_t owner);
   static void Unregister(int handle);
+  // Reports later faults of `handle`'s range as `owner`'s (an adopted segment
+  // passing to the session that claimed it).
+  static void SetOwner(int handle, uint64_t owner);
 
   // True once the range of `handle` faulted (its contents are zeros since).
   static bool Faulted(int handle);

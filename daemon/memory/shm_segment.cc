@@ -27,10 +27,10 @@ namespace {
 
 std::string g_segment_tag;  // set once at startup (SetSegmentTag)
 
-// The "system.posix_acl_access" value granting `uid` read access to a file
-// owned by root (the kernel's xattr ACL format, version 2: entries of tag,
-// permission and id): user::r, user:<uid>:r, group::-, mask::r, other::-.
-std::string ReadOnlyAclFor(uid_t uid) {
+// A "system.posix_acl_access" value (the kernel's xattr ACL format, version 2:
+// entries of tag, permission and id): user::`perm`, user:<uid>:`perm`,
+// group::-, mask::`perm`, other::-.
+std::string AclFor(uid_t uid, uint16_t perm) {
   struct Entry {
     uint16_t tag, perm;
     uint32_t id;
@@ -38,15 +38,18 @@ std::string ReadOnlyAclFor(uid_t uid) {
   constexpr uint16_t kUserObj = 0x01, kUser = 0x02, kGroupObj = 0x04, kMask = 0x10, kOther = 0x20;
   constexpr uint32_t kUndefined = 0xffffffffu;
   const uint32_t version = 2;
-  const Entry entries[] = {{kUserObj, 4, kUndefined},
-                           {kUser, 4, static_cast<uint32_t>(uid)},
+  const Entry entries[] = {{kUserObj, perm, kUndefined},
+                           {kUser, perm, static_cast<uint32_t>(uid)},
                            {kGroupObj, 0, kUndefined},
-                           {kMask, 4, kUndefined},
+                           {kMask, perm, kUndefined},
                            {kOther, 0, kUndefined}};
   std::string value(reinterpret_cast<const char*>(&version), sizeof(version));
   value.append(reinterpret_cast<const char*>(entries), sizeof(entries));
   return value;
 }
+
+// Read access for `uid` to a file owned by root (bases: Note [Who may open a segment]).
+std::string ReadOnlyAclFor(uid_t uid) { return AclFor(uid, 4); }
 
 }  // namespace
 
@@ -60,7 +63,8 @@ std::string SegmentTagFor(const std::string& socket_path) {
   return buf;
 }
 
-ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag) {
+ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag,
+                              const std::set<std::string>& keep) {
   ReclaimResult out;
   const std::string prefix = "trainstream-" + tag + "-";
   DIR* d = opendir(dir.c_str());
@@ -70,7 +74,7 @@ ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag) {
   }
   while (dirent* e = readdir(d)) {
     const std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    if (name.compare(0, prefix.size(), prefix) != 0 || keep.count(name) != 0) continue;
     const std::string path = dir + "/" + name;
     // POSIX, not the seam: a listing, an lstat and a pread are no mapping (Note
     // [Segments through Boost.Interprocess]).
@@ -205,6 +209,67 @@ Status ShmSegment::ShareReadOnly() {
   if (chmod(path_.c_str(), 0400) != 0)
     return Status(StatusCode::kInternal, "chmod 0400 " + path_ + ": " + std::strerror(errno));
   return Status::Ok();
+}
+
+Status ShmSegment::Adopt(const std::string& dir, const std::string& name, uint32_t kind,
+                         uid_t owner_uid, uint64_t expected_bytes, bool lock,
+                         std::unique_ptr<ShmSegment>* out) {
+  const std::string path = dir + "/" + name;
+  auto refuse = [&](const std::string& why) {
+    return Status(StatusCode::kFailedPrecondition, "cannot adopt " + path + ": " + why);
+  };
+  platform::ShmFile file;
+  int err = platform::ShmFile::Open(dir, name, platform::ShmAccess::kReadWrite, &file);
+  if (err == EACCES && geteuid() == 0) {
+    // A client's 0600 session segment and a root daemon without
+    // CAP_DAC_OVERRIDE (the systemd unit): CAP_FOWNER may still name root in
+    // the file's ACL, and then it opens.
+    const std::string acl = AclFor(0, 6);
+    if (setxattr(path.c_str(), "system.posix_acl_access", acl.data(), acl.size(), 0) == 0)
+      err = platform::ShmFile::Open(dir, name, platform::ShmAccess::kReadWrite, &file);
+  }
+  if (err != 0) return refuse(std::strerror(err));
+  struct stat st {};
+  if (fstat(file.native_handle(), &st) != 0) return refuse(std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return refuse("not a regular file");
+  if (st.st_nlink != 1) return refuse("it has " + std::to_string(st.st_nlink) + " links");
+  if (st.st_uid != owner_uid)
+    return refuse("owned by uid " + std::to_string(st.st_uid) + ", expected uid " +
+                  std::to_string(owner_uid));
+  const uint64_t bytes = static_cast<uint64_t>(st.st_size);
+  if (bytes < wire::kSegmentHeaderBytes || bytes % 4096 != 0)
+    return refuse("size " + std::to_string(bytes) + " is not a segment's");
+  if (expected_bytes != 0 && bytes != expected_bytes)
+    return refuse("size " + std::to_string(bytes) + ", expected " + std::to_string(expected_bytes));
+  std::unique_ptr<ShmSegment> seg(new ShmSegment());
+  seg->name_ = name;
+  seg->dir_ = dir;
+  seg->path_ = path;
+  seg->size_ = bytes;
+  seg->kind_ = kind;
+  seg->share_uid_ = owner_uid;
+  if (int e = platform::ShmMapping::Map(file, platform::ShmAccess::kReadWrite, bytes,
+                                        /*populate=*/true, &seg->mapping_);
+      e != 0) {
+    seg->unlinked_ = true;  // not ours to remove on this failure: the caller decides
+    return refuse(std::string("mmap: ") + std::strerror(e));
+  }
+  seg->base_ = seg->mapping_->data();
+  // Guarded before the first access: a client may truncate its staging segment.
+  seg->guard_ = ClientMemoryGuard::Register(seg->base_, bytes, kAdoptedOwner);
+  if (seg->guard_ < 0) {
+    seg->unlinked_ = true;
+    return Status(StatusCode::kResourceExhausted, "cannot adopt " + path + ": guard table full");
+  }
+  if (lock) seg->locked_ = mlock(seg->base_, bytes) == 0;
+  *out = std::move(seg);
+  return Status::Ok();
+}
+
+void ShmSegment::SetOwner(uint64_t session_id) {
+  ClientMemoryGuard::SetOwner(guard_, session_id);
+  if (faulted()) return;  // its pages are the guard's zeros: nothing of it to write
+  header()->session_id = session_id;
 }
 
 bool ShmSegment::faulted() const { return ClientMemoryGuard::Faulted(guard_); }

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "trainstream/status.h"
@@ -41,6 +42,9 @@ class ShmMapping;  // trainstream/platform/shm.h
 }  // namespace trainstream::platform
 
 namespace trainstream::daemon {
+
+// The guard owner of an adopted segment that no session has claimed yet.
+inline constexpr uint64_t kAdoptedOwner = ~uint64_t{0};
 
 struct SegmentOwner {
   uint64_t session_id = 0;  // 0: the daemon (bases)
@@ -67,6 +71,22 @@ class ShmSegment {
   static Status Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,
                        const SegmentOwner& owner, bool lock, std::unique_ptr<ShmSegment>* out,
                        bool prefault = true);
+
+  // Takes over `dir`/`name`, a segment a daemon that died created (Note
+  // [Optimizer state outlives the daemon]): opens it (never through a
+  // symlink; a root daemon without CAP_DAC_OVERRIDE adds itself to the file's
+  // ACL first), checks it is a regular file of one link owned by `owner_uid`,
+  // a whole number of pages and, unless 0, `expected_bytes` long, then maps it
+  // (prefaulted) guarded for owner kAdoptedOwner until SetOwner, and locks it
+  // with `lock`. From then on it is like a created one: destroying it unmaps
+  // and unlinks. FAILED_PRECONDITION says what is off (the file is left as it
+  // is: the caller decides).
+  static Status Adopt(const std::string& dir, const std::string& name, uint32_t kind,
+                      uid_t owner_uid, uint64_t expected_bytes, bool lock,
+                      std::unique_ptr<ShmSegment>* out);
+
+  // An adopted segment's new session: its guard's owner and header's session id.
+  void SetOwner(uint64_t session_id);
 
   // Removes the file now (the mapping stays until destruction). Idempotent.
   void Unlink();
@@ -107,8 +127,11 @@ class ShmSegment {
 // every segment's name carries its daemon's tag, a hash of the socket path
 // ("trainstream-<tag>-<random>"): a daemon that took the socket's lock file (no
 // other daemon serves that socket) removes every file with its tag before it
-// serves, whoever held them. The lock file records the pid and shm dir of the
-// daemon holding it, so the one that follows knows where to look.
+// serves, whoever held them, except the optimizer state it adopts (and the
+// staging segments that state's updates read): Note [Optimizer state outlives
+// the daemon] (trainstream/wire/state_record.h). The lock file records the pid
+// and shm dir of the daemon holding it, so the one that follows knows where to
+// look.
 
 // Sets the tag of every segment this process creates from now on (once, at
 // startup, before any segment exists). "" (the default) gives untagged names.
@@ -119,12 +142,14 @@ std::string SegmentTagFor(const std::string& socket_path);
 struct ReclaimResult {
   uint64_t files = 0;
   uint64_t bytes = 0;
-  uint64_t state_segments = 0;  // optimizer state among them (lost: recovery is issue 21)
+  uint64_t state_segments = 0;  // optimizer state among them (not adopted: lost)
   std::string error;            // first failure, if any (the rest still ran)
 };
-// Removes every regular file in `dir` named "trainstream-<tag>-*". Reads each
-// one's header with pread (never a mapping: a client may have truncated it).
-ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag);
+// Removes every regular file in `dir` named "trainstream-<tag>-*" but those in
+// `keep` (adopted). Reads each one's header with pread (never a mapping: a
+// client may have truncated it).
+ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag,
+                              const std::set<std::string>& keep = {});
 
 // Free and total bytes of the filesystem holding `dir` (statvfs); false on error.
 bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* total_bytes);

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "trainstream/kernels/bf16.h"
+#include "trainstream/optimizer/journaled_update.h"
 
 namespace trainstream::optimizer {
 
@@ -49,6 +50,7 @@ struct AdamWEngine::Step {
     size_t index;
     double sumsq;
     Param* param;
+    bool carried = false;  // CarryNorm: applied before a restart, not updated here
   };
   std::vector<Norm> norms;  // one per submitted parameter whose norm phase ended
   std::vector<Param*> params;
@@ -156,10 +158,28 @@ Status AdamWEngine::AddParam(const ParamBinding& b) {
                   "parameter " + std::to_string(b.param_id) +
                       ": param_slot may alias master only for fp32 parameters");
   }
+  const DurableRecords& d = b.durable;
+  const size_t chunk = std::max<size_t>(options_.chunk_elems, 64);
+  if (d.record != nullptr) {
+    if (split || options_.eager_check_per_chunk)
+      return Status(StatusCode::kInvalidArgument,
+                    "parameter " + std::to_string(b.param_id) +
+                        ": durable records need an fp32 master and eager_check_per_chunk off");
+    const uint64_t chunks = (b.numel + chunk - 1) / chunk;
+    const uint64_t slot_bytes =
+        wire::JournalSlotLayoutFor(wire::kSubChunkElems, kernels::DTypeSize(options_.moment_dtype))
+            .bytes;
+    if (d.progress == nullptr || d.torch_step == nullptr || d.journal == nullptr ||
+        d.header == nullptr || d.record->chunks != chunks || d.journal_slots < pool_->size() ||
+        d.journal_slot_bytes < slot_bytes) {
+      return Status(StatusCode::kInvalidArgument,
+                    "parameter " + std::to_string(b.param_id) +
+                        ": durable records do not fit the engine (chunks, journal slots)");
+    }
+  }
   auto p = std::make_unique<Param>();
   p->binding = b;
   p->index = params_.size();
-  const size_t chunk = std::max<size_t>(options_.chunk_elems, 64);
   for (size_t off = 0; off < b.numel; off += chunk) {
     const size_t count = std::min(chunk, b.numel - off);
     // Least-loaded worker: spreads big tensors over all workers and packs small
@@ -171,6 +191,9 @@ Status AdamWEngine::AddParam(const ParamBinding& b) {
         {off, count, static_cast<unsigned>((options_.first_worker + worker) % pool_->size())});
   }
   p->chunk_sumsq.assign(p->chunks.size(), 0.0);
+  if (d.header != nullptr &&
+      std::find(headers_.begin(), headers_.end(), d.header) == headers_.end())
+    headers_.push_back(d.header);
   by_id_[b.param_id] = p.get();
   params_.push_back(std::move(p));
   return Status::Ok();
@@ -202,7 +225,43 @@ Status AdamWEngine::Init() {
     }
   }
   latch.Wait();
+  for (size_t i = initialized_; i < params_.size(); ++i) {
+    if (wire::RecoveryHeader* h = params_[i]->binding.durable.header; h != nullptr)
+      h->flags.fetch_or(wire::kRecoveryInitialized, std::memory_order_release);
+  }
   initialized_ = params_.size();
+  return Status::Ok();
+}
+
+Status AdamWEngine::AdoptInitialized() {
+  for (size_t i = initialized_; i < params_.size(); ++i) {
+    const DurableRecords& d = params_[i]->binding.durable;
+    if (d.torch_step != nullptr) params_[i]->state_step = *d.torch_step;
+  }
+  initialized_ = params_.size();
+  return Status::Ok();
+}
+
+Status AdamWEngine::CarryNorm(uint64_t step, uint64_t param_id, double sumsq, bool updated) {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end())
+    return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_ptr<Step>& s = steps_[step];
+  if (!s) {
+    s = std::make_unique<Step>();
+    s->result.step = step;
+  }
+  if (s->ended)
+    return Status(StatusCode::kFailedPrecondition,
+                  "step " + std::to_string(step) + " already ended");
+  s->norms.push_back({it->second->index, sumsq, it->second, /*carried=*/true});
+  if (updated) {
+    ++s->result.params_updated;
+  } else {
+    s->result.skipped_nonfinite = true;
+    if (!std::isfinite(sumsq)) s->result.nonfinite_params.push_back(param_id);
+  }
   return Status::Ok();
 }
 
@@ -238,6 +297,8 @@ Status AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHype
     ++s->updates_pending;
     ++in_flight_;
   }
+  if (wire::ParamRecord* r = p->binding.durable.record; r != nullptr)
+    r->mark.store(step * 4 + wire::kMarkSubmitted, std::memory_order_release);
   StartNormPhase(p);
   return Status::Ok();
 }
@@ -328,16 +389,20 @@ void AdamWEngine::CheckAndUpdateChunk(Param* p, size_t chunk) {
 void AdamWEngine::OnNormDone(Param* p) {
   const double sumsq = OrderedSum(p->chunk_sumsq);
   const bool finite = std::isfinite(sumsq);
+  // For a restart to carry into the step's norm once the update has landed.
+  if (wire::ParamRecord* r = p->binding.durable.record; r != nullptr) r->grad_sumsq = sumsq;
   std::unique_lock<std::mutex> lock(mu_);
   Step* s = steps_[p->submit_step].get();
   s->norms.push_back({p->index, sumsq, p});
   --s->norms_pending;
   if (!deferred_) {
     lock.unlock();
-    if (finite)
+    if (finite) {
+      MarkUpdating(p, 1.0f);
       StartUpdatePhase(p, 1.0f);
-    else
+    } else {
       OnParamDone(p, false);
+    }
     return;
   }
   if (s->ended && s->norms_pending == 0 && !s->updates_started) {
@@ -359,13 +424,23 @@ void AdamWEngine::FinishDeferredNorms(uint64_t step) {
   std::sort(s->norms.begin(), s->norms.end(),
             [](const Step::Norm& a, const Step::Norm& b) { return a.index < b.index; });
   double total = 0;
-  std::vector<Param*> params;  // a copy: the last completion below frees *s
+  std::vector<std::pair<Param*, double>> params;  // a copy: the last completion below frees *s
   for (const Step::Norm& n : s->norms) {
     total += n.sumsq;
-    params.push_back(n.param);
+    if (!n.carried) params.emplace_back(n.param, n.sumsq);
   }
+  // Note [Optimizer state outlives the daemon]: the step's decision is recorded
+  // after every parameter's mark and before the first update (or skip), so a
+  // restart finds it applied to all of the step's parameters or to none.
   if (!std::isfinite(total)) {
-    for (Param* p : params) OnParamDone(p, false);
+    if (!headers_.empty()) {
+      WriteStepRecord([step](wire::StepRecord* r) {
+        r->decided_step = step;
+        r->decided_scale = 1.0f;
+        r->decided_skipped = 1;
+      });
+    }
+    for (const auto& [p, sumsq] : params) OnParamDone(p, false);
     return;
   }
   float scale = 1.0f;
@@ -376,12 +451,47 @@ void AdamWEngine::FinishDeferredNorms(uint64_t step) {
     const float coef = (1.0f / (norm + 1e-6f)) * static_cast<float>(options_.max_grad_norm);
     if (coef < 1.0f) scale = coef;
   }
-  for (Param* p : params) StartUpdatePhase(p, scale);
+  for (const auto& [p, sumsq] : params) MarkUpdating(p, scale);
+  if (!headers_.empty()) {
+    WriteStepRecord([step, scale](wire::StepRecord* r) {
+      r->decided_step = step;
+      r->decided_scale = scale;
+      r->decided_skipped = 0;
+    });
+  }
+  for (const auto& [p, sumsq] : params) StartUpdatePhase(p, scale);
 }
 
-void AdamWEngine::StartUpdatePhase(Param* p, float grad_scale) {
+void AdamWEngine::MarkUpdating(Param* p, float grad_scale) {
   p->new_state_step = p->state_step + 1;
   p->scalars = kernels::ComputeAdamWStepScalars(p->hp, p->new_state_step, grad_scale);
+  wire::ParamRecord* r = p->binding.durable.record;
+  if (r == nullptr) return;
+  // The mark still names an earlier step (or this one, submitted): a crash
+  // while these are rewritten finds nothing to roll forward from them.
+  r->state_step = p->new_state_step;
+  r->lr = p->hp.lr;
+  r->beta1 = p->hp.beta1;
+  r->beta2 = p->hp.beta2;
+  r->eps = p->hp.eps;
+  r->weight_decay = p->hp.weight_decay;
+  r->grad_scale = grad_scale;
+  r->mark.store(p->submit_step * 4 + wire::kMarkUpdating, std::memory_order_release);
+}
+
+void AdamWEngine::WriteStepRecord(const std::function<void(wire::StepRecord*)>& edit) {
+  std::lock_guard<std::mutex> lock(records_mu_);
+  for (wire::RecoveryHeader* h : headers_) {
+    const uint32_t current = h->current_step_record.load(std::memory_order_relaxed) & 1u;
+    wire::StepRecord next = h->step_records[current];
+    edit(&next);
+    h->step_records[1 - current] = next;
+    h->current_step_record.store(1 - current, std::memory_order_release);
+  }
+}
+
+// MarkUpdating has set the update's step and scalars.
+void AdamWEngine::StartUpdatePhase(Param* p, float /*grad_scale*/) {
   p->remaining.store(p->chunks.size(), std::memory_order_relaxed);
   const int here = WorkerPool::CurrentWorker();
   if (p->chunks.size() == 1 && here == static_cast<int>(p->chunks[0].worker)) {
@@ -394,6 +504,7 @@ void AdamWEngine::StartUpdatePhase(Param* p, float grad_scale) {
 }
 
 void AdamWEngine::UpdateChunk(Param* p, size_t chunk) {
+  if (p->binding.durable.record != nullptr) return UpdateJournaled(p, chunk);
   const Param::Chunk& c = p->chunks[chunk];
   const ParamBinding& b = p->binding;
   kernels::AdamWRange whole;  // the parameter's arrays; this chunk's slice is updated
@@ -415,8 +526,46 @@ void AdamWEngine::UpdateChunk(Param* p, size_t chunk) {
   }
 }
 
+// Note [Optimizer state outlives the daemon]: ApplyJournaled, in this worker's
+// journal slot. The chunk's progress starts at 0: every earlier update of it is
+// whole (applied here, or rolled forward after a restart).
+void AdamWEngine::UpdateJournaled(Param* p, size_t chunk) {
+  const Param::Chunk& c = p->chunks[chunk];
+  const ParamBinding& b = p->binding;
+  const DurableRecords& d = b.durable;
+  JournaledChunk j;
+  j.whole.master = b.master;
+  j.whole.exp_avg = b.exp_avg;
+  j.whole.exp_avg_sq = b.exp_avg_sq;
+  j.whole.grad = b.grad_slot;
+  j.whole.param_out = b.param_slot;
+  j.whole.numel = b.numel;
+  j.whole.grad_dtype = b.grad_dtype;
+  j.whole.moment_dtype = options_.moment_dtype;
+  j.whole.param_dtype = b.param_dtype;
+  j.scalars = p->scalars;
+  j.key = kernels::RoundingKey{options_.seed, b.param_id, p->new_state_step, 0};
+  j.isa = options_.isa;
+  j.entry = d.entry;
+  j.step = p->submit_step;
+  j.chunk_offset = c.offset;
+  j.chunk_count = c.count;
+  j.journal_slot = d.journal + static_cast<uint64_t>(c.worker) * d.journal_slot_bytes;
+  j.progress = &d.progress[chunk];
+  ApplyJournaled(j, 0);
+  if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    p->state_step = p->new_state_step;
+    OnParamDone(p, true);
+  }
+}
+
 void AdamWEngine::OnParamDone(Param* p, bool updated) {
   const uint64_t id = p->binding.param_id;
+  const DurableRecords& d = p->binding.durable;
+  if (updated && d.torch_step != nullptr) *d.torch_step = p->state_step;
+  // The commit: after every chunk, before anyone hears of it.
+  if (d.record != nullptr)
+    d.record->applied.store(p->submit_step * 2 + (updated ? 0 : 1), std::memory_order_release);
   uint64_t step;
   uint64_t state_step;
   {
@@ -479,6 +628,14 @@ void AdamWEngine::MaybeFinishStep(uint64_t step, std::unique_lock<std::mutex>& l
                ? ": their chunks with non-finite values were not updated, everything else was"
                : ": those parameters were not updated, the others were";
     r.error = Status(StatusCode::kInvalidArgument, msg);
+  }
+  if (!headers_.empty()) {
+    WriteStepRecord([&r](wire::StepRecord* rec) {
+      rec->completed_step = r.step;
+      rec->completed_grad_norm = r.grad_norm;
+      rec->completed_status = r.skipped_nonfinite ? 1 : 0;  // CompletionStatus numbers
+      rec->completed_params_updated = r.params_updated;
+    });
   }
   if (step_done_) step_done_(r);
 
@@ -586,6 +743,8 @@ Status AdamWEngine::SetStep(uint64_t param_id, uint64_t step) {
   if (it == by_id_.end())
     return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
   it->second->state_step = step;
+  if (uint64_t* torch_step = it->second->binding.durable.torch_step; torch_step != nullptr)
+    *torch_step = step;
   return Status::Ok();
 }
 

@@ -237,7 +237,8 @@ struct OptimizerPlane::Impl {
   }
 
   // ------------------------------------------------------------ parameters
-  Status AddParameters(const SessionOptimizerOptions& o, std::vector<ParamBinding> params) {
+  Status AddParameters(const SessionOptimizerOptions& o, std::vector<ParamBinding> params,
+                       bool adopted, std::vector<CarriedNorm> carried) {
     std::lock_guard<std::mutex> lock(pending_mu);
     if (have_options) {
       if (o.moment_dtype != engine_options.moment_dtype ||
@@ -250,19 +251,23 @@ struct OptimizerPlane::Impl {
       engine_options = o;
       have_options = true;
     }
-    for (auto& p : params) pending.push_back(std::move(p));
+    for (auto& p : params) pending.push_back({std::move(p), adopted});
+    for (auto& c : carried) pending_carried.push_back(c);
     return Status::Ok();
   }
 
   // Plane thread: creates the engine with the first options, adds what came.
   void ApplyPending() {
-    std::vector<ParamBinding> adds;
+    std::vector<PendingParam> adds;
+    std::vector<CarriedNorm> carried;
     {
       std::lock_guard<std::mutex> lock(pending_mu);
       adds.swap(pending);
+      carried.swap(pending_carried);
       if (!engine && have_options) CreateEngine();
     }
-    for (auto& b : adds) {
+    bool fresh = false, adopted = false;
+    for (auto& [b, was_adopted] : adds) {
       optimizer::ParamBinding eb;
       eb.param_id = b.param_id;
       eb.numel = b.numel;
@@ -271,6 +276,7 @@ struct OptimizerPlane::Impl {
       eb.exp_avg = b.exp_avg;
       eb.exp_avg_sq = b.exp_avg_sq;
       eb.param_slot = b.param_slot;
+      eb.durable = b.durable;
       if (options.group) {
         eb.grad_dtype = kernels::DType::kFloat32;  // the engine reads the fp32 sum slot
         eb.grad_slot = b.sum_slot;
@@ -282,10 +288,7 @@ struct OptimizerPlane::Impl {
         Refuse(0, 0, b.param_id, 0, "param " + std::to_string(b.param_id) + ": " + st.message());
         continue;
       }
-      {
-        std::lock_guard<std::mutex> lock(step_mu);
-        step_counters[b.param_id] = b.step_counter;
-      }
+      (was_adopted ? adopted : fresh) = true;
       if (options.group) {
         auto slot = std::make_unique<Slot>();
         slot->grad_dtype = b.grad_dtype;
@@ -294,7 +297,18 @@ struct OptimizerPlane::Impl {
         slots.push_back(std::move(slot));
       }
     }
-    if (!adds.empty()) needs_init = true;
+    // An engine's Init covers every parameter added since the last: adopted
+    // state is taken as it is, fresh parameters wait for kParamFromSlot.
+    if (adopted) {
+      engine->AdoptInitialized();
+      initialised = true;
+    }
+    for (const CarriedNorm& c : carried) {
+      if (Status st = engine->CarryNorm(c.step, c.param_id, c.sumsq, c.updated); !st.ok())
+        spdlog::warn("{}: carrying the norm of param {} into step {}: {}", options.name, c.param_id,
+                     c.step, st.message());
+    }
+    if (fresh) needs_init = true;
   }
 
   void CreateEngine() {  // pending_mu held
@@ -302,6 +316,7 @@ struct OptimizerPlane::Impl {
     eo.moment_dtype = engine_options.moment_dtype;
     eo.max_grad_norm = engine_options.max_grad_norm;
     eo.seed = engine_options.seed;
+    eo.chunk_elems = kPlaneChunkElems;
     unsigned workers = pool->size();
     if (engine_options.threads != 0 && engine_options.threads < pool->size()) {
       // Spread limited planes over the pool instead of stacking them all on
@@ -465,7 +480,6 @@ struct OptimizerPlane::Impl {
       uint64_t imported_step = 0;
       st = MoveOptimizerState(*engine, cmd, members[static_cast<size_t>(r)]->info.resolver,
                               &rec.step, &imported, &imported_step);
-      if (st.ok() && imported) SetStepCounter(cmd.param_id, imported_step);
     }
     if (!st.ok()) {
       rec.status = CompletionStatus::kInvalid;
@@ -495,8 +509,8 @@ struct OptimizerPlane::Impl {
   }
 
   // ------------------------------------------------- engine callbacks (workers)
-  void OnParamDone(uint64_t id, uint64_t step, bool updated, uint64_t param_step) {
-    if (updated) SetStepCounter(id, param_step);
+  // The engine has committed the update (Note [Optimizer state outlives the daemon]).
+  void OnParamDone(uint64_t id, uint64_t step, bool updated, uint64_t /*param_step*/) {
     for (size_t r = 0; r < members.size(); ++r) {
       Post(static_cast<int>(r), Opcode::kParamReady,
            updated ? CompletionStatus::kOk : CompletionStatus::kSkippedNonFinite, 0, id, step, "");
@@ -513,12 +527,6 @@ struct OptimizerPlane::Impl {
     rec.params_updated = res.params_updated;
     if (!res.error.ok()) SetCompletionMessage(&rec, res.error.message());
     for (size_t r = 0; r < members.size(); ++r) Complete(r, rec);
-  }
-
-  void SetStepCounter(uint64_t id, uint64_t step) {
-    std::lock_guard<std::mutex> lock(step_mu);
-    auto it = step_counters.find(id);
-    if (it != step_counters.end() && it->second != nullptr) *it->second = step;
   }
 
   // ------------------------------------------------------------ completions
@@ -625,8 +633,13 @@ struct OptimizerPlane::Impl {
   std::atomic<size_t> live_members{0};           // members not faulted
   LogLimiter log_limit;
 
-  std::mutex pending_mu;  // guards pending, engine_options, have_options
-  std::vector<ParamBinding> pending;
+  struct PendingParam {
+    ParamBinding binding;
+    bool adopted = false;
+  };
+  std::mutex pending_mu;  // guards pending, pending_carried, engine_options, have_options
+  std::vector<PendingParam> pending;
+  std::vector<CarriedNorm> pending_carried;
   SessionOptimizerOptions engine_options;
   bool have_options = false;
 
@@ -643,9 +656,6 @@ struct OptimizerPlane::Impl {
   std::unordered_map<uint64_t, Slot*> by_id;
   std::map<uint64_t, uint64_t> step_ends;  // step -> mask of ranks that posted STEP_END
   uint64_t awaiting_reduces = 0;
-
-  std::mutex step_mu;  // guards step_counters (the manifest's per-param step)
-  std::unordered_map<uint64_t, uint64_t*> step_counters;
 
   std::mutex completion_mu;  // guards each member's completions and faulted, and muted
   bool muted = false;        // Guarded by completion_mu: set once stopping
@@ -666,8 +676,9 @@ OptimizerPlane::OptimizerPlane(PlaneOptions options, std::vector<PlaneMember> me
 OptimizerPlane::~OptimizerPlane() { Stop("", -1); }
 
 Status OptimizerPlane::AddParameters(const SessionOptimizerOptions& options,
-                                     std::vector<ParamBinding> params) {
-  return impl_->AddParameters(options, std::move(params));
+                                     std::vector<ParamBinding> params, bool adopted,
+                                     std::vector<CarriedNorm> carried) {
+  return impl_->AddParameters(options, std::move(params), adopted, std::move(carried));
 }
 
 void OptimizerPlane::Stop(const std::string& why, int leaver) {

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "planes/client_rings.h"
+#include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/status.h"
 #include "trainstream/wire/dtype.h"
 
@@ -64,23 +65,37 @@ struct ParamBinding {
   uint32_t group = 0;
   wire::DType param_dtype = wire::DType::kFloat32;
   wire::DType grad_dtype = wire::DType::kFloat32;
-  float* master = nullptr;           // fp32[numel], state segment
-  void* exp_avg = nullptr;           // moment dtype[numel], state segment
-  void* exp_avg_sq = nullptr;        // moment dtype[numel], state segment
-  void* grad_slot = nullptr;         // grad dtype[numel], staging (solo planes only)
-  void* param_slot = nullptr;        // param dtype[numel], staging segment
-  uint64_t* step_counter = nullptr;  // the manifest entry's step, kept current
+  float* master = nullptr;     // fp32[numel], state segment
+  void* exp_avg = nullptr;     // moment dtype[numel], state segment
+  void* exp_avg_sq = nullptr;  // moment dtype[numel], state segment
+  void* grad_slot = nullptr;   // grad dtype[numel], staging (solo planes only)
+  void* param_slot = nullptr;  // param dtype[numel], staging segment
+  // Where the engine keeps this parameter's commit records (Note [Optimizer
+  // state outlives the daemon]); all null without recovery.
+  optimizer::DurableRecords durable;
   // Group planes only: local rank r's gradient slot (grad dtype[numel]) is
   // rank_grads[r], and the engine reads the fp32 sum slot. Solo: empty, null.
   std::vector<void*> rank_grads;
   float* sum_slot = nullptr;
 };
 
+// The engine's chunk in every plane: a state segment's chunk progress records
+// are laid out for it (param_layout.h).
+inline constexpr uint64_t kPlaneChunkElems = 64 * 1024;
+
 struct SessionOptimizerOptions {
   wire::DType moment_dtype = wire::DType::kFloat32;
   double max_grad_norm = 0;  // 0: no clipping
   uint64_t seed = 0;
   uint32_t threads = 0;  // worker threads for this plane's engine (0: the whole pool)
+};
+
+// An update that landed before a restart, for its step's norm (recovery).
+struct CarriedNorm {
+  uint64_t step = 0;
+  uint64_t param_id = 0;
+  double sumsq = 0;
+  bool updated = true;  // false: it was skipped (a non-finite gradient)
 };
 
 // Resolves a (region_id, offset, bytes) of one session to a pointer, or
@@ -125,7 +140,13 @@ class OptimizerPlane {
   // master from the param slot's contents (which the client wrote before
   // registering) on the first kParamFromSlot of local rank 0.
   // Returns OK, else INVALID_ARGUMENT naming what is wrong.
-  Status AddParameters(const SessionOptimizerOptions& options, std::vector<ParamBinding> params);
+  // `adopted`: the parameters' state was adopted after a restart
+  // (daemon/recovery/): master and moments stay as they are (no
+  // kParamFromSlot), their torch steps come from their manifest entries.
+  // `carried`: norms of updates that landed before the restart, counted in
+  // their steps (AdamWEngine::CarryNorm).
+  Status AddParameters(const SessionOptimizerOptions& options, std::vector<ParamBinding> params,
+                       bool adopted = false, std::vector<CarriedNorm> carried = {});
 
   // Stops the thread and waits for in-flight updates; afterwards no member's
   // memory is touched by the plane. Then, when `why` is not empty, posts

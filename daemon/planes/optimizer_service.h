@@ -40,8 +40,10 @@ class OptimizerService {
   // Adds parameters to a started session (RegisterParameters; see
   // OptimizerPlane::AddParameters). Returns OK, else INVALID_ARGUMENT naming
   // what is wrong (RegisterParameters answers with it as it is).
+  // `adopted` and `carried`: state a restarted daemon adopted (see there).
   Status AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
-                       std::vector<ParamBinding> params);
+                       std::vector<ParamBinding> params, bool adopted = false,
+                       std::vector<CarriedNorm> carried = {});
 
   // Stops the session's plane and waits for in-flight work; afterwards no
   // pointer of the session is touched. Safe to call for unknown ids.

@@ -12,12 +12,31 @@ SessionOptimizerOptions OptimizerOptionsOf(const v1::RegisterParametersRequest& 
   return o;
 }
 
+optimizer::DurableRecords DurableRecordsOf(char* state_base, uint64_t recovery_offset,
+                                           uint64_t entry_step_offset, uint64_t index) {
+  optimizer::DurableRecords d;
+  d.torch_step = reinterpret_cast<uint64_t*>(state_base + entry_step_offset);
+  if (recovery_offset == 0) return d;
+  auto* h = reinterpret_cast<wire::RecoveryHeader*>(state_base + recovery_offset);
+  auto* records = reinterpret_cast<wire::ParamRecord*>(state_base + h->records_offset);
+  auto* progress = reinterpret_cast<wire::ChunkProgress*>(state_base + h->progress_offset);
+  d.record = &records[index];
+  d.progress = progress + d.record->chunk_first;
+  d.entry = index;
+  d.journal = state_base + h->journal_offset;
+  d.journal_slot_bytes = h->journal_slot_bytes;
+  d.journal_slots = h->journal_slots;
+  d.header = h;
+  return d;
+}
+
 PlaneRegistration BindRegistration(const v1::RegisterParametersRequest& req,
                                    const RegistrationLayout& layout, char* state_base,
-                                   char* staging_base) {
+                                   char* staging_base, const RecoveryOwner* owner) {
   PlaneRegistration out;
   out.options = OptimizerOptionsOf(req);
-  wire::StateManifestEntry* entries = WriteStateManifest(state_base, layout, req);
+  wire::StateManifestEntry* entries = WriteStateManifest(state_base, layout, req, owner);
+  const uint64_t recovery_offset = owner != nullptr ? layout.recovery_offset : 0;
   for (int i = 0; i < req.params_size(); ++i) {
     const auto& p = req.params(i);
     const ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
@@ -27,13 +46,16 @@ PlaneRegistration BindRegistration(const v1::RegisterParametersRequest& req,
     b.numel = pl.numel;
     b.group = p.group();
     b.param_dtype = static_cast<wire::DType>(p.dtype());
-    b.grad_dtype = static_cast<wire::DType>(p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype()
-                                                                                  : p.grad_dtype());
+    b.grad_dtype = static_cast<wire::DType>(
+        p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype() : p.grad_dtype());
     b.master = reinterpret_cast<float*>(state_base + pl.master_offset);
     b.exp_avg = state_base + pl.exp_avg_offset;
     b.exp_avg_sq = state_base + pl.exp_avg_sq_offset;
     b.param_slot = staging_base + pl.param_offset;
-    b.step_counter = &entries[i].step;
+    b.durable = DurableRecordsOf(
+        state_base, recovery_offset,
+        static_cast<uint64_t>(reinterpret_cast<char*>(&entries[i].step) - state_base),
+        static_cast<uint64_t>(i));
     if (layout.sum_slot) {
       for (uint32_t r = 0; r < layout.grad_slots; ++r)
         b.rank_grads.push_back(staging_base + pl.grad_offset + r * pl.grad_stride);

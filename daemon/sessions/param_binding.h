@@ -22,12 +22,19 @@ SessionOptimizerOptions OptimizerOptionsOf(const v1::RegisterParametersRequest& 
 // For validated `req` laid out as `layout` (ComputeRegistrationLayout) in a
 // state segment mapped at `state_base` and a staging segment mapped at
 // `staging_base` (each with its SegmentHeader first): writes the state
-// manifest (WriteStateManifest) and returns the plane's options and bindings.
+// manifest (WriteStateManifest, with `owner` in its recovery header when the
+// layout has recovery records) and returns the plane's options and bindings.
 // A layout with a sum slot (a group's) binds each local rank's grad slot and
 // the sum slot; else the one grad slot. The pointers are into the two
 // mappings: they live as long as those do.
 PlaneRegistration BindRegistration(const v1::RegisterParametersRequest& req,
                                    const RegistrationLayout& layout, char* state_base,
-                                   char* staging_base);
+                                   char* staging_base, const RecoveryOwner* owner = nullptr);
+
+// The engine's records of manifest entry `index` of a state segment mapped at
+// `state_base` whose recovery header is at `recovery_offset` (all null for 0);
+// `entry_step_offset` is where that entry's torch step lies.
+optimizer::DurableRecords DurableRecordsOf(char* state_base, uint64_t recovery_offset,
+                                           uint64_t entry_step_offset, uint64_t index);
 
 }  // namespace trainstream::daemon

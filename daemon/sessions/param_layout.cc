@@ -8,6 +8,7 @@
 
 #include "trainstream/wire/dtype.h"
 #include "trainstream/wire/segment_header.h"
+#include "trainstream/wire/state_record.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -131,7 +132,8 @@ Status ValidateRegistration(const v1::RegisterParametersRequest& req,
 }
 
 RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest& req,
-                                             uint32_t grad_slots, bool sum_slot) {
+                                             uint32_t grad_slots, bool sum_slot,
+                                             const RecoveryLayoutOptions& recovery) {
   constexpr uint64_t kSlotAlign = 64;
   constexpr uint64_t kPage = 4096;
   RegistrationLayout layout;
@@ -144,7 +146,34 @@ RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest
   layout.manifest_bytes = sizeof(wire::StateManifest) + static_cast<uint64_t>(req.params_size()) *
                                                             sizeof(wire::StateManifestEntry);
   uint64_t staging = wire::kSegmentHeaderBytes;
-  uint64_t state = AlignUp(layout.manifest_offset + layout.manifest_bytes, kPage);
+  uint64_t records_end = layout.manifest_offset + layout.manifest_bytes;
+  if (recovery.enabled) {
+    // Note [Optimizer state outlives the daemon] (trainstream/wire/state_record.h).
+    const uint64_t chunk = recovery.chunk_elems;
+    layout.chunk_elems = chunk;
+    layout.recovery_offset = AlignUp(records_end, kSlotAlign);
+    layout.records_offset =
+        AlignUp(layout.recovery_offset + sizeof(wire::RecoveryHeader), kSlotAlign);
+    layout.progress_offset =
+        AlignUp(layout.records_offset +
+                    static_cast<uint64_t>(req.params_size()) * sizeof(wire::ParamRecord),
+                kSlotAlign);
+    for (int i = 0; i < req.params_size(); ++i) {
+      ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
+      uint64_t numel = 1;
+      for (int64_t d : req.params(i).shape()) numel *= static_cast<uint64_t>(d);
+      pl.chunk_first = layout.total_chunks;
+      pl.chunks = (numel + chunk - 1) / chunk;
+      layout.total_chunks += pl.chunks;
+    }
+    layout.journal_slots = recovery.journal_slots;
+    layout.journal_slot_bytes =
+        wire::JournalSlotLayoutFor(wire::kSubChunkElems, moment_bytes).bytes;
+    layout.journal_offset = AlignUp(
+        layout.progress_offset + layout.total_chunks * sizeof(wire::ChunkProgress), kSlotAlign);
+    records_end = layout.journal_offset + layout.journal_slots * layout.journal_slot_bytes;
+  }
+  uint64_t state = AlignUp(records_end, kPage);
   for (int i = 0; i < req.params_size(); ++i) {
     const auto& p = req.params(i);
     ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
@@ -173,7 +202,8 @@ RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest
 }
 
 wire::StateManifestEntry* WriteStateManifest(char* state_base, const RegistrationLayout& layout,
-                                             const v1::RegisterParametersRequest& req) {
+                                             const v1::RegisterParametersRequest& req,
+                                             const RecoveryOwner* owner) {
   auto* header = reinterpret_cast<wire::SegmentHeader*>(state_base);
   header->manifest_offset = layout.manifest_offset;
   header->manifest_bytes = layout.manifest_bytes;
@@ -197,6 +227,42 @@ wire::StateManifestEntry* WriteStateManifest(char* state_base, const Registratio
     e.exp_avg_offset = pl.exp_avg_offset;
     e.exp_avg_sq_offset = pl.exp_avg_sq_offset;
     std::strncpy(e.name, p.name().c_str(), sizeof(e.name) - 1);
+  }
+  if (layout.recovery_offset == 0 || owner == nullptr) return entries;
+  // The segment is fresh (zero pages): marks, progress and journals start empty.
+  manifest->recovery_offset = layout.recovery_offset;
+  auto* rh = reinterpret_cast<wire::RecoveryHeader*>(state_base + layout.recovery_offset);
+  rh->magic = wire::kRecoveryMagic;
+  rh->version = wire::kRecoveryVersion;
+  rh->registration = owner->registration;
+  std::memcpy(rh->owner_proof, owner->proof, sizeof(rh->owner_proof));
+  rh->owner_uid = static_cast<uint32_t>(owner->uid);
+  rh->owner_pid = static_cast<int32_t>(owner->pid);
+  rh->owner_start = owner->start;
+  rh->chunk_elems = layout.chunk_elems;
+  rh->sub_chunk_elems = wire::kSubChunkElems;
+  rh->records_offset = layout.records_offset;
+  rh->progress_offset = layout.progress_offset;
+  rh->total_chunks = layout.total_chunks;
+  rh->journal_offset = layout.journal_offset;
+  rh->journal_slot_bytes = layout.journal_slot_bytes;
+  rh->journal_slots = layout.journal_slots;
+  rh->staging_bytes = owner->staging_bytes;
+  std::strncpy(rh->staging_name, owner->staging_name.c_str(), sizeof(rh->staging_name) - 1);
+  rh->max_grad_norm = req.max_grad_norm();
+  rh->threads = req.threads();
+  auto* records = reinterpret_cast<wire::ParamRecord*>(state_base + layout.records_offset);
+  for (int i = 0; i < req.params_size(); ++i) {
+    const auto& p = req.params(i);
+    const ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
+    wire::ParamRecord& r = records[i];
+    // The slot the engine reads: a group's fp32 sum slot, else the client's.
+    r.grad_dtype = layout.sum_slot ? static_cast<uint32_t>(wire::DType::kFloat32)
+                                   : static_cast<uint32_t>(GradDType(p));
+    r.grad_offset = layout.sum_slot ? pl.sum_offset : pl.grad_offset;
+    r.param_offset = pl.param_offset;
+    r.chunk_first = pl.chunk_first;
+    r.chunks = pl.chunks;
   }
   return entries;
 }

@@ -12,12 +12,19 @@
 // State segment (kind state, daemon only; re-adoptable after a restart):
 //   [0, 4096)  SegmentHeader (manifest_offset = 4096)
 //   StateManifest, then one StateManifestEntry per parameter
-//   per parameter (64-byte aligned, starting on the page after the manifest):
+//   with recovery (Note [Optimizer state outlives the daemon],
+//   trainstream/wire/state_record.h), each 64-byte aligned: RecoveryHeader,
+//   ParamRecord per parameter, ChunkProgress per chunk of every parameter,
+//   one journal slot per worker of the pool
+//   per parameter (64-byte aligned, starting on the page after the above):
 //   master fp32[numel], exp_avg moment[numel], exp_avg_sq moment[numel].
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "trainstream/status.h"
@@ -45,6 +52,8 @@ Status ValidateRegistration(const v1::RegisterParametersRequest& req,
 
 struct ParamPlacement {
   uint64_t numel = 0;
+  uint64_t chunk_first = 0;  // with recovery: its first ChunkProgress, and how many
+  uint64_t chunks = 0;
   uint64_t grad_offset = 0;    // staging segment (local rank 0's in a group)
   uint64_t grad_stride = 0;    // bytes between consecutive ranks' grad slots
   uint64_t sum_offset = 0;     // group staging only: fp32[numel]; else 0
@@ -62,18 +71,49 @@ struct RegistrationLayout {
   uint64_t manifest_bytes = 0;
   uint32_t grad_slots = 1;  // per parameter: a group's local world size, else 1
   bool sum_slot = false;    // per parameter: an fp32 sum slot (groups)
+  // With recovery (RecoveryLayoutOptions::enabled), else all 0.
+  uint64_t recovery_offset = 0;
+  uint64_t records_offset = 0;
+  uint64_t progress_offset = 0;
+  uint64_t total_chunks = 0;
+  uint64_t journal_offset = 0;
+  uint64_t journal_slot_bytes = 0;
+  uint32_t journal_slots = 0;
+  uint64_t chunk_elems = 0;
+};
+
+// Whether a state segment carries recovery records, and what sizes them.
+struct RecoveryLayoutOptions {
+  bool enabled = false;        // recovery_grace > 0
+  uint64_t chunk_elems = 0;    // the engine's chunk (kPlaneChunkElems)
+  uint32_t journal_slots = 0;  // the optimizer pool's workers
+};
+
+// Who a state segment's recovery header names as its owner (docs/recovery.md).
+struct RecoveryOwner {
+  uint8_t proof[32] = {};  // SHA-256 of the recovery token
+  uid_t uid = 0;
+  pid_t pid = 0;
+  uint64_t start = 0;         // the process's start time (ProcessStartTime)
+  uint32_t registration = 0;  // its index among the session's registrations
+  std::string staging_name;   // the registration's staging segment
+  uint64_t staging_bytes = 0;
 };
 
 // Layout for a validated request. A group's staging has `grad_slots` (its
 // local world size) gradient slots and a sum slot per parameter.
 RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest& req,
-                                             uint32_t grad_slots = 1, bool sum_slot = false);
+                                             uint32_t grad_slots = 1, bool sum_slot = false,
+                                             const RecoveryLayoutOptions& recovery = {});
 
 // Writes the manifest of a state segment mapped at `state_base` (its
-// SegmentHeader first) for `req` laid out as `layout`. Returns the entries, one
-// per parameter in request order; their `step` is kept current by the optimizer.
+// SegmentHeader first) for `req` laid out as `layout`, and, when the layout has
+// recovery records, the recovery header naming `owner` (not null then) and each
+// parameter's static record fields. Returns the entries, one per parameter in
+// request order; their `step` is kept current by the optimizer.
 wire::StateManifestEntry* WriteStateManifest(char* state_base, const RegistrationLayout& layout,
-                                             const v1::RegisterParametersRequest& req);
+                                             const v1::RegisterParametersRequest& req,
+                                             const RecoveryOwner* owner = nullptr);
 
 inline uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 

@@ -5,6 +5,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -55,6 +56,19 @@ SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
       },
       [this](std::unique_ptr<ShmSegment> seg) { DropSegment(std::move(seg)); }, optimizer_->pool(),
       on_fault);
+  if (config_.recovery_grace_s > 0) {
+    AdoptionHooks hooks;
+    hooks.reserve = [this](uint64_t bytes, const std::string& what) {
+      return budget_->Reserve(bytes, what);
+    };
+    hooks.release = [this](uint64_t bytes) { budget_->Release(bytes); };
+    hooks.held = [this](const ShmSegment& seg) {
+      if (seg.locked()) pinned_bytes_.fetch_add(seg.size());
+    };
+    hooks.drop = [this](std::unique_ptr<ShmSegment> seg) { DropSegment(std::move(seg)); };
+    adopted_ = std::make_unique<AdoptionStore>(std::move(hooks), config_.lock_memory,
+                                               config_.recovery_grace_s);
+  }
   reaper_wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   reaper_ = std::thread([this] { ReaperLoop(); });
 }
@@ -70,8 +84,20 @@ SessionRegistry::~SessionRegistry() {
   reaper_.join();
   close(reaper_wake_fd_);
   EndAll("daemon exiting");
+  adopted_.reset();
   groups_.reset();  // before the budget and segments' owners go
 }
+
+AdoptionStore::Scan SessionRegistry::AdoptPrevious(const std::string& dir, const std::string& tag) {
+  if (!adopted_) return {};
+  return adopted_->AdoptFrom(dir, tag);
+}
+
+void SessionRegistry::SweepAdopted() {
+  if (adopted_) adopted_->Sweep();
+}
+
+size_t SessionRegistry::adopted_waiting() { return adopted_ ? adopted_->size() : 0; }
 
 void SessionRegistry::EndLater(uint64_t session_id, const std::string& reason) {
   {
@@ -103,6 +129,12 @@ void SessionRegistry::ReaperLoop() {
         spdlog::warn(
             "a base segment's file was truncated under the daemon; its pages read as "
             "zeros until the base is dropped");
+        continue;
+      }
+      if (owner == kAdoptedOwner) {
+        spdlog::warn(
+            "an adopted staging segment was truncated before its client came back; that "
+            "optimizer state cannot be resumed");  // its claim says so (AdoptionStore)
         continue;
       }
       work.emplace_back(owner,
@@ -215,6 +247,30 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
   s->local_rank = req.local_rank();
   s->group = req.has_group() ? req.group().key() : "";
   s->started = std::chrono::steady_clock::now();
+  std::unique_ptr<AdoptedState> resumed;
+  if (req.has_resume()) {
+    // Note [Optimizer state outlives the daemon]: the state goes only to the
+    // uid that registered it, showing the token whose hash it holds.
+    if (!adopted_) {
+      return Status(StatusCode::kNotFound,
+                    "resume: recovery is off in this daemon (recovery_grace = 0): it adopted "
+                    "no optimizer state");
+    }
+    if (req.has_group()) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "resume: data-parallel groups are not resumed yet (docs/recovery.md)");
+    }
+    const std::string& token = req.resume().recovery_token();
+    if (token.size() != 32) return Invalid("resume.recovery_token: expected 32 hex digits");
+    if (Status st = adopted_->Claim(ProofOf(token), creds.uid, &resumed); !st.ok()) return st;
+    s->recovery_token = token;
+  } else if (config_.recovery_grace_s > 0) {
+    s->recovery_token = RandomHex(16);
+  }
+  if (!s->recovery_token.empty()) {
+    s->owner_proof = ProofOf(s->recovery_token);
+    s->owner_start = ProcessStartTime(creds.pid);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     size_t held = 0;
@@ -251,6 +307,7 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
   attached->set_session_id(s->id);
   attached->set_session_token(s->token);
   attached->set_shm_dir(config_.shm_dir);
+  attached->set_recovery_token(s->recovery_token);
   {
     std::lock_guard<std::mutex> lock(s->regions_mu);
     FillRegion(s->regions.at(s->control_region_id), attached->mutable_control());
@@ -284,6 +341,12 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
     optimizer_->StartSession(s->id, s->rings, std::move(resolver));
     s->optimizer_started = true;
   }
+  if (resumed) {
+    if (Status st = Resume(*s, std::move(resumed), attached->mutable_resumed()); !st.ok()) {
+      End(s->id, "could not resume its optimizer state", true);
+      return st;
+    }
+  }
   // A client that died before this point is noticed here (the pidfd cannot be
   // opened) and its session ends at once.
   if (watch_pid_ && !watch_pid_(s->id, creds.pid)) {
@@ -294,6 +357,102 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
                creds.uid, s->job, s->rank, attached->control().segment_name());
   *out = std::move(s);
   return Status::Ok();
+}
+
+Status SessionRegistry::Resume(Session& s, std::unique_ptr<AdoptedState> state,
+                               v1::ResumedState* out) {
+  const auto now = std::chrono::steady_clock::now();
+  out->set_waited_s(std::chrono::duration<double>(now - state->adopted).count());
+  out->set_completed_step(state->step.completed_step);
+  out->set_completed_grad_norm(state->step.completed_grad_norm);
+  out->set_completed_status(state->step.completed_status);
+  out->set_completed_params_updated(state->step.completed_params_updated);
+  std::lock_guard<std::mutex> lock(s.mu);
+  Status result;
+  for (AdoptedRegistration& reg : state->registrations) {
+    const StateSegmentView& v = reg.view;
+    out->set_restored_subchunks(out->restored_subchunks() + reg.report.restored_subchunks);
+    out->set_rolled_forward(out->rolled_forward() + reg.report.rolled_forward);
+    if (!result.ok()) {
+      DropSegment(std::move(reg.staging));
+      DropSegment(std::move(reg.state));
+      continue;
+    }
+    // The new client owns it now: a later crash is recovered the same way.
+    v.recovery->owner_pid = static_cast<int32_t>(s.creds.pid);
+    v.recovery->owner_start = s.owner_start;
+    reg.state->SetOwner(s.id);
+    reg.staging->SetOwner(s.id);
+    SessionOptimizerOptions options;
+    options.moment_dtype = v.moment_dtype;
+    options.max_grad_norm = v.max_grad_norm;
+    options.seed = v.seed;
+    options.threads = v.threads;
+    std::vector<ParamBinding> bindings;
+    std::vector<CarriedNorm> carried;
+    auto* rr = out->add_registrations();
+    char* state_base = reg.state->base();
+    char* staging_base = reg.staging->base();
+    for (size_t i = 0; i < v.params.size(); ++i) {
+      const CheckedParam& p = v.params[i];
+      const ParamOutcome& o = reg.report.params[i];
+      ParamBinding b;
+      b.param_id = p.param_id;
+      b.name = p.name;
+      b.numel = p.numel;
+      b.group = p.group;
+      b.param_dtype = p.dtype;
+      b.grad_dtype = p.grad_dtype;
+      b.master = reinterpret_cast<float*>(state_base + p.master_offset);
+      b.exp_avg = state_base + p.exp_avg_offset;
+      b.exp_avg_sq = state_base + p.exp_avg_sq_offset;
+      b.grad_slot = staging_base + p.grad_offset;
+      b.param_slot = staging_base + p.param_offset;
+      b.durable = DurableRecordsOf(state_base, v.recovery_offset, p.step_offset, i);
+      bindings.push_back(std::move(b));
+      // An update that landed in a step whose STEP_DONE never went out: its
+      // norm belongs to that step, which the client ends again.
+      const uint64_t marked = v.records[i].mark.load() >> 2;
+      if (o.applied_step > state->step.completed_step && marked == o.applied_step)
+        carried.push_back({o.applied_step, p.param_id, o.grad_sumsq, !o.skipped});
+      auto* slot = rr->add_slots();
+      slot->set_param_id(p.param_id);
+      slot->set_grad_offset(p.grad_offset);
+      slot->set_param_offset(p.param_offset);
+      slot->set_numel(p.numel);
+      auto* rp = rr->add_params();
+      rp->set_param_id(p.param_id);
+      rp->set_applied_step(o.applied_step);
+      rp->set_skipped(o.skipped);
+      rp->set_torch_step(o.torch_step);
+    }
+    result = optimizer_->AddParameters(s.id, options, std::move(bindings), /*adopted=*/true,
+                                       std::move(carried));
+    if (!result.ok()) {
+      DropSegment(std::move(reg.staging));
+      DropSegment(std::move(reg.state));
+      continue;
+    }
+    for (const CheckedParam& p : v.params) s.param_ids.insert(p.param_id);
+    const uint64_t state_length = reg.state->size() - wire::kSegmentHeaderBytes;
+    const uint64_t staging_length = reg.staging->size() - wire::kSegmentHeaderBytes;
+    AddRegion(s, std::move(reg.state), "optimizer-state", state_length, false);
+    const uint64_t staging_id =
+        AddRegion(s, std::move(reg.staging), "staging", staging_length, false);
+    {
+      std::lock_guard<std::mutex> rlock(s.regions_mu);
+      FillRegion(s.regions.at(staging_id), rr->mutable_staging());
+    }
+    ++s.registrations;
+  }
+  if (result.ok()) {
+    spdlog::info(
+        "session {} resumed the optimizer state of job '{}' ({} registrations, {} parameters "
+        "finished on adoption, {} sub-chunks restored) after {:.2f} s",
+        s.id, state->job, out->registrations_size(), out->rolled_forward(),
+        out->restored_subchunks(), out->waited_s());
+  }
+  return result;
 }
 
 Status SessionRegistry::Find(uint64_t session_id, const std::string& token,
@@ -427,7 +586,12 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
   if (s.closed) return Status(StatusCode::kNotFound, "session_id: the session has ended");
   Status st = ValidateRegistration(req, s.param_ids);
   if (!st.ok()) return st;
-  const RegistrationLayout layout = ComputeRegistrationLayout(req);
+  const bool recoverable = !s.recovery_token.empty();
+  RecoveryLayoutOptions recovery;
+  recovery.enabled = recoverable;
+  recovery.chunk_elems = kPlaneChunkElems;
+  recovery.journal_slots = optimizer_->pool()->size();
+  const RegistrationLayout layout = ComputeRegistrationLayout(req, 1, false, recovery);
 
   std::unique_ptr<ShmSegment> state, staging;
   st = CreateSegment(s, v1::SEGMENT_KIND_STATE, layout.state_bytes,
@@ -450,7 +614,16 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
     slot->set_param_offset(pl.param_offset);
     slot->set_numel(pl.numel);
   }
-  PlaneRegistration plane = BindRegistration(req, layout, state->base(), staging->base());
+  RecoveryOwner owner;
+  std::copy(s.owner_proof.begin(), s.owner_proof.end(), owner.proof);
+  owner.uid = s.creds.uid;
+  owner.pid = s.creds.pid;
+  owner.start = s.owner_start;
+  owner.registration = s.registrations;
+  owner.staging_name = staging->name();
+  owner.staging_bytes = staging->size();
+  PlaneRegistration plane =
+      BindRegistration(req, layout, state->base(), staging->base(), recoverable ? &owner : nullptr);
   if (Status added = optimizer_->AddParameters(s.id, plane.options, std::move(plane.params));
       !added.ok()) {
     DropSegment(std::move(staging));
@@ -466,6 +639,7 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
     FillRegion(s.regions.at(staging_id), resp->mutable_staging());
   }
   for (const auto& p : req.params()) s.param_ids.insert(p.param_id());
+  ++s.registrations;
   spdlog::info("session {}: registered {} parameters (staging {} bytes, state {} bytes)", s.id,
                req.params_size(), layout.staging_bytes, layout.state_bytes);
   return Status::Ok();
@@ -576,6 +750,7 @@ void SessionRegistry::FillStatus(v1::StatusResponse* out) {
     ss->set_bytes_held(held);
   }
   groups_->FillStatus(out);
+  if (adopted_) adopted_->FillStatus(out);
 }
 
 }  // namespace trainstream::daemon

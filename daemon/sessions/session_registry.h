@@ -33,6 +33,8 @@
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
 #include "planes/client_rings.h"
+#include "recovery/adoption.h"
+#include "recovery/owner.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 
@@ -90,11 +92,18 @@ class Session {
   std::chrono::steady_clock::time_point started;
   uint64_t control_region_id = 0;
   ControlRings rings;  // the control region's layout, as the daemon wrote it
+  // Recovery (docs/recovery.md): the token the client keeps, its SHA-256 that
+  // the session's state segments hold, and the client's start time. Empty
+  // token: recovery is off.
+  std::string recovery_token;
+  OwnerProof owner_proof{};
+  uint64_t owner_start = 0;
 
   std::mutex mu;
   bool closed = false;             // Guarded by mu.
   std::set<uint64_t> param_ids;    // Guarded by mu.
   bool optimizer_started = false;  // Guarded by mu.
+  uint32_t registrations = 0;      // Guarded by mu: RegisterParameters calls that succeeded
 
   std::mutex regions_mu;
   std::map<uint64_t, SessionRegion> regions;  // Guarded by regions_mu (writes also hold mu).
@@ -153,6 +162,14 @@ class SessionRegistry {
   Status AllocateRegion(Session& s, const v1::AllocateRegionRequest& req, v1::Region* out);
   Status FreeRegion(Session& s, const v1::FreeRegionRequest& req, uint64_t* bytes_freed);
 
+  // Recovery (docs/recovery.md): adopts what a dead daemon tagged `tag` left in
+  // `dir` (AdoptionStore::AdoptFrom); nothing when recovery is off. Before serving.
+  AdoptionStore::Scan AdoptPrevious(const std::string& dir, const std::string& tag);
+  // Drops adopted states whose grace period is over or whose client is gone.
+  void SweepAdopted();
+  // Adopted states still waiting for their client.
+  size_t adopted_waiting();
+
   // Sends `notice` to every attached session.
   void NotifyAll(const v1::DaemonNotice& notice);
   size_t size();
@@ -167,6 +184,9 @@ class SessionRegistry {
   uint64_t AddRegion(Session& s, std::unique_ptr<ShmSegment> seg, const std::string& label,
                      uint64_t length, bool client_freeable);
   void DropSegment(std::unique_ptr<ShmSegment> seg);
+  // Binds a claimed state into the new session `s` (solo: its plane is
+  // started) and describes it in `out`.
+  Status Resume(Session& s, std::unique_ptr<AdoptedState> state, v1::ResumedState* out);
   void FillRegion(const SessionRegion& r, v1::Region* out) const;
   void ReaperLoop();
 
@@ -184,6 +204,9 @@ class SessionRegistry {
   uint64_t next_session_id_ = 1;                           // Guarded by mu_.
   std::atomic<uint64_t> next_region_id_{1};
   std::atomic<uint64_t> pinned_bytes_{0};
+  // The dead daemon's optimizer state waiting for its clients; null with
+  // recovery off. After the members its hooks use, so it goes first.
+  std::unique_ptr<AdoptionStore> adopted_;
 
   std::mutex reap_mu_;
   std::vector<std::pair<uint64_t, std::string>> reap_queue_;  // Guarded by reap_mu_.

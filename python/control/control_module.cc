@@ -316,6 +316,66 @@ del _error_base
              bool alive = s.alive(&why);
              return py::make_tuple(alive, why);
            })
+      .def_property_readonly(
+          "end_kind",
+          [](const Session& s) {
+            switch (s.end_kind()) {
+              case SessionEnd::kNone:
+                return "none";
+              case SessionEnd::kDaemonGone:
+                return "daemon_gone";
+              case SessionEnd::kShutdown:
+                return "shutdown";
+              case SessionEnd::kEnded:
+                return "ended";
+              case SessionEnd::kDetached:
+                return "detached";
+            }
+            return "none";
+          },
+          "How the session ended: none (attached), daemon_gone (the daemon died), shutdown, "
+          "ended (by the daemon), detached")
+      .def_property_readonly(
+          "recovery_token", [](const Session& s) { return py::bytes(s.recovery_token()); },
+          "The secret that resumes this session's optimizer state after a daemon restart "
+          "(bytes; empty when recovery is off)")
+      .def_property_readonly(
+          "resumed",
+          [](const Session& s) -> py::object {
+            const ResumedState* r = s.resumed();
+            if (r == nullptr) return py::none();
+            py::dict d;
+            d["completed_step"] = r->completed_step;
+            d["completed_grad_norm"] = r->completed_grad_norm;
+            d["completed_status"] = r->completed_status;
+            d["completed_params_updated"] = r->completed_params_updated;
+            d["restored_subchunks"] = r->restored_subchunks;
+            d["rolled_forward"] = r->rolled_forward;
+            d["waited_s"] = r->waited_s;
+            py::list regs;
+            for (const auto& reg : r->registrations) {
+              py::dict rd;
+              rd["segment_name"] = reg.staging.segment_name;
+              rd["segment_size"] = reg.staging.segment_size;
+              py::list params;
+              for (size_t i = 0; i < reg.params.size(); ++i) {
+                py::dict p;
+                p["param_id"] = reg.params[i].param_id;
+                p["applied_step"] = reg.params[i].applied_step;
+                p["skipped"] = reg.params[i].skipped;
+                p["torch_step"] = reg.params[i].torch_step;
+                p["grad_offset"] = reg.slots[i].grad_offset;
+                p["param_offset"] = reg.slots[i].param_offset;
+                p["numel"] = reg.slots[i].numel;
+                params.append(p);
+              }
+              rd["params"] = params;
+              regs.append(rd);
+            }
+            d["registrations"] = regs;
+            return d;
+          },
+          "Attached with resume_token: the optimizer state taken over (a dict), else None")
       .def("detach", [](Session& s) {
         py::gil_scoped_release release;
         s.Detach();
@@ -395,9 +455,11 @@ del _error_base
           py::arg("key"))
       .def(
           "attach",
-          [](Client& c, const std::string& job, int rank, int local_rank, const py::object& group) {
+          [](Client& c, const std::string& job, int rank, int local_rank, const py::object& group,
+             const py::bytes& resume_token) {
             AttachOptions options;
             options.job = job;
+            options.resume_token = resume_token;
             options.rank = rank;
             options.local_rank = local_rank;
             if (!group.is_none()) {
@@ -422,5 +484,5 @@ del _error_base
             return session;
           },
           py::arg("job") = "", py::arg("rank") = -1, py::arg("local_rank") = -1,
-          py::arg("group") = py::none());
+          py::arg("group") = py::none(), py::arg("resume_token") = py::bytes(""));
 }

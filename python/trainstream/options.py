@@ -217,6 +217,9 @@ OPTIONS: Dict[str, tuple] = {
     "prefer": ("exact", *_one_of("exact", "speed")[::-1]),
     "timeout_s": (60.0, "a number > 0 (seconds to wait on the daemon before DaemonError)",
                   lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0),
+    "reconnect": (True, "True (after the daemon dies, wait up to timeout_s for one on the same "
+                  "socket and resume the optimizer state it adopted: docs/recovery.md) or False "
+                  "(DaemonError at once)", _bool),
 }
 
 

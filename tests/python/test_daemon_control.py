@@ -50,7 +50,7 @@ def test_attach_allocate_free_detach(daemon):
         assert f.read(16) == b"\x07" * 16  # the client's writes land in the daemon's segment
         f.seek(0)
         magic, version, kind = struct.unpack("<III", f.read(12))
-    assert (magic, version, kind) == (0x54535347, 1, 2)
+    assert (magic, version, kind) == (0x54535347, 2, 2)
 
     s = daemon.status()
     (sess,) = s["sessions"]
@@ -173,14 +173,18 @@ def test_register_parameters_layout_and_state_manifest(daemon):
     with open(os.path.join(daemon.shm_dir, state["name"]), "rb") as f:
         data = f.read()
     magic, version, kind, _flags, total, session_id, uid = struct.unpack_from("<IIIIQQI", data, 0)
-    assert (magic, version, kind, total, session_id) == (0x54535347, 1, 3, len(data), a["session_id"])
+    assert (magic, version, kind, total, session_id) == (0x54535347, 2, 3, len(data), a["session_id"])
     manifest_offset, manifest_bytes = struct.unpack_from("<QQ", data, 120)
-    assert manifest_offset == 4096 and manifest_bytes == 32 + 3 * 176
+    assert manifest_offset == 4096 and manifest_bytes == 40 + 3 * 176
     mmagic, entries, moment = struct.unpack_from("<III", data, manifest_offset)
     assert (mmagic, entries, moment) == (0x54535347, 3, 2)
+    # The recovery header (wire/state_record.h), after the entries: "TSRC", version 1.
+    (recovery_offset,) = struct.unpack_from("<Q", data, manifest_offset + 32)
+    assert recovery_offset >= manifest_offset + manifest_bytes
+    assert struct.unpack_from("<II", data, recovery_offset) == (0x54535243, 1)
     ids = []
     for i in range(3):
-        e = manifest_offset + 32 + 176 * i
+        e = manifest_offset + 40 + 176 * i
         pid, numel = struct.unpack_from("<QQ", data, e)
         master, m1, m2 = struct.unpack_from("<QQQ", data, e + 24)
         assert master % 64 == 0 and master + 4 * numel <= m1 and m1 + 2 * numel <= m2 <= len(data)

@@ -274,7 +274,9 @@ def test_a_new_daemon_removes_a_killed_daemons_segments(daemon_factory):
     second = daemon_factory(socket=first.socket, shm_dir=first.shm_dir)
     assert second.segment_files() == []
     assert "left by a trainstreamd (pid %d)" % first.proc.pid in second.log()
-    assert "optimizer state of 1 sessions" in second.log()
+    # Its optimizer state was looked at for adoption (docs/recovery.md) and let go:
+    # a registration that never initialised, whose client is gone too.
+    assert "not adopted: " in second.log()
 
 
 def test_another_sockets_segments_are_left_alone(daemon_factory, tmp_path):

@@ -483,7 +483,7 @@ def test_daemon_death_raises_daemon_error(daemon_factory):
     d = daemon_factory()
     cfg, _, ours = _models()
     (x, y), = text_batches(corpus(), cfg, batch=2, steps=1)
-    ours, opt = trainstream.wrap(ours, socket=d.socket, timeout_s=10.0)
+    ours, opt = trainstream.wrap(ours, socket=d.socket, timeout_s=10.0, reconnect=False)
     ours(x, y).backward()
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()

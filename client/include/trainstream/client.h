@@ -99,6 +99,10 @@ struct AttachOptions {
   int32_t local_rank = -1;
   uint64_t control_bytes = 0;  // 0: the daemon's default
   GroupOptions group;          // key empty: an independent session
+  // Non-empty: take over the optimizer state a restarted daemon adopted for
+  // the session this token was issued to (Session::recovery_token(); see
+  // docs/recovery.md). Session::resumed() then describes it.
+  std::string resume_token;
 };
 
 struct AdamWHyperParams {
@@ -134,6 +138,38 @@ struct ParameterSlots {
 struct Registration {
   std::unique_ptr<MappedRegion> staging;
   std::vector<ParameterSlots> slots;
+};
+
+// A resumed session's state (proto ResumedState; docs/recovery.md).
+struct ResumedParam {
+  uint64_t param_id = 0;
+  uint64_t applied_step = 0;  // last step whose update of it landed
+  bool skipped = false;       // that update was skipped (non-finite gradient)
+  uint64_t torch_step = 0;
+};
+struct ResumedRegistration {
+  RegionInfo staging;  // the same segment as before: not mapped again here
+  std::vector<ParameterSlots> slots;
+  std::vector<ResumedParam> params;
+};
+struct ResumedState {
+  std::vector<ResumedRegistration> registrations;
+  uint64_t completed_step = 0;  // the last step whose STEP_DONE the dead daemon sent
+  double completed_grad_norm = 0;
+  int32_t completed_status = 0;
+  uint32_t completed_params_updated = 0;
+  uint64_t restored_subchunks = 0;  // what the adopting daemon did
+  uint64_t rolled_forward = 0;
+  double waited_s = 0;
+};
+
+// How a session ended (Session::end_kind).
+enum class SessionEnd {
+  kNone,        // still attached
+  kDaemonGone,  // the stream broke: the daemon died (its state may be adopted)
+  kShutdown,    // the daemon shut down cleanly (sessions and their state freed)
+  kEnded,       // the daemon ended this session (why says why)
+  kDetached,    // this process detached
 };
 
 // Frozen bases (docs/base-cache.md).
@@ -271,6 +307,14 @@ class Session {
   // False once the daemon closed the stream or went away; `why` says what
   // happened (e.g. "daemon shut down: SIGTERM").
   bool alive(std::string* why) const;
+  SessionEnd end_kind() const;
+
+  // Proves ownership of this session's optimizer state to a daemon that
+  // adopts it after this one dies (AttachOptions::resume_token). Empty when
+  // the daemon runs with recovery off. A secret: keep it in memory.
+  const std::string& recovery_token() const;
+  // Attached with a resume token: the state taken over; else null.
+  const ResumedState* resumed() const;
 
   // Ends the session now (the destructor does the same).
   void Detach();

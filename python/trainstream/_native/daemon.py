@@ -70,6 +70,17 @@ def connect(socket: Optional[str] = None, *, spawn: bool = True, timeout_s: floa
     return _spawn_embedded(c, path, timeout_s)
 
 
+def connect_embedded(path: str, timeout_s: float = 20.0):
+    """A connected ``_control.Client`` at the per-user embedded socket ``path``, starting
+    a daemon there when none answers (a client whose embedded daemon died restarts it:
+    docs/recovery.md)."""
+    c = _control()
+    try:
+        return c.Client.connect(path, 500)
+    except c.Unavailable:
+        return _spawn_embedded(c, path, timeout_s)
+
+
 def _spawn_embedded(c, path: str, timeout_s: float):
     binary = daemon_binary()
     if binary is None:

@@ -13,6 +13,11 @@ The flow for one step (DESIGN.md, "Optimizer flow"):
 
 Hyper-parameters travel with every GRAD_READY, so LR schedulers and edits of
 ``param_groups`` take effect on the next step, as with torch's optimizers.
+
+When the daemon dies, every entry point (backward's hooks, ``step()``,
+``zero_grad()``, ``synchronize()``, ``state_dict()``, ``load_state_dict()``)
+reconnects to the daemon that comes back, resumes the state it adopted and finishes
+what it was doing: Note [Resuming after the daemon died].
 """
 from __future__ import annotations
 
@@ -26,10 +31,10 @@ from .._native import C
 from .._native.wire import (FIELD_EXP_AVG, FIELD_EXP_AVG_SQ, FIELD_MASTER,
                             FIELD_PARAM_FROM_SLOT, FIELD_STEP, OP_PARAM_READY, OP_STATE_DONE,
                             OP_STEP_DONE, STATUS_OK, STATUS_SKIPPED_NONFINITE)
-from ..errors import NonFiniteGradientError, TrainStreamError
+from ..errors import DaemonError, NonFiniteGradientError, TrainStreamError
 from . import data_parallel
 from .backend import DTYPE_NAMES, ParamEntry, ParamTable, begin_step, pack_groups, unpack_state
-from .daemon_session import STEP_REPLIES, DaemonSession
+from .daemon_session import STEP_REPLIES, DaemonSession, SessionLost
 
 
 @dataclass
@@ -59,12 +64,105 @@ class DaemonBackend:
         # was interrupted); None when none was.
         self._replies: Optional[_StepReplies] = None
         self._last_grad_norm: Optional[float] = None
+        self._registrations = 0  # RegisterParameters calls that finished
         session.rejected_grad = self._rejected_grad
+        # Group sessions are not resumed yet (docs/recovery.md, "Data parallel").
+        session.resumable = bool(table.options["reconnect"]) and not table.in_group()
+        table.stats.update(recoveries=0, replayed_grads=0, landed_grads=0, resume_s=0.0)
+
+    # Note [Resuming after the daemon died]
+    # A daemon that dies leaves the optimizer state at a known point: each
+    # parameter's last update either landed (the daemon committed it before its
+    # PARAM_READY, or the next daemon finished it from the journal and the gradient
+    # in the staging slot) or never touched the state (docs/recovery.md). So a
+    # SessionLost anywhere below is answered by _recover(): reconnect (waiting for the
+    # daemon at most timeout_s, in embedded mode starting it), resume with the
+    # recovery token, and for each gradient of the pending step that had been posted:
+    # landed -> its weights are copied in as a PARAM_READY would have done, and it is
+    # off the step's pending set; not landed -> posted again (p.grad, or a paged
+    # weight's grad slot, which still holds it). A STEP_END that had gone is sent
+    # again; the new daemon counts the landed ones' norms into that step. Then the
+    # interrupted operation goes on: each piece run through _resumable is safe to run
+    # again (posting skips what is posted, _finish_step keeps its progress in
+    # self._replies, exports and loads are whole again). What cannot be resumed
+    # raises DaemonError naming the step.
+    def _resumable(self, fn, *args):
+        """Runs ``fn(*args)``, recovering from the daemon's death as often as it happens."""
+        while True:
+            try:
+                return fn(*args)
+            except SessionLost:
+                self._recover()
+
+    def _recover(self) -> None:
+        t, session = self._table, self._session
+        step = t.step_id + 1
+        info = session.reconnect(step)
+        applied = {p["param_id"]: p for reg in info["registrations"] for p in reg["params"]}
+        missing = [e.name for e in t.entries.values()
+                   if e.grad_slot is not None and e.param_id not in applied]
+        if missing:
+            raise DaemonError(f"the TrainStream daemon came back without the state of "
+                              f"{len(missing)} parameter(s) ({', '.join(missing[:3])}): step "
+                              f"{step} and the state after step {step - 1} are lost; "
+                              "load_state_dict() of your last checkpoint is the way on")
+        r = self._replies_for(step)
+        replayed = landed = 0
+        plane = session.plane
+        for e in t.entries.values():
+            if e.posted_step != step:
+                continue
+            a = applied[e.param_id]
+            if a["applied_step"] == step:
+                landed += 1
+                if e.param_id not in r.ready and not a["skipped"] \
+                        and e.param.data_ptr() != e.param_slot.data_ptr():
+                    plane.copy_param(e.param, e.param_slot)
+                # No PARAM_READY comes for it: taken, as land() or _finish_step would.
+                r.ready.add(e.param_id)
+                t.in_flight.pop(id(e.param), None)
+            elif a["applied_step"] < step:
+                replayed += 1
+                # A paged weight's gradient lives on only in its slot (accept_grad).
+                self._post_grad(e, e.posted_grad if e.posted_grad is not None else e.grad_slot,
+                                replay=True)
+            else:
+                raise DaemonError(f"the TrainStream daemon came back with {e.name} at step "
+                                  f"{a['applied_step']}, past this optimizer's step {step}")
+        if info["completed_step"] == step:  # its STEP_DONE went out and was lost
+            r.result.update(opcode=OP_STEP_DONE, step=step, seq=0, param_id=0,
+                            status=info["completed_status"],
+                            grad_norm=info["completed_grad_norm"],
+                            params_updated=info["completed_params_updated"], message="")
+            r.end_sent = True
+        else:
+            r.end_sent = False
+        t.stats["recoveries"] += 1
+        t.stats["replayed_grads"] += replayed
+        t.stats["landed_grads"] += landed
+        t.stats["resume_s"] += info["seconds"]
+        t.event("resumed after the daemon died", step=step, replayed=replayed, landed=landed,
+                rolled_forward=info["rolled_forward"], seconds=round(info["seconds"], 3))
 
     # ------------------------------------------------------------------ setup
     def register(self, entries: List[ParamEntry]) -> None:
         if not entries:
             return
+        done = self._registrations
+        while True:
+            try:
+                self._register(entries)
+                break
+            except SessionLost:
+                # A registration that never finished is made again (its parameters
+                # have no optimizer state yet); the ones before it are resumed.
+                self._session.forget_regions_after(done)
+                for e in entries:
+                    e.grad_slot = e.param_slot = e.sum_slot = None
+                self._recover()
+        self._registrations += 1
+
+    def _register(self, entries: List[ParamEntry]) -> None:
         t, session = self._table, self._session
         opts = t.options
         groups = [dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
@@ -117,22 +215,27 @@ class DaemonBackend:
 
     # -------------------------------------------------------------- data plane
     def check_alive(self, in_backward: bool = False) -> None:
-        self._session.ensure_alive(in_backward)
+        self._resumable(self._session.ensure_alive, in_backward)
 
     def grad_final(self, e: ParamEntry) -> None:
-        self._session.ensure_alive(in_backward=True)
+        self._resumable(self._session.ensure_alive, True)
         if self._table.count_backward(e):
-            self._post_grad(e)
+            self._resumable(self._post_unless_posted, e, None)
             self._mark_in_flight(e)
 
+    def _post_unless_posted(self, e: ParamEntry, grad: Optional[torch.Tensor]) -> None:
+        # A recovery between the two re-posts what was posted (Note [Resuming ...]).
+        if e.posted_step != self._table.step_id + 1:
+            self._post_grad(e, grad)
+
     def accept_grad(self, e: ParamEntry, grad: torch.Tensor) -> bool:
-        self._session.ensure_alive(in_backward=True)
+        self._resumable(self._session.ensure_alive, True)
         final = self._table.count_backward(e)
         e.external = True
         # The same sum AccumulateGrad computes for p.grad.
         e.external_grad = grad if e.external_grad is None else e.external_grad + grad
         if final:
-            self._post_grad(e, e.external_grad)
+            self._resumable(self._post_unless_posted, e, e.external_grad)
             self._mark_in_flight(e)
             e.external_grad = None
             # Nothing reads it again (p.grad never held it, so step() has no change to
@@ -141,7 +244,8 @@ class DaemonBackend:
             e.posted_grad = None
         return True
 
-    def _post_grad(self, e: ParamEntry, grad: Optional[torch.Tensor] = None) -> None:
+    def _post_grad(self, e: ParamEntry, grad: Optional[torch.Tensor] = None,
+                   replay: bool = False) -> None:
         t = self._table
         g = t.param_groups[e.group]
         grad = p_grad = e.param.grad if grad is None else grad
@@ -155,8 +259,12 @@ class DaemonBackend:
             float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
             float(g["weight_decay"]))
         e.posted_step = step
+        if replay and p_grad is e.grad_slot:
+            return  # a paged weight's: nothing of it is kept (accept_grad)
         e.posted_grad = p_grad
         e.posted_version = p_grad._version
+        if replay:
+            return
         t.stats["grads_posted"] += 1
         t.stats["bytes_d2h"] += grad.numel() * grad.element_size()
 
@@ -187,28 +295,19 @@ class DaemonBackend:
     # ------------------------------------------------------------------ step
     def step(self, closure):
         t = self._table
+        self._resumable(self._session.require_attached)
         loss, step = begin_step(t, self._session, closure)
-        posted = []
         if t.replicated():
             # A paged weight's gradient is its external one (p.grad never holds it).
             grads = (e.external_grad if e.external else e.param.grad
                      for e in t.entries.values())
             t.dp.average_gradients([g for g in grads if g is not None])
         for e in t.entries.values():
-            p = e.param
-            if e.posted_step == step:
-                if not e.external:
-                    t.check_unchanged(e)
-                posted.append(e)
-            elif e.external_grad is not None:
-                self._post_grad(e, e.external_grad)
-                e.external_grad = None
-                posted.append(e)
-            elif p.grad is not None:
-                self._post_grad(e)
-                posted.append(e)
+            if e.posted_step == step and not e.external:
+                t.check_unchanged(e)
+        posted = self._resumable(self._post_rest, step)
         t0 = time.monotonic()
-        result = self._finish_step(step, posted, t0)
+        result = self._resumable(self._finish_step, step, posted, t0)
         norm = result.get("grad_norm", float("nan"))
         self._last_grad_norm = norm if norm >= 0 else None
         if result.get("rejected"):
@@ -228,6 +327,22 @@ class DaemonBackend:
             raise TrainStreamError(f"step {step} failed in the daemon: {result['message']}")
         t.stats["steps"] += 1
         return loss
+
+    def _post_rest(self, step: int) -> List[ParamEntry]:
+        """Posts every gradient of ``step`` not posted in backward; returns all of the
+        step's. Safe to run again after a recovery (what is posted is skipped)."""
+        posted = []
+        for e in self._table.entries.values():
+            if e.posted_step == step:
+                posted.append(e)
+            elif e.external_grad is not None:
+                self._post_grad(e, e.external_grad)
+                e.external_grad = None
+                posted.append(e)
+            elif e.param.grad is not None:
+                self._post_grad(e)
+                posted.append(e)
+        return posted
 
     # Note [A rejected gradient ends its step]
     # The daemon's engine leaves a gradient it rejects (a bad hyperparameter, an update
@@ -285,7 +400,12 @@ class DaemonBackend:
         """Waits for the PARAM_READY of each of ``entries`` whose update is in flight and
         copies the new weight in, as _finish_step would; every other reply of the step
         read meanwhile is applied too (Note [Replies taken before step()]). A gradient
-        the daemon rejected meanwhile stops the wait for it; step() reports it."""
+        the daemon rejected meanwhile stops the wait for it; step() reports it. A daemon
+        that dies meanwhile is recovered from (Note [Resuming after the daemon died]) and
+        the wait goes on for what is still in flight."""
+        self._resumable(self._land, entries)
+
+    def _land(self, entries: List[ParamEntry]) -> None:
         t = self._table
         waiting = {e.param_id for e in entries if id(e.param) in t.in_flight}
         if not waiting:
@@ -358,7 +478,7 @@ class DaemonBackend:
         be undone), so the step is ended with those, their new weights copied back, and
         every pending count cleared, so that the next iteration starts clean."""
         t = self._table
-        self._session.ensure_alive()
+        self._resumable(self._session.ensure_alive)
         if t.dp is not None or t.between_steps():
             return
         step = t.step_id + 1
@@ -366,13 +486,13 @@ class DaemonBackend:
         if not posted:
             t.clear_pending()
             return
-        result = self._finish_step(step, posted, time.monotonic())
+        result = self._resumable(self._finish_step, step, posted, time.monotonic())
         rejected = [name for name, _ in result.get("rejected", [])]
         t.event("abandoned step", step=step, params_applied=len(posted) - len(rejected),
                 rejected=rejected)
 
     def synchronize(self) -> None:
-        self._session.sync()
+        self._resumable(self._session.sync)
 
     def last_grad_norm(self) -> Optional[float]:
         return self._last_grad_norm
@@ -393,6 +513,9 @@ class DaemonBackend:
         return int(seq_box["step"])
 
     def state_dict(self) -> Dict[str, Any]:
+        return self._resumable(self._state_dict)
+
+    def _state_dict(self) -> Dict[str, Any]:
         self._session.require_attached()
         groups, order = pack_groups(self._table.param_groups)
         state = {}
@@ -412,6 +535,9 @@ class DaemonBackend:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._resumable(self._load_state_dict, state_dict)
+
+    def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._session.require_attached()
         for e, s in unpack_state(self._table, state_dict):
             master = s.get("master_weight", e.param.detach())

@@ -9,6 +9,7 @@ the daemon is gone]).
 from __future__ import annotations
 
 import os
+import socket as _socket
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -24,6 +25,12 @@ from ..errors import DaemonError, TrainStreamError
 from .backend import ParamEntry, ParamTable
 
 STEP_REPLIES = (OP_PARAM_READY, OP_STEP_DONE)  # what a step() waits for
+
+
+class SessionLost(DaemonError):
+    """The daemon died, and this session may resume its state with the daemon that
+    comes back (docs/recovery.md): ``DaemonBackend`` catches it, reconnects and goes
+    on. Whoever does not catch it sees the ``DaemonError`` it is."""
 
 
 class DaemonSession:
@@ -44,6 +51,14 @@ class DaemonSession:
         self._probed_step = 0  # the step whose backward last asked the session if it lives
         # The parameter whose pending gradient an ERROR rejects (daemon_backend.py).
         self.rejected_grad: Callable[[Dict[str, Any]], Optional[ParamEntry]] = lambda c: None
+        # Recovery (docs/recovery.md): set by a backend whose state the daemon keeps
+        # in state segments (DaemonBackend), with the reconnect option on.
+        self.resumable = False
+        self._recovery_token = b""
+        self._socket_path: Optional[str] = None
+        self._embedded = False  # the socket is the per-user one this client may start
+        self._attach_args: tuple = ()
+        self.recoveries: List[Dict[str, Any]] = []  # one per resume: what it found, how long
 
     # ------------------------------------------------------------ lifetime
     def open(self) -> None:
@@ -54,10 +69,18 @@ class DaemonSession:
         local_rank = int(os.environ.get("LOCAL_RANK", -1))
         job = opts["job"] or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
         group = self._table.dp.membership() if self._table.in_group() else None
+        self._attach_args = (job, rank, local_rank, group)
         self._session = self.call(self._client.attach, job, rank, local_rank, group)
+        self._recovery_token = self._session.recovery_token
+        self._socket_path = self._client.socket_path
+        self._embedded = not (opts["socket"] or os.environ.get("TRAINSTREAM_SOCKET")) and \
+            self._socket_path == control().embedded_socket_path()
+        self._open_plane()
+
+    def _open_plane(self) -> None:
         control_region = self._session.control
         self.plane = C().DataPlane(control_region.address, control_region.size,
-                                   int(opts["timeout_s"] * 1000))
+                                   int(self._table.options["timeout_s"] * 1000))
 
     def close(self) -> None:
         for addr in self._registered:
@@ -161,8 +184,17 @@ class DaemonSession:
     # is posted into a ring nobody reads. A backward that runs before that posts as
     # usual, and the step() after it raises. detach() clears the state: attach() then
     # starts a fresh session.
+    def can_resume(self) -> bool:
+        """Whether the session ended because the daemon died (not a clean shutdown, not
+        the daemon ending it) and its state may be resumed (docs/recovery.md)."""
+        return (self.resumable and bool(self._recovery_token) and self._session is not None
+                and self._session.end_kind in ("daemon_gone", "none"))
+
     def gone(self, why: str) -> DaemonError:
-        """Records that the daemon is gone and returns the DaemonError to raise."""
+        """Records that the daemon is gone and returns the DaemonError to raise
+        (a SessionLost when the state may be resumed)."""
+        if self.can_resume():
+            return SessionLost(f"the TrainStream daemon died ({why}); reconnecting")
         if self._daemon_gone is None:
             self._daemon_gone = (
                 f"this optimizer's session with the TrainStream daemon is over: the daemon is "
@@ -180,6 +212,8 @@ class DaemonSession:
         if self._daemon_gone is not None:
             raise DaemonError(self._daemon_gone)
         if self._session is None:
+            if self.resumable and self._recovery_token:
+                raise SessionLost("a reconnection to the TrainStream daemon did not finish")
             return
         if in_backward:
             step = self._table.step_id + 1
@@ -196,6 +230,8 @@ class DaemonSession:
         raise self.gone(why or "the session is closed")
 
     def require_attached(self) -> None:
+        if self.plane is None and self._daemon_gone is not None:
+            raise DaemonError(self._daemon_gone)  # a reconnection that could not resume
         if self.plane is None:
             raise TrainStreamError("OffloadAdamW is detached; call attach() first")
         self.ensure_alive()
@@ -256,6 +292,102 @@ class DaemonSession:
                 continue
             if offer(c):
                 return
+
+    # ------------------------------------------------------------ recovery
+    def _wait_for_socket(self, deadline: float) -> None:
+        """Until something accepts on the socket (a daemon bound it), or the deadline; a
+        raw connect costs microseconds, where a gRPC channel to a missing socket backs
+        off for a second. In embedded mode, starting the daemon is this client's job."""
+        delay = 0.002
+        while time.monotonic() < deadline:
+            probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            try:
+                probe.connect(self._socket_path)
+                return
+            except OSError:
+                if self._embedded:
+                    return  # connect() below starts one
+            finally:
+                probe.close()
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def reconnect(self, pending_step: int) -> Dict[str, Any]:
+        """After the daemon died (SessionLost): waits, at most ``timeout_s``, for a
+        daemon at the same socket (in embedded mode starts one, as the first attach
+        did), attaches with the recovery token and returns what it resumed
+        (``_control.Session.resumed``), with ``seconds`` added. The staging mappings,
+        and every slot tensor viewing them, stay: the daemon adopted those files.
+        Raises DaemonError naming ``pending_step`` when the state cannot be resumed."""
+        c = control()
+        opts = self._table.options
+        t0 = time.monotonic()
+        deadline = t0 + float(opts["timeout_s"])
+        if self.plane is not None:
+            try:
+                self.plane.flush()  # the gradient copies in flight land in their slots
+            except Exception:  # noqa: BLE001 (a dead ring: nothing more to post)
+                pass
+        self.plane = None
+        if self._session is not None:
+            self._session.detach()
+        self._session = None
+        self._client = None
+        self._backlog = []
+        self._scratch = None  # the dead daemon's region: not this one's
+        self._probed_step = 0
+        lost_step = (f"step {pending_step} (in flight when the daemon died) and the optimizer "
+                     f"state after step {pending_step - 1}")
+        last = "nothing answered"
+        while True:
+            if time.monotonic() > deadline:
+                self._daemon_gone = (
+                    f"the TrainStream daemon at {self._socket_path} died and none answered there "
+                    f"within timeout_s={opts['timeout_s']} ({last}): {lost_step} are lost with it; "
+                    "load_state_dict() of your last checkpoint is the way on")
+                raise DaemonError(self._daemon_gone)
+            self._wait_for_socket(deadline)
+            try:
+                left = max(1.0, deadline - time.monotonic())
+                client = _daemon.connect_embedded(self._socket_path, left) if self._embedded \
+                    else _daemon.connect(self._socket_path, spawn=False, timeout_s=left)
+                session = client.attach(*self._attach_args, self._recovery_token)
+                break
+            except (c.NotFound, c.FailedPrecondition) as e:
+                self._daemon_gone = (
+                    f"the TrainStream daemon died and the one that came back at "
+                    f"{self._socket_path} could not resume this optimizer's state ({e}): "
+                    f"{lost_step} are lost. load_state_dict() of your last checkpoint is the way "
+                    "on (or detach() and attach() to go on from the current weights with fresh "
+                    "moments)")
+                raise DaemonError(self._daemon_gone) from None
+            except (DaemonError, c.Unavailable, c.ResourceExhausted) as e:
+                last = str(e)
+                time.sleep(0.02)
+        self._client, self._session = client, session
+        self._daemon_gone = None
+        self._open_plane()
+        resumed = dict(session.resumed)
+        mine = [r.segment_name for r in self._regions]
+        theirs = [r["segment_name"] for r in resumed["registrations"]]
+        if theirs != mine:
+            self._daemon_gone = (
+                f"the TrainStream daemon came back with {len(theirs)} registrations of this "
+                f"optimizer where it had {len(mine)} ({theirs} against {mine}): {lost_step} "
+                "cannot be resumed; load_state_dict() of your last checkpoint is the way on")
+            raise DaemonError(self._daemon_gone)
+        resumed["seconds"] = time.monotonic() - t0
+        self.recoveries.append({k: v for k, v in resumed.items() if k != "registrations"})
+        return resumed
+
+    def forget_regions_after(self, count: int) -> None:
+        """Drops the staging mappings of registrations after the first ``count`` (one
+        that a daemon's death interrupted: it is made again)."""
+        del self._regions[count:]
+
+    @property
+    def region_count(self) -> int:
+        return len(self._regions)
 
     def sync(self) -> None:
         """Waits until the daemon has done every command posted so far."""

@@ -111,13 +111,19 @@ json Run(State& st, const std::string& line) {
   if (cmd == "attach") {
     trainstream::AttachOptions o;
     o.job = "test";
-    in >> o.job >> o.rank;
+    in >> o.job >> o.rank >> o.resume_token;  // resume_token: optional (docs/recovery.md)
     s = st.client->Attach(o, &st.session);
     if (!s.ok()) return Error(s);
     st.session_id = st.session->id();
     const auto& c = st.session->control().info();
+    json resumed = nullptr;
+    if (const trainstream::ResumedState* r = st.session->resumed(); r != nullptr) {
+      resumed = {{"completed_step", r->completed_step}, {"registrations", r->registrations.size()}};
+    }
     return {{"ok", true},
             {"session_id", st.session_id},
+            {"recovery_token", st.session->recovery_token()},
+            {"resumed", resumed},
             {"shm_dir", st.session->shm_dir()},
             {"control",
              {{"segment", c.segment_name},

@@ -97,7 +97,7 @@ struct Fixture {
     b.exp_avg = m.data();
     b.exp_avg_sq = v.data();
     b.param_slot = param_slot.data();
-    b.step_counter = &step_counter;
+    b.durable.torch_step = &step_counter;
     b.rank_grads = {g0.data(), g1.data()};
     b.sum_slot = sum.data();
     std::vector<PlaneMember> members;
@@ -302,7 +302,8 @@ TEST_CASE("BindRegistration: a group's layout binds every rank's slot, the sum a
   REQUIRE(b.rank_grads.size() == 2);
   CHECK(b.rank_grads[1] == staging.data() + pl.grad_offset + pl.grad_stride);
   CHECK(reinterpret_cast<char*>(b.sum_slot) == staging.data() + pl.sum_offset);
-  CHECK(reinterpret_cast<char*>(b.step_counter) > state.data());
+  CHECK(reinterpret_cast<char*>(b.durable.torch_step) > state.data());
+  CHECK(b.durable.record == nullptr);  // no recovery records asked for
 
   const RegistrationLayout solo = ComputeRegistrationLayout(req);
   std::vector<char> state1(solo.state_bytes), staging1(solo.staging_bytes);

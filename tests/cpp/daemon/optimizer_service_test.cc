@@ -66,7 +66,7 @@ struct Client {
     b.exp_avg_sq = v.data();
     b.grad_slot = grad.data();
     b.param_slot = param.data();
-    b.step_counter = &step_counter;
+    b.durable.torch_step = &step_counter;
     std::vector<ParamBinding> params;
     params.push_back(std::move(b));
     REQUIRE(service.AddParameters(kSession, SessionOptimizerOptions{}, std::move(params)).ok());

@@ -1,9 +1,15 @@
 #include "sessions/param_layout.h"
 
+#include <string>
+#include <vector>
+
 #include "catch_compat.h"
+#include "trainstream/wire/segment_header.h"
+#include "trainstream/wire/state_record.h"
 
 using namespace trainstream::daemon;
 namespace v1 = trainstream::v1;
+namespace wire = trainstream::wire;
 
 namespace {
 v1::RegisterParametersRequest Request() {
@@ -76,7 +82,8 @@ TEST_CASE("Layout: aligned, disjoint slots; manifest then state tensors", "[para
   CHECK(b.param_offset == 4096 + 192);
   CHECK(l.staging_bytes == 8192);
   CHECK(l.manifest_offset == 4096);
-  CHECK(l.manifest_bytes == 32 + 2 * 176);
+  CHECK(l.manifest_bytes == 40 + 2 * 176);
+  CHECK(l.recovery_offset == 0);  // no recovery records asked for
   CHECK(a.master_offset == 8192);
   CHECK(a.exp_avg_offset == 8192 + 64);
   CHECK(a.exp_avg_sq_offset == 8192 + 128);
@@ -105,6 +112,61 @@ TEST_CASE("Group layout: a grad slot per rank, a sum slot, one param slot; same 
   CHECK(group.state_bytes == single.state_bytes);
   CHECK(a.master_offset == single.params[0].master_offset);
   CHECK(single.params[0].sum_offset == 0);
+}
+
+TEST_CASE("Recovery layout: records, progress and journals between the manifest and the state",
+          "[params][recovery]") {
+  auto r = Request();
+  r.mutable_params(0)->clear_shape();
+  r.mutable_params(0)->add_shape(1000);  // 1000 elements: 4 chunks of 256
+  RecoveryLayoutOptions rec;
+  rec.enabled = true;
+  rec.chunk_elems = 256;
+  rec.journal_slots = 3;
+  const RegistrationLayout l = ComputeRegistrationLayout(r, 1, false, rec);
+  const RegistrationLayout plain = ComputeRegistrationLayout(r);
+  CHECK(l.recovery_offset >= l.manifest_offset + l.manifest_bytes);
+  CHECK(l.recovery_offset % 64 == 0);
+  CHECK(l.records_offset >= l.recovery_offset + sizeof(wire::RecoveryHeader));
+  CHECK(l.progress_offset >= l.records_offset + 2 * sizeof(wire::ParamRecord));
+  CHECK(l.params[0].chunk_first == 0);
+  CHECK(l.params[0].chunks == 4);
+  CHECK(l.params[1].chunk_first == 4);
+  CHECK(l.params[1].chunks == 1);
+  CHECK(l.total_chunks == 5);
+  CHECK(l.journal_offset >= l.progress_offset + 5 * sizeof(wire::ChunkProgress));
+  CHECK(l.journal_slots == 3);
+  CHECK(l.journal_slot_bytes == wire::JournalSlotLayoutFor(wire::kSubChunkElems, 4).bytes);
+  CHECK(l.params[0].master_offset >= l.journal_offset + 3 * l.journal_slot_bytes);
+  CHECK(l.params[0].master_offset % 4096 == 0);
+  CHECK(l.state_bytes > plain.state_bytes);
+  CHECK(l.staging_bytes == plain.staging_bytes);  // the records are the state's
+
+  std::vector<char> state(l.state_bytes, 0);
+  RecoveryOwner owner;
+  owner.proof[0] = 0xab;
+  owner.uid = 1234;
+  owner.pid = 77;
+  owner.start = 99;
+  owner.registration = 2;
+  owner.staging_name = "trainstream-x";
+  owner.staging_bytes = l.staging_bytes;
+  WriteStateManifest(state.data(), l, r, &owner);
+  auto* m = reinterpret_cast<wire::StateManifest*>(state.data() + l.manifest_offset);
+  CHECK(m->recovery_offset == l.recovery_offset);
+  auto* h = reinterpret_cast<wire::RecoveryHeader*>(state.data() + l.recovery_offset);
+  CHECK(h->magic == wire::kRecoveryMagic);
+  CHECK(h->owner_proof[0] == 0xab);
+  CHECK(h->owner_uid == 1234);
+  CHECK(h->registration == 2);
+  CHECK(h->chunk_elems == 256);
+  CHECK(h->flags.load() == 0);  // not initialised yet: not adoptable
+  CHECK(std::string(h->staging_name) == "trainstream-x");
+  auto* records = reinterpret_cast<wire::ParamRecord*>(state.data() + h->records_offset);
+  CHECK(records[1].chunk_first == 4);
+  CHECK(records[1].grad_offset == l.params[1].grad_offset);
+  CHECK(records[1].param_offset == l.params[1].param_offset);
+  CHECK(records[1].mark.load() == 0);
 }
 
 TEST_CASE("A request's parameters may not add up past 2^40 elements", "[params]") {

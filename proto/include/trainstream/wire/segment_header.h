@@ -1,7 +1,7 @@
 // The header at offset 0 of every segment the daemon creates. A state segment's
-// header is followed by a manifest describing what it holds, so a restarted
-// daemon can find and re-adopt optimizer state (recovery is later work; this
-// layout keeps it possible). See docs/design.md, "Segments".
+// header is followed by a manifest describing what it holds and a recovery
+// header (state_record.h), so a restarted daemon can find and re-adopt
+// optimizer state: Note [Optimizer state outlives the daemon].
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,7 @@
 namespace trainstream::wire {
 
 inline constexpr uint32_t kSegmentMagic = 0x54535347;  // "TSSG"
-inline constexpr uint32_t kSegmentVersion = 1;
+inline constexpr uint32_t kSegmentVersion = 2;  // 2: state segments carry a RecoveryHeader
 inline constexpr uint64_t kSegmentHeaderBytes = 4096;  // one page; data starts after
 
 struct SegmentHeader {
@@ -37,8 +37,9 @@ struct StateManifest {
   uint32_t entries;
   uint32_t moment_dtype;  // DType (dtype.h; the same numbers as trainstream.v1.DType)
   uint32_t reserved0;
-  uint64_t step;  // last completed optimizer step (kept current by the daemon)
+  uint64_t step;  // last step whose every update landed (the step record's, kept current)
   uint64_t seed;
+  uint64_t recovery_offset;  // RecoveryHeader (state_record.h), from the segment start
 };
 
 struct StateManifestEntry {
@@ -49,7 +50,7 @@ struct StateManifestEntry {
   uint64_t master_offset;      // fp32[numel], from the segment start
   uint64_t exp_avg_offset;     // moment_dtype[numel]
   uint64_t exp_avg_sq_offset;  // moment_dtype[numel]
-  uint64_t step;
+  uint64_t step;               // torch's state['step'] after the last update that landed
   char name[120];
 };
 static_assert(sizeof(StateManifestEntry) == 176, "wire format");

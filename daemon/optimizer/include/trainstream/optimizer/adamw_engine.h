@@ -17,6 +17,12 @@
 // Threading: SubmitGrad/StepEnd are thread-safe. Callbacks run on worker threads
 // (or, for a step with nothing left to do, on the thread calling StepEnd); they
 // must not block for long and must not call WaitIdle.
+//
+// Durable records: a parameter bound with DurableRecords has its update marked,
+// journaled and committed in the caller's memory as it runs (Note [Optimizer
+// state outlives the daemon], trainstream/wire/state_record.h), so a process
+// killed at any point leaves state that daemon/recovery/ completes. Its
+// ParamDone callback comes only after the commit.
 #pragma once
 
 #include <atomic>
@@ -34,11 +40,26 @@
 #include "trainstream/kernels/cpu_features.h"
 #include "trainstream/optimizer/worker_pool.h"
 #include "trainstream/status.h"
+#include "trainstream/wire/state_record.h"
 
 namespace trainstream::optimizer {
 
 using kernels::AdamWHyperParams;
 using kernels::DType;
+
+// Where one parameter's crash-consistency records live (a state segment, owned
+// by the caller; see the Note above). record null: none are kept, except
+// torch_step, kept current whenever it is set.
+struct DurableRecords {
+  wire::ParamRecord* record = nullptr;
+  wire::ChunkProgress* progress = nullptr;  // one per chunk of EngineOptions::chunk_elems
+  uint64_t* torch_step = nullptr;           // the manifest entry's step (torch's state['step'])
+  uint64_t entry = 0;                       // the parameter's index in its manifest
+  char* journal = nullptr;                  // its segment's journal: a slot per pool worker
+  uint64_t journal_slot_bytes = 0;
+  uint32_t journal_slots = 0;
+  wire::RecoveryHeader* header = nullptr;  // its segment's (flags, step records)
+};
 
 // One parameter's memory, all owned by the caller and valid for the engine's
 // lifetime. exp_avg/exp_avg_sq hold numel elements of the engine's moment dtype.
@@ -63,6 +84,7 @@ struct ParamBinding {
   // it (ImportArray to set weights); a bf16 value written there by anyone else is read
   // back with the old low half (a zero with a low half above 0x8000 decodes to NaN).
   uint16_t* master_lo = nullptr;
+  DurableRecords durable;  // not with a split master, nor with eager_check_per_chunk
 };
 
 struct EngineOptions {
@@ -123,8 +145,19 @@ class AdamWEngine {
 
   // Blocking: for every parameter added since the last Init, sets master from the
   // param slot (any dtype) and zeroes the moments, each chunk on the worker that
-  // will later update it (first touch).
+  // will later update it (first touch); durable ones' segments are then flagged
+  // kRecoveryInitialized.
   Status Init();
+
+  // For every parameter added since the last Init, takes master and moments as
+  // they are (state adopted after a restart, daemon/recovery/) instead of Init,
+  // and each durable one's torch step from its manifest entry.
+  Status AdoptInitialized();
+
+  // Recovery: `param_id`'s update of `step` landed before a restart (its norm
+  // `sumsq`, `updated` false when it was skipped). Counted in that step's result
+  // as if submitted now, so StepDone reports the whole step's norm.
+  Status CarryNorm(uint64_t step, uint64_t param_id, double sumsq, bool updated);
 
   // The gradient of `param_id` for step `step` is complete in its slot. The slot
   // must not change until the parameter's ParamDone callback. Returns OK or an
@@ -177,6 +210,10 @@ class AdamWEngine {
   void OnParamDone(Param* p, bool updated);
   void FinishDeferredNorms(uint64_t step);
   void MaybeFinishStep(uint64_t step, std::unique_lock<std::mutex>& lock);
+  void MarkUpdating(Param* p, float grad_scale);
+  void UpdateJournaled(Param* p, size_t chunk);
+  // Rewrites every durable segment's step record (the other copy, then the index).
+  void WriteStepRecord(const std::function<void(wire::StepRecord*)>& edit);
 
   WorkerPool* const pool_;
   const EngineOptions options_;
@@ -188,6 +225,9 @@ class AdamWEngine {
   std::unordered_map<uint64_t, Param*> by_id_;  // ditto
   std::vector<uint64_t> worker_load_;           // elements assigned per worker
   size_t initialized_ = 0;                      // params_[0, initialized_) are set up
+
+  std::vector<wire::RecoveryHeader*> headers_;  // durable parameters' segments, append-only
+  std::mutex records_mu_;                       // serialises WriteStepRecord
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;

@@ -1,0 +1,345 @@
+// Note [Optimizer state outlives the daemon]: a process running the engine on
+// durable state is SIGKILLed at random moments (often in the middle of a
+// sub-chunk); CompleteUpdates then makes the state whole, a new engine adopts it
+// and trains on, and the result must be bit for bit an uninterrupted run's.
+#include "recovery/state_recovery.h"
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "catch_compat.h"
+#include "planes/optimizer_plane.h"
+#include "sessions/param_binding.h"
+#include "sessions/param_layout.h"
+#include "trainstream/optimizer/adamw_engine.h"
+#include "trainstream/optimizer/worker_pool.h"
+
+using namespace trainstream;
+using namespace trainstream::daemon;
+namespace wire = trainstream::wire;
+
+namespace {
+
+constexpr uint64_t kSteps = 6;
+constexpr uint64_t kSeed = 5;
+const std::vector<int64_t> kSizes = {300000, 70001, 5};
+const kernels::AdamWHyperParams kHp{1e-2, 0.9, 0.999, 1e-8, 0.01};
+
+float Grad(uint64_t step, size_t param, size_t i) {
+  return std::sin(0.37f * static_cast<float>(step) + 1.3f * static_cast<float>(param) +
+                  0.001f * static_cast<float>(i));
+}
+float Weight0(size_t param, size_t i) {
+  return std::cos(static_cast<float>(param) + 0.01f * static_cast<float>(i));
+}
+
+void* Shared(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(p != MAP_FAILED);
+  return p;
+}
+
+struct Case {
+  wire::DType moment = wire::DType::kFloat32;
+  double max_grad_norm = 0;
+};
+
+v1::RegisterParametersRequest Request(const Case& c) {
+  v1::RegisterParametersRequest req;
+  auto* g = req.add_groups();
+  g->set_lr(kHp.lr);
+  g->set_beta1(kHp.beta1);
+  g->set_beta2(kHp.beta2);
+  g->set_eps(kHp.eps);
+  g->set_weight_decay(kHp.weight_decay);
+  req.set_moment_dtype(static_cast<v1::DType>(c.moment));
+  req.set_max_grad_norm(c.max_grad_norm);
+  req.set_seed(kSeed);
+  for (size_t i = 0; i < kSizes.size(); ++i) {
+    auto* p = req.add_params();
+    p->set_param_id(10 + i);
+    p->set_name("p" + std::to_string(i));
+    p->add_shape(kSizes[i]);
+    p->set_dtype(v1::DTYPE_FLOAT32);
+  }
+  return req;
+}
+
+optimizer::EngineOptions Options(const Case& c) {
+  optimizer::EngineOptions eo;
+  eo.moment_dtype = c.moment;
+  eo.max_grad_norm = c.max_grad_norm;
+  eo.seed = kSeed;
+  eo.chunk_elems = kPlaneChunkElems;
+  return eo;
+}
+
+// One registration's memory, shared with a child process.
+struct Memory {
+  RegistrationLayout layout;
+  char* state = nullptr;
+  char* staging = nullptr;
+  std::atomic<uint64_t>* progress = nullptr;  // the step the child is on
+
+  Memory(const v1::RegisterParametersRequest& req, uint32_t slots) {
+    RecoveryLayoutOptions rec{true, kPlaneChunkElems, slots};
+    layout = ComputeRegistrationLayout(req, 1, false, rec);
+    state = static_cast<char*>(Shared(layout.state_bytes));
+    staging = static_cast<char*>(Shared(layout.staging_bytes));
+    progress = new (Shared(4096)) std::atomic<uint64_t>(0);
+    reinterpret_cast<wire::SegmentHeader*>(state)->magic = wire::kSegmentMagic;
+    reinterpret_cast<wire::SegmentHeader*>(state)->version = wire::kSegmentVersion;
+    reinterpret_cast<wire::SegmentHeader*>(state)->total_bytes = layout.state_bytes;
+  }
+  ~Memory() {
+    munmap(state, layout.state_bytes);
+    munmap(staging, layout.staging_bytes);
+    munmap(progress, 4096);
+  }
+  float* GradSlot(size_t p) {
+    return reinterpret_cast<float*>(staging + layout.params[p].grad_offset);
+  }
+  float* ParamSlot(size_t p) {
+    return reinterpret_cast<float*>(staging + layout.params[p].param_offset);
+  }
+};
+
+void WriteGrads(float* const* slots, uint64_t step, const std::vector<size_t>& params) {
+  for (size_t p : params)
+    for (int64_t i = 0; i < kSizes[p]; ++i) slots[p][i] = Grad(step, p, static_cast<size_t>(i));
+}
+
+// The child: registers (as RegisterParameters + kParamFromSlot do) and trains
+// kSteps steps, telling the parent which step it is on. Never returns.
+[[noreturn]] void Train(const Case& c, Memory* mem, const v1::RegisterParametersRequest& req) {
+  RecoveryOwner owner;
+  owner.staging_name = "trainstream-test";
+  owner.staging_bytes = mem->layout.staging_bytes;
+  PlaneRegistration reg = BindRegistration(req, mem->layout, mem->state, mem->staging, &owner);
+  optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
+  optimizer::AdamWEngine engine(&pool, Options(c));
+  std::vector<float*> grads;
+  for (size_t p = 0; p < kSizes.size(); ++p) {
+    for (int64_t i = 0; i < kSizes[p]; ++i)
+      mem->ParamSlot(p)[i] = Weight0(p, static_cast<size_t>(i));
+    const ParamBinding& b = reg.params[p];
+    optimizer::ParamBinding eb;
+    eb.param_id = b.param_id;
+    eb.numel = b.numel;
+    eb.master = b.master;
+    eb.exp_avg = b.exp_avg;
+    eb.exp_avg_sq = b.exp_avg_sq;
+    eb.grad_slot = b.grad_slot;
+    eb.param_slot = b.param_slot;
+    eb.durable = b.durable;
+    if (!engine.AddParam(eb).ok()) _exit(3);
+    grads.push_back(mem->GradSlot(p));
+  }
+  if (!engine.Init().ok()) _exit(4);
+  for (uint64_t s = 1; s <= kSteps; ++s) {
+    WriteGrads(grads.data(), s, {0, 1, 2});
+    mem->progress->store(s);
+    for (size_t p = 0; p < kSizes.size(); ++p)
+      if (!engine.SubmitGrad(10 + p, s, kHp).ok()) _exit(5);
+    if (!engine.StepEnd(s).ok()) _exit(6);
+    engine.WaitIdle();
+  }
+  _exit(0);
+}
+
+// An uninterrupted run's state after kSteps, per parameter.
+struct Reference {
+  std::vector<std::vector<float>> master, m, v, slot;
+  std::vector<std::vector<uint16_t>> m16, v16;
+  explicit Reference(const Case& c) {
+    optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
+    optimizer::AdamWEngine engine(&pool, Options(c));
+    const size_t n = kSizes.size();
+    master.resize(n), m.resize(n), v.resize(n), slot.resize(n), m16.resize(n), v16.resize(n);
+    std::vector<std::vector<float>> grad(n);
+    std::vector<float*> grads;
+    for (size_t p = 0; p < n; ++p) {
+      const size_t numel = static_cast<size_t>(kSizes[p]);
+      master[p].assign(numel, 0);
+      m[p].assign(numel, 0), v[p].assign(numel, 0), m16[p].assign(numel, 0),
+          v16[p].assign(numel, 0);
+      grad[p].assign(numel, 0);
+      slot[p].resize(numel);
+      for (size_t i = 0; i < numel; ++i) slot[p][i] = Weight0(p, i);
+      optimizer::ParamBinding b;
+      b.param_id = 10 + p;
+      b.numel = numel;
+      b.master = master[p].data();
+      const bool bf16 = c.moment == wire::DType::kBFloat16;
+      b.exp_avg = bf16 ? static_cast<void*>(m16[p].data()) : m[p].data();
+      b.exp_avg_sq = bf16 ? static_cast<void*>(v16[p].data()) : v[p].data();
+      b.grad_slot = grad[p].data();
+      b.param_slot = slot[p].data();
+      REQUIRE(engine.AddParam(b).ok());
+      grads.push_back(grad[p].data());
+    }
+    REQUIRE(engine.Init().ok());
+    for (uint64_t s = 1; s <= kSteps; ++s) {
+      WriteGrads(grads.data(), s, {0, 1, 2});
+      for (size_t p = 0; p < n; ++p) REQUIRE(engine.SubmitGrad(10 + p, s, kHp).ok());
+      REQUIRE(engine.StepEnd(s).ok());
+      engine.WaitIdle();
+    }
+  }
+};
+
+struct Totals {
+  int runs = 0, killed_mid_step = 0, recovery_killed = 0;
+  uint64_t restored = 0, rolled = 0, replayed = 0;
+};
+
+// Kills a training child at a random moment, recovers (sometimes killing a
+// first recovery too), trains on to kSteps in a new engine, compares.
+void OneRun(const Case& c, const Reference& ref, std::mt19937* rng, Totals* totals) {
+  const v1::RegisterParametersRequest req = Request(c);
+  Memory mem(req, 2);
+  pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) Train(c, &mem, req);
+  const uint64_t target = std::uniform_int_distribution<uint64_t>(1, kSteps)(*rng);
+  const int delay_us = std::uniform_int_distribution<int>(0, 4000)(*rng);
+  int status = 0;
+  bool reaped = false;
+  while (mem.progress->load() < target && !reaped) {
+    reaped = waitpid(child, &status, WNOHANG) == child;
+    usleep(20);
+  }
+  if (!reaped) {
+    usleep(static_cast<useconds_t>(delay_us));
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+  }
+  if (WIFEXITED(status)) REQUIRE(WEXITSTATUS(status) == 0);  // finished before the kill
+  ++totals->runs;
+
+  StateSegmentView view;
+  trainstream::Status checked = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  if (!checked.ok()) {
+    // Killed before Init finished: not adoptable, as a registration in flight.
+    REQUIRE(checked.message().find("not initialised") != std::string::npos);
+    return;
+  }
+  if (std::uniform_int_distribution<int>(0, 2)(*rng) == 0) {
+    // A daemon killed while it recovers: the next one must still get it right.
+    pid_t again = fork();
+    REQUIRE(again >= 0);
+    if (again == 0) {
+      CompleteUpdates(view, mem.staging, mem.layout.staging_bytes, CurrentStepRecord(view));
+      _exit(0);
+    }
+    usleep(static_cast<useconds_t>(std::uniform_int_distribution<int>(0, 300)(*rng)));
+    kill(again, SIGKILL);
+    waitpid(again, nullptr, 0);
+    ++totals->recovery_killed;
+  }
+  const RecoveryReport report =
+      CompleteUpdates(view, mem.staging, mem.layout.staging_bytes, CurrentStepRecord(view));
+  REQUIRE(report.lost.empty());
+  totals->restored += report.restored_subchunks;
+  totals->rolled += report.rolled_forward;
+  std::vector<uint64_t> applied;
+  for (const ParamOutcome& o : report.params) {
+    REQUIRE(!o.skipped);
+    REQUIRE(o.torch_step == o.applied_step);
+    applied.push_back(o.applied_step);
+  }
+  if (c.max_grad_norm > 0) {
+    // A clipped step lands on every parameter or on none.
+    for (uint64_t a : applied) CHECK(a == applied[0]);
+  }
+  const uint64_t low = *std::min_element(applied.begin(), applied.end());
+  if (low < kSteps && *std::max_element(applied.begin(), applied.end()) != low)
+    ++totals->killed_mid_step;
+
+  // A new engine adopts the state and trains on.
+  optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
+  optimizer::AdamWEngine engine(&pool, Options(c));
+  std::vector<float*> grads;
+  for (size_t p = 0; p < view.params.size(); ++p) {
+    const CheckedParam& cp = view.params[p];
+    optimizer::ParamBinding eb;
+    eb.param_id = cp.param_id;
+    eb.numel = cp.numel;
+    eb.master = reinterpret_cast<float*>(mem.state + cp.master_offset);
+    eb.exp_avg = mem.state + cp.exp_avg_offset;
+    eb.exp_avg_sq = mem.state + cp.exp_avg_sq_offset;
+    eb.grad_slot = mem.staging + cp.grad_offset;
+    eb.param_slot = mem.staging + cp.param_offset;
+    eb.durable = DurableRecordsOf(mem.state, view.recovery_offset, cp.step_offset, p);
+    REQUIRE(engine.AddParam(eb).ok());
+    grads.push_back(reinterpret_cast<float*>(mem.staging + cp.grad_offset));
+  }
+  REQUIRE(engine.AdoptInitialized().ok());
+  for (uint64_t s = low + 1; s <= kSteps; ++s) {
+    std::vector<size_t> due;
+    for (size_t p = 0; p < applied.size(); ++p)
+      if (applied[p] < s) due.push_back(p);
+    totals->replayed += s == low + 1 ? due.size() : 0;
+    WriteGrads(grads.data(), s, due);
+    for (size_t p : due) REQUIRE(engine.SubmitGrad(10 + p, s, kHp).ok());
+    REQUIRE(engine.StepEnd(s).ok());
+    engine.WaitIdle();
+  }
+  const bool bf16 = c.moment == wire::DType::kBFloat16;
+  for (size_t p = 0; p < view.params.size(); ++p) {
+    const CheckedParam& cp = view.params[p];
+    const size_t n = cp.numel;
+    CHECK(std::memcmp(mem.state + cp.master_offset, ref.master[p].data(), n * 4) == 0);
+    CHECK(std::memcmp(mem.staging + cp.param_offset, ref.slot[p].data(), n * 4) == 0);
+    const void* m = bf16 ? static_cast<const void*>(ref.m16[p].data()) : ref.m[p].data();
+    const void* v = bf16 ? static_cast<const void*>(ref.v16[p].data()) : ref.v[p].data();
+    CHECK(std::memcmp(mem.state + cp.exp_avg_offset, m, n * (bf16 ? 2 : 4)) == 0);
+    CHECK(std::memcmp(mem.state + cp.exp_avg_sq_offset, v, n * (bf16 ? 2 : 4)) == 0);
+    CHECK(*reinterpret_cast<uint64_t*>(mem.state + cp.step_offset) == kSteps);
+  }
+}
+
+void KillLoop(const Case& c, uint32_t seed) {
+  const Reference ref(c);
+  std::mt19937 rng(seed);
+  Totals totals;
+  // Until the kills have landed inside updates often enough to exercise both
+  // repairs, within a bound (each run takes some milliseconds).
+  while (totals.runs < 400 &&
+         (totals.runs < 20 || totals.restored < 2 || totals.rolled < 2 ||
+          (c.max_grad_norm == 0 && totals.killed_mid_step < 2) || totals.recovery_killed < 2)) {
+    OneRun(c, ref, &rng, &totals);
+  }
+  WARN("runs " << totals.runs << ", sub-chunks restored " << totals.restored
+               << ", parameters rolled forward " << totals.rolled << ", replayed "
+               << totals.replayed);
+  CHECK(totals.restored >= 2);
+  CHECK(totals.rolled >= 2);
+  CHECK(totals.recovery_killed >= 2);
+}
+
+}  // namespace
+
+TEST_CASE("SIGKILL mid-update, fp32 moments: recovered and trained on, bit-identical",
+          "[recovery]") {
+  KillLoop(Case{wire::DType::kFloat32, 0}, 1);
+}
+
+TEST_CASE("SIGKILL mid-update, bf16 moments (stochastic rounding): bit-identical", "[recovery]") {
+  KillLoop(Case{wire::DType::kBFloat16, 0}, 2);
+}
+
+TEST_CASE("SIGKILL mid-update with clipping: a step lands on every parameter or none",
+          "[recovery]") {
+  KillLoop(Case{wire::DType::kFloat32, 0.5}, 3);
+}

@@ -1,0 +1,149 @@
+"""An optimizer whose daemon dies resumes with the one that comes back (docs/recovery.md,
+"Re-attaching"): same weights and state as a run that was never interrupted, or a
+DaemonError naming the step when it cannot."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import trainstream
+from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches
+
+STEPS = 6
+
+
+def _setup(seed=3):
+    torch.manual_seed(seed)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    return cfg, model, text_batches(corpus(), cfg, batch=2, steps=STEPS, seed=seed)
+
+
+def _wrap(model, socket, **extra):
+    return trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            socket=socket, profile=False, check_memory=False, offload=True,
+                            **extra)
+
+
+def _reference(daemon_factory, model, batches, **extra):
+    d = daemon_factory()
+    ref, opt = _wrap(copy.deepcopy(model), d.socket, **extra)
+    for x, y in batches:
+        ref(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt.state_dict()
+    weights = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opt.detach()
+    return weights, state
+
+
+def _restart(d, daemon_factory, delay=0.0):
+    d.proc.kill()
+    d.proc.wait()
+    time.sleep(delay)
+    return daemon_factory(socket=d.socket, shm_dir=d.shm_dir, wait=False)
+
+
+def _same_state(a, b):
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for field in ("step", "exp_avg", "exp_avg_sq", "master_weight"):
+            assert torch.equal(a["state"][k][field], b["state"][k][field]), (k, field)
+
+
+@pytest.mark.parametrize("kill_at", ["after_backward", "before_step", "before_state_dict"])
+def test_resumed_run_is_bit_identical(daemon_factory, kill_at):
+    _, model, batches = _setup()
+    ref_weights, ref_state = _reference(daemon_factory, model, batches)
+    d = daemon_factory()
+    ours, opt = _wrap(copy.deepcopy(model), d.socket)
+    for i, (x, y) in enumerate(batches):
+        ours(x, y).backward()
+        if i == 2 and kill_at == "after_backward":
+            d = _restart(d, daemon_factory, delay=0.2)  # the hooks posted; step() resumes
+        if i == 3 and kill_at == "before_step":
+            time.sleep(0.05)  # the daemon applied the eager updates: they landed
+            d = _restart(d, daemon_factory)
+        opt.step()
+        opt.zero_grad()
+        if i == 4 and kill_at == "before_state_dict":
+            d = _restart(d, daemon_factory)
+            opt.state_dict()
+    stats = opt.stats()
+    assert stats["recoveries"] == 1
+    assert stats["replayed_grads"] + stats["landed_grads"] > 0 or kill_at == "before_state_dict"
+    for n, p in ours.named_parameters():
+        assert torch.equal(p.detach(), ref_weights[n]), n
+    _same_state(opt.state_dict(), ref_state)
+    assert "adopted the optimizer state of 1 sessions" in d.log()
+
+
+def test_clipped_run_resumes_bit_identical(daemon_factory):
+    _, model, batches = _setup(seed=4)
+    ref_weights, ref_state = _reference(daemon_factory, model, batches, max_grad_norm=0.1)
+    d = daemon_factory()
+    ours, opt = _wrap(copy.deepcopy(model), d.socket, max_grad_norm=0.1)
+    for i, (x, y) in enumerate(batches):
+        ours(x, y).backward()
+        if i in (1, 3):
+            d = _restart(d, daemon_factory, delay=0.1)
+        opt.step()
+        opt.zero_grad()
+    assert opt.stats()["recoveries"] == 2
+    for n, p in ours.named_parameters():
+        assert torch.equal(p.detach(), ref_weights[n]), n
+    _same_state(opt.state_dict(), ref_state)
+
+
+def test_no_daemon_coming_back_names_the_step(daemon_factory):
+    _, model, batches = _setup()
+    d = daemon_factory()
+    ours, opt = _wrap(model, d.socket, timeout_s=2.0)
+    (x, y) = batches[0]
+    ours(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    ours(*batches[1]).backward()
+    d.proc.kill()
+    d.proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(trainstream.DaemonError, match=r"step 2 \(in flight when the daemon "
+                       r"died\) and the optimizer state after step 1 are lost"):
+        opt.step()
+    assert time.monotonic() - t0 < 10
+
+
+def test_state_the_new_daemon_cannot_resume_names_the_step(daemon_factory):
+    _, model, batches = _setup()
+    d = daemon_factory()
+    ours, opt = _wrap(model, d.socket)
+    for x, y in batches[:2]:
+        ours(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    ours(*batches[2]).backward()
+    d.proc.kill()
+    d.proc.wait()
+    # Recovery off in the next daemon: it adopts nothing.
+    daemon_factory("--recovery-grace", "0", socket=d.socket, shm_dir=d.shm_dir)
+    with pytest.raises(trainstream.DaemonError, match=r"could not resume .*step 3 \(in flight"):
+        opt.step()
+    with pytest.raises(trainstream.DaemonError):  # and so on, not a hang
+        opt.step()
+
+
+def test_reconnect_false_raises_at_once(daemon_factory):
+    _, model, batches = _setup()
+    d = daemon_factory()
+    ours, opt = _wrap(model, d.socket, reconnect=False, timeout_s=30.0)
+    ours(*batches[0]).backward()
+    d.proc.kill()
+    d.proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(trainstream.DaemonError, match="optimizer state it held .* is lost"):
+        opt.step()
+    assert time.monotonic() - t0 < 2

@@ -1,0 +1,398 @@
+#!/usr/bin/env python3
+"""SIGKILLs trainstreamd (and, with --client-kills, the training client) at random
+moments while a client trains, N times, and checks what issue 21 asks
+(docs/recovery.md, "Measured"):
+
+* the run completes and its final weights are bit-identical to an uninterrupted run's
+  (same daemon binary, same data, same seed), or, where the client reported a lost
+  step, that report names exactly the step it was in when the daemon died (and the
+  client then goes on from its last checkpoint, so the weights must still match);
+* /dev/shm returns to its baseline at the end.
+
+Each daemon kill lands in a phase the client announces (kill_worker.py): backward,
+the daemon's update (step()), state_dict() (checkpoints), a base load; the kill comes
+0 to --jitter-ms after the announcement. A supervisor restarts the daemon after 0 to
+--restart-ms (as systemd's Restart=on-failure would); with --embedded there is no
+supervisor: the client restarts the daemon itself. With --lose-every K, every K-th
+kill also deletes the client's staging segment while no daemon runs, so the state
+cannot be resumed: the client must report the lost step.
+
+  kill_loop.py                      20 daemon kills in a 200-step run
+  kill_loop.py --short              what `make test` runs (tests/python/test_kill_loop.py)
+  kill_loop.py --long               200 daemon kills and 100 client kills
+Prints one JSON line of figures at the end; exit code 0 when every check passed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PHASES = ("backward", "step", "state_dict", "base_load")
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=20, help="daemon SIGKILLs")
+    ap.add_argument("--client-kills", type=int, default=0, help="client SIGKILLs")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--n-embd", type=int, default=64)
+    ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (0: eager updates)")
+    ap.add_argument("--embedded", action="store_true", help="the client starts the daemon")
+    ap.add_argument("--lose-every", type=int, default=0,
+                    help="every K-th daemon kill also deletes the staging segment (0: never)")
+    ap.add_argument("--jitter-ms", type=float, default=4.0)
+    ap.add_argument("--restart-ms", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--short", action="store_true", help="6 kills over 40 steps (CI)")
+    ap.add_argument("--long", action="store_true", help="200 daemon kills, 100 client kills")
+    ap.add_argument("--build-dir", default=os.environ.get("TRAINSTREAM_BUILD_DIR",
+                                                          str(REPO / "build")))
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    a = ap.parse_args(argv)
+    if a.lose_every and a.embedded:
+        ap.error("--lose-every needs a supervised daemon (it deletes the staging segment "
+                 "while none runs); drop --embedded")
+    if a.short:
+        a.kills, a.steps, a.n_embd = min(a.kills, 6), 40, 32
+    if a.long:
+        a.kills, a.client_kills, a.steps = 200, 100, 400
+    return a
+
+
+def trainstream_files(directory: str) -> set:
+    try:
+        return {n for n in os.listdir(directory) if n.startswith("trainstream-")}
+    except FileNotFoundError:
+        return set()
+
+
+def segment_kind(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            magic, _version, kind = struct.unpack("<III", f.read(12))
+        return kind if magic == 0x54535347 else -1
+    except (OSError, struct.error):
+        return -1
+
+
+class Daemon:
+    """trainstreamd on a socket, restarted by a supervisor thread after every death
+    (explicit mode), or only found (embedded mode: the client starts it)."""
+
+    def __init__(self, args, work: Path, socket: str, shm_dir: str, supervise: bool):
+        self.args, self.socket, self.shm_dir = args, socket, shm_dir
+        self.binary = str(Path(args.build_dir) / "bin" / "trainstreamd")
+        self.log = open(work / f"daemon-{Path(socket).stem}.log", "ab")
+        self.proc = None
+        self.supervise = supervise
+        self.stopping = False
+        self.starts = 0
+        self.lose_next = False
+        self.cv = threading.Condition()
+        if supervise:
+            self._start()
+            self.thread = threading.Thread(target=self._supervise, daemon=True)
+            self.thread.start()
+
+    def _start(self):
+        self.proc = subprocess.Popen(
+            [self.binary, "--foreground", "--socket", self.socket, "--shm-dir", self.shm_dir,
+             "--budget", "2G", "--recovery-grace", "60"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.starts += 1
+
+    def _supervise(self):
+        rng = random.Random(self.args.seed * 7 + 1)
+        while True:
+            self.proc.wait()
+            with self.cv:
+                if self.stopping:
+                    return
+                if self.lose_next:
+                    # What the daemon that comes back cannot resume: the gradients of
+                    # the step in flight went with the staging segment.
+                    for name in trainstream_files(self.shm_dir):
+                        if segment_kind(os.path.join(self.shm_dir, name)) == 2:
+                            os.unlink(os.path.join(self.shm_dir, name))
+                    self.lose_next = False
+            time.sleep(rng.uniform(0, self.args.restart_ms) / 1000)
+            self._start()
+
+    def pid(self):
+        if self.supervise:
+            return self.proc.pid if self.proc and self.proc.poll() is None else None
+        try:
+            text = Path(self.socket + ".lock").read_text()
+            pid = int(text.split("pid=")[1].split()[0])
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            # A killed daemon stays a zombie until the client that started it reaps it.
+            return None if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X") else pid
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def kill(self, lose: bool = False) -> bool:
+        # The previous kill's daemon may not be back yet: a kill is of a running one
+        # (the client may still be resuming: killing that is part of the test).
+        deadline = time.monotonic() + 20
+        pid = self.pid()
+        while pid is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            pid = self.pid()
+        if pid is None:
+            return False
+        with self.cv:
+            self.lose_next = lose
+        os.kill(pid, signal.SIGKILL)
+        return True
+
+    def stop(self):
+        with self.cv:
+            self.stopping = True
+        if self.supervise and self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Worker:
+    """kill_worker.py, its stdout read into a queue of (time, words)."""
+
+    def __init__(self, args, work: Path, socket, env, resume: bool, out: str):
+        cmd = [sys.executable, str(HERE / "kill_worker.py"), "--steps", str(args.steps),
+               "--n-embd", str(args.n_embd), "--ckpt", str(work / (Path(out).stem + ".ckpt")),
+               "--out", out, "--base", str(work / "base.safetensors"), "--timeout-s", "60"]
+        if socket:
+            cmd += ["--socket", socket]
+        if args.clip:
+            cmd += ["--clip", str(args.clip)]
+        if resume:
+            cmd.append("--resume")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "worker.err", "ab"),
+                                     text=True, env=env)
+        self.lines: "queue.Queue" = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put((time.monotonic(), line.split(maxsplit=2)))
+        self.lines.put((time.monotonic(), None))
+
+
+def write_base(path: Path) -> None:
+    """A small safetensors file (one fp32 tensor, 4 MiB): its int8 load takes the
+    daemon a few milliseconds."""
+    import torch
+    t = torch.randn(1024, 1024)
+    header = json.dumps({"blocks.0.w": {"dtype": "F32", "shape": [1024, 1024],
+                                        "data_offsets": [0, t.numel() * 4]}}).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + t.numpy().tobytes())
+
+
+def run_reference(args, work: Path, env) -> str:
+    shm = tempfile.mkdtemp(prefix="kill-loop-ref-", dir="/dev/shm")
+    socket = str(work / "ref.sock")
+    d = Daemon(args, work, socket, shm, supervise=True)
+    try:
+        w = Worker(args, work, socket, env, resume=False, out=str(work / "reference.pt"))
+        if w.proc.wait() != 0:
+            raise SystemExit(f"the reference run failed: {(work / 'worker.err').read_text()[-3000:]}")
+    finally:
+        d.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+    return str(work / "reference.pt")
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="kill-loop-"))
+    env = dict(os.environ)
+    env.setdefault("TRAINSTREAM_BUILD_DIR", args.build_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(args.build_dir) / "python"),
+                                         str(REPO / "tests" / "python"),
+                                         env.get("PYTHONPATH", "")])
+    baseline = trainstream_files("/dev/shm")
+    write_base(work / "base.safetensors")
+    t_start = time.monotonic()
+    reference = run_reference(args, work, env)
+
+    if args.embedded:
+        env["XDG_RUNTIME_DIR"] = str(work / "xdg")
+        os.makedirs(env["XDG_RUNTIME_DIR"], mode=0o700)
+        env.pop("TRAINSTREAM_SOCKET", None)
+        env["TRAINSTREAM_IDLE_EXIT_S"] = "3"
+        socket, shm = str(work / "xdg" / "trainstream" / "trainstreamd.sock"), "/dev/shm"
+        daemon = Daemon(args, work, socket, shm, supervise=False)
+        worker_socket = None
+    else:
+        shm = tempfile.mkdtemp(prefix="kill-loop-", dir="/dev/shm")
+        socket = str(work / "d.sock")
+        daemon = Daemon(args, work, socket, shm, supervise=True)
+        worker_socket = socket
+
+    # When to kill: daemon kills spread over the run, each in a random phase;
+    # client kills in between.
+    events = [("daemon", (k + 1) * args.steps / (args.kills + 1)) for k in range(args.kills)]
+    events += [("client", (k + 0.5) * args.steps / (args.client_kills + 0.5))
+               for k in range(args.client_kills)]
+    events.sort(key=lambda e: e[1])
+    figures = {"daemon_kills": 0, "client_kills": 0, "by_phase": {p: 0 for p in PHASES},
+               "recoveries": 0, "replayed_grads": 0, "landed_grads": 0, "lost_reports": 0,
+               "lost_reports_exact": 0, "worker_restarts": 0, "resume_s": []}
+    failures = []
+    out = str(work / "killed.pt")
+    worker = Worker(args, work, worker_socket, env, resume=False, out=out)
+    last_phase = (None, 0)
+    kill_times = []
+    daemon_kills_done = 0
+    done = False
+
+    def handle(words):
+        nonlocal last_phase, done
+        if words[0] == "phase":
+            last_phase = (words[1], int(words[2]))
+        elif words[0] == "resumed":
+            info = json.loads(words[2])
+            figures["recoveries"] += 1
+            figures["replayed_grads"] += info["replayed"]
+            figures["landed_grads"] += info["landed"]
+            if kill_times:
+                figures["resume_s"].append(time.monotonic() - kill_times[-1])
+        elif words[0] == "lost":
+            step, message = int(words[1]), json.loads(words[2])["message"]
+            figures["lost_reports"] += 1
+            # The client cannot finish a step without a daemon: the step it reports
+            # must be the one it was in (its last phase), named in the message.
+            if step == last_phase[1] and f"step {step}" in message:
+                figures["lost_reports_exact"] += 1
+            else:
+                failures.append(f"lost report names step {step}, the client was in step "
+                                f"{last_phase[1]} ({last_phase[0]}): {message}")
+        elif words[0] == "done":
+            done = True
+
+    def pump(until=None, timeout=120.0):
+        """Reads the worker's lines until `until(words)` or its exit; returns the words or
+        None (exited)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                _, words = worker.lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if words is None:
+                return None
+            handle(words)
+            if until is not None and until(words):
+                return words
+        raise SystemExit(f"the worker said nothing for {timeout} s; see {work}")
+
+    def restart_worker():
+        nonlocal worker
+        figures["worker_restarts"] += 1
+        worker = Worker(args, work, worker_socket, env, resume=True, out=out)
+
+    for kind, at_step in events:
+        if done:
+            break
+        target_phase = rng.choice(PHASES) if kind == "daemon" else rng.choice(PHASES[:3])
+        if target_phase == "base_load":
+            # kill_worker.py loads the base before step i + 1 when i % 25 == 12.
+            base_steps = [i + 1 for i in range(args.steps) if i % 25 == 12 and i + 1 >= at_step]
+            if base_steps:
+                at_step = base_steps[0]
+            else:
+                target_phase = "backward"
+        words = pump(lambda w, at=at_step, phase=target_phase:
+                     w[0] == "phase" and int(w[2]) >= at and w[1] == phase)
+        if words is None:  # the worker exited: finished, lost its state, or was killed
+            code = worker.proc.wait()
+            if code == 0 or done:
+                break
+            restart_worker()
+            continue
+        time.sleep(rng.uniform(0, args.jitter_ms) / 1000)
+        if kind == "daemon":
+            daemon_kills_done += 1
+            lose = args.lose_every > 0 and daemon_kills_done % args.lose_every == 0
+            if daemon.kill(lose=lose):
+                kill_times.append(time.monotonic())
+                figures["daemon_kills"] += 1
+                figures["by_phase"][target_phase] += 1
+        else:
+            worker.proc.kill()
+            worker.proc.wait()
+            figures["client_kills"] += 1
+            pump(timeout=10)  # what it said before dying
+            restart_worker()
+    # Let it finish, restarting it whenever its state was lost.
+    while not done:
+        if pump() is None:
+            code = worker.proc.wait()
+            if code == 0 or done:
+                break
+            if code != 3:
+                failures.append(f"the worker exited with {code}: "
+                                f"{(work / 'worker.err').read_text()[-3000:]}")
+                break
+            restart_worker()
+    worker.proc.wait()
+
+    import torch
+    if done:
+        ref, got = torch.load(reference), torch.load(out)
+        differ = [k for k in ref if not torch.equal(ref[k], got[k])]
+        if differ:
+            failures.append(f"{len(differ)} tensors differ from the uninterrupted run: "
+                            f"{differ[:5]}")
+    else:
+        failures.append("the run did not complete")
+    daemon.stop()
+    # /dev/shm back to its baseline: nothing of ours is left (an embedded daemon exits
+    # once idle; a killed client's adopted state goes when the daemon sees it is gone).
+    deadline = time.monotonic() + 15
+    ours = shm if not args.embedded else "/dev/shm"
+    while time.monotonic() < deadline and (trainstream_files(ours) - baseline
+                                           or trainstream_files("/dev/shm") - baseline):
+        time.sleep(0.1)
+    left = (trainstream_files(ours) | trainstream_files("/dev/shm")) - baseline
+    if left:
+        failures.append(f"segments left behind: {sorted(left)[:5]} ({len(left)})")
+    if not args.embedded:
+        shutil.rmtree(shm, ignore_errors=True)
+    resume = figures.pop("resume_s")
+    figures.update(
+        steps=args.steps, mode="embedded" if args.embedded else "supervised", clip=args.clip,
+        daemon_starts=daemon.starts if not args.embedded else None,
+        resume_s_median=round(statistics.median(resume), 3) if resume else None,
+        resume_s_max=round(max(resume), 3) if resume else None,
+        seconds=round(time.monotonic() - t_start, 1), bit_identical=done and not any(
+            "differ" in f for f in failures), failures=failures, work=str(work))
+    print(json.dumps(figures), flush=True)
+    if not failures and not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The training client of the kill loop (kill_loop.py): trains a small GPT through
+trainstream.wrap() for a fixed number of steps on fixed data, checkpoints, loads a base
+now and then, and says on stdout where it is, so the harness can kill the daemon (or
+this process) at chosen moments and check what it reports.
+
+Lines on stdout (each flushed):
+  phase <name> <step>   about to run <name> (backward, step, state_dict, base_load) of
+                        optimizer step <step> (the one in flight)
+  resumed <step> <json> the optimizer resumed after the daemon died (replayed and
+                        landed gradients, seconds)
+  lost <step> <json>    DaemonError: the state could not be resumed; <json> holds the
+                        message. The process then exits with code 3.
+  done <json>           finished; <json> holds the optimizer's recovery figures
+Started with --resume, it goes on from its last checkpoint (model, optimizer, step):
+a killed worker, or one whose state was lost, picks up there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+import trainstream  # noqa: E402
+import trainstream.base  # noqa: E402,F401 (load_base)
+from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches  # noqa: E402
+
+
+def say(*words) -> None:
+    print(*words, flush=True)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--socket", default=None, help="daemon socket (default: embedded mode)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--n-embd", type=int, default=64)
+    ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (0: none)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ckpt", required=True, help="checkpoint file (written every --ckpt-every)")
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--base", default=None, help="a .safetensors file to load as a base")
+    ap.add_argument("--base-every", type=int, default=25)
+    ap.add_argument("--out", required=True, help="where the final weights go")
+    ap.add_argument("--resume", action="store_true", help="go on from --ckpt if it exists")
+    ap.add_argument("--timeout-s", type=float, default=60.0)
+    return ap.parse_args(argv)
+
+
+def build(args):
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(n_embd=args.n_embd, n_head=2)
+    model = TinyGPT(cfg)
+    opts = dict(timeout_s=args.timeout_s, profile=False, check_memory=False, offload=True)
+    if args.socket:
+        opts["socket"] = args.socket
+    if args.clip > 0:
+        opts["max_grad_norm"] = args.clip
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), **opts)
+    batches = text_batches(corpus(), cfg, batch=4, steps=args.steps, seed=args.seed)
+    return model, opt, batches
+
+
+def load_base(args, step: int) -> None:
+    """Loads and releases the base; a daemon that dies meanwhile fails the load, which is
+    then done again (bases are the daemon's cache: nothing of them needs resuming)."""
+    deadline = time.monotonic() + args.timeout_s
+    while True:
+        say("phase", "base_load", step)
+        try:
+            trainstream.base.load_base(args.base, "int8", socket=args.socket,
+                                       register_cuda=False).release()
+            return
+        except trainstream.TrainStreamError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def checkpoint(args, model, opt, step: int) -> None:
+    say("phase", "state_dict", step + 1)
+    state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
+    tmp = args.ckpt + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, args.ckpt)  # a worker killed while saving leaves the last one whole
+
+
+class Recoveries:
+    """Says `resumed` for each recovery the optimizer made since the last look."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.seen = dict(opt.stats())
+
+    def report(self, step: int) -> None:
+        now = self.opt.stats()
+        for _ in range(now["recoveries"] - self.seen["recoveries"]):
+            say("resumed", step, json.dumps({
+                "replayed": now["replayed_grads"] - self.seen["replayed_grads"],
+                "landed": now["landed_grads"] - self.seen["landed_grads"],
+                "seconds": now["resume_s"] - self.seen["resume_s"]}))
+        self.seen = dict(now)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    model, opt, batches = build(args)
+    start = 0
+    if args.resume and os.path.exists(args.ckpt):
+        state = torch.load(args.ckpt)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+    seen = Recoveries(opt)
+    try:
+        for i in range(start, args.steps):
+            step = i + 1
+            if args.base and i % args.base_every == args.base_every // 2:
+                load_base(args, step)
+            x, y = batches[i]
+            say("phase", "backward", step)
+            loss = model(x, y)
+            loss.backward()
+            seen.report(step)
+            say("phase", "step", step)
+            opt.step()
+            opt.zero_grad()
+            seen.report(step)
+            if step % args.ckpt_every == 0:
+                checkpoint(args, model, opt, step)
+                seen.report(step + 1)
+    except trainstream.DaemonError as e:
+        say("lost", opt.step_id + 1, json.dumps({"message": str(e)}))
+        return 3
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, args.out)
+    stats = opt.stats()
+    say("done", json.dumps({k: stats.get(k) for k in
+                            ("steps", "recoveries", "replayed_grads", "landed_grads", "resume_s")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
