@@ -140,9 +140,13 @@ Status Client::Attach(const AttachOptions& options, std::unique_ptr<Session>* ou
     return FromGrpc(impl->stream->Finish(), impl->socket_path);
   }
   if (event.body_case() != v1::SessionEvent::kAttached) {
+    // A notice first: the daemon ended the session during the attach; it says why.
+    const std::string why = event.body_case() == v1::SessionEvent::kNotice
+                                ? ": " + event.notice().message()
+                                : " without an Attached event";
     impl->stream_context.TryCancel();
     impl->stream->Finish();
-    return Status(StatusCode::kInternal, "trainstreamd answered Attach without an Attached event");
+    return Status(StatusCode::kInternal, "trainstreamd answered Attach" + why);
   }
   const v1::Attached& att = event.attached();
   impl->group_timeout_s = options.group.key.empty() ? 0 : options.group.timeout_s;
@@ -247,7 +251,10 @@ SessionEnd Session::end_kind() const {
   return impl_->end;
 }
 
-const std::string& Session::recovery_token() const { return impl_->recovery_token; }
+std::string Session::recovery_token() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->recovery_token;
+}
 const ResumedState* Session::resumed() const { return impl_->resumed.get(); }
 
 bool Session::alive(std::string* why) const {
@@ -292,6 +299,10 @@ Status Session::RegisterParameters(const RegisterOptions& options,
   if (!s.ok()) return s;
   s = MappedRegion::Map(impl_->shm_dir, ToInfo(resp.staging()), &out->staging);
   if (!s.ok()) return s;
+  if (!resp.group_recovery_token().empty()) {
+    std::lock_guard<std::mutex> lock(impl_->mu);  // recovery_token() readers copy it
+    impl_->recovery_token = resp.group_recovery_token();
+  }
   out->slots.clear();
   for (const auto& sl : resp.slots()) {
     out->slots.push_back(ParameterSlots{sl.param_id(), sl.grad_offset(), sl.param_offset(),

@@ -112,6 +112,12 @@ Status CheckStateSegment(char* base, uint64_t bytes, StateSegmentView* out) {
   if (!(v.max_grad_norm >= 0) || v.max_grad_norm > 1e300) return Bad("max_grad_norm");
   v.threads = rh->threads;
   if (v.threads > 4096) return Bad("threads");
+  v.group_ranks = rh->group_ranks;
+  v.world_size = rh->world_size;
+  v.nnodes = rh->nnodes;
+  if (v.group_ranks > 64 || (v.group_ranks != 0 && (v.world_size < v.group_ranks || v.nnodes == 0 ||
+                                                    v.world_size < v.nnodes)))
+    return Bad("group geometry");
 
   const auto* entries = reinterpret_cast<const wire::StateManifestEntry*>(base + entries_offset);
   uint64_t chunks_seen = 0;
@@ -143,6 +149,16 @@ Status CheckStateSegment(char* base, uint64_t bytes, StateSegmentView* out) {
         !Within(p.grad_offset, p.numel * wire::DTypeSize(p.grad_dtype), v.staging_bytes) ||
         !Within(p.param_offset, p.numel * wire::DTypeSize(p.dtype), v.staging_bytes))
       return Bad(what + ": staging slots out of range");
+    if (!KnownDType(r.rank_grad_dtype)) return Bad(what + ": rank gradient dtype");
+    p.rank_grad_dtype = static_cast<wire::DType>(r.rank_grad_dtype);
+    p.rank_grad_offset = r.rank_grad_offset;
+    p.rank_grad_stride = r.rank_grad_stride;
+    const uint64_t ranks = v.group_ranks == 0 ? 1 : v.group_ranks;
+    const uint64_t rank_bytes = p.numel * wire::DTypeSize(p.rank_grad_dtype);
+    if (p.rank_grad_offset % 2 != 0 || p.rank_grad_offset < wire::kSegmentHeaderBytes ||
+        (ranks > 1 && (p.rank_grad_stride < rank_bytes || p.rank_grad_stride > v.staging_bytes)) ||
+        !Within(p.rank_grad_offset, (ranks - 1) * p.rank_grad_stride + rank_bytes, v.staging_bytes))
+      return Bad(what + ": gradient slots out of range");
     p.chunk_first = r.chunk_first;
     p.chunks = r.chunks;
     if (p.chunks != (p.numel + v.chunk_elems - 1) / v.chunk_elems || p.chunk_first != chunks_seen)

@@ -31,6 +31,9 @@ struct CheckedParam {
   uint32_t group = 0;
   uint64_t master_offset = 0, exp_avg_offset = 0, exp_avg_sq_offset = 0;  // state segment
   uint64_t grad_offset = 0, param_offset = 0;                             // staging segment
+  // The clients' gradient slots (a group's local ranks; a solo session's one).
+  uint64_t rank_grad_offset = 0, rank_grad_stride = 0;
+  wire::DType rank_grad_dtype = wire::DType::kFloat32;
   uint64_t chunk_first = 0, chunks = 0;
   uint64_t step_offset = 0;  // the manifest entry's torch step, from the segment start
 };
@@ -59,6 +62,9 @@ struct StateSegmentView {
   uint64_t staging_bytes = 0;
   double max_grad_norm = 0;
   uint32_t threads = 0;
+  uint32_t group_ranks = 0;  // a group's local ranks (0: a solo session)
+  uint32_t world_size = 0;
+  uint32_t nnodes = 0;
   std::vector<CheckedParam> params;
 };
 

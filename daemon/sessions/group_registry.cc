@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -9,8 +10,10 @@
 #include <vector>
 
 #include "planes/optimizer_plane.h"
+#include "recovery/owner.h"
 #include "sessions/param_binding.h"
 #include "sessions/param_layout.h"
+#include "token.h"
 #include "trainstream/wire/segment_header.h"
 
 namespace trainstream::daemon {
@@ -71,7 +74,7 @@ std::string DiffRegistration(const v1::RegisterParametersRequest& a, int ra,
 
 class Group {
  public:
-  enum class State { kForming, kRunning, kBroken };
+  enum class State { kForming, kResuming, kRunning, kBroken };
   struct Member {
     GroupJoiner joiner;
     bool registered = false;
@@ -98,6 +101,13 @@ class Group {
   std::unique_ptr<ShmSegment> state_segment;    // Guarded by mu.
   std::unique_ptr<ShmSegment> staging_segment;  // Guarded by mu.
   std::unique_ptr<OptimizerPlane> plane;        // Guarded by mu.
+  // Recovery (docs/recovery.md). Guarded by mu.
+  std::string recovery_token;  // handed to every rank at registration ("" : off)
+  OwnerProof proof{};          // resuming: what every rank must show
+  StateSegmentView view;       // resuming: the adopted state, checked
+  RecoveryReport report;
+  wire::StepRecord step{};
+  double waited_s = 0;
 
   Member* FindSession(uint64_t session_id, int32_t* rank) {
     for (auto& [r, m] : members) {
@@ -111,11 +121,13 @@ class Group {
 };
 
 GroupRegistry::GroupRegistry(SegmentFactory create, SegmentDropper drop,
-                             optimizer::WorkerPool* pool, SessionFaultFn on_fault)
+                             optimizer::WorkerPool* pool, SessionFaultFn on_fault,
+                             RecoveryLayoutOptions recovery)
     : create_(std::move(create)),
       drop_(std::move(drop)),
       pool_(pool),
-      on_fault_(std::move(on_fault)) {}
+      on_fault_(std::move(on_fault)),
+      recovery_(recovery) {}
 
 std::set<std::shared_ptr<Group>> GroupRegistry::AllGroups() {
   std::set<std::shared_ptr<Group>> all;
@@ -287,6 +299,7 @@ Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterParameters
       region->set_segment_size(seg.size());
       region->set_kind(v1::SEGMENT_KIND_SESSION);
       region->set_read_only(false);
+      resp->set_group_recovery_token(g.recovery_token);
       for (int i = 0; i < g.spec.params_size(); ++i) {
         const ParamPlacement& pl = g.layout.params[static_cast<size_t>(i)];
         auto* slot = resp->add_slots();
@@ -322,7 +335,7 @@ Status GroupRegistry::Form(Group& g) {
   }
   const v1::RegisterParametersRequest& req = g.spec;
   const auto ranks = static_cast<uint32_t>(g.membership.local_world_size());
-  g.layout = ComputeRegistrationLayout(req, ranks, /*sum_slot=*/true);
+  g.layout = ComputeRegistrationLayout(req, ranks, /*sum_slot=*/true, recovery_);
   SegmentOwner owner;
   owner.uid = g.uid;
   owner.job = g.job;
@@ -336,8 +349,24 @@ Status GroupRegistry::Form(Group& g) {
     Break(g, "could not allocate its memory: " + st.message(), -1);
     return st;
   }
+  // Note [Optimizer state outlives the daemon]: the group's one state is
+  // resumed by its ranks together, with a token they all hold.
+  RecoveryOwner recovery_owner;
+  if (recovery_.enabled) {
+    g.recovery_token = RandomHex(16);
+    const OwnerProof proof = ProofOf(g.recovery_token);
+    std::copy(proof.begin(), proof.end(), recovery_owner.proof);
+    recovery_owner.uid = g.uid;
+    recovery_owner.pid = g.members.at(0).joiner.pid;  // local rank 0: who it waits for
+    recovery_owner.start = ProcessStartTime(recovery_owner.pid);
+    recovery_owner.staging_name = g.staging_segment->name();
+    recovery_owner.staging_bytes = g.staging_segment->size();
+    recovery_owner.world_size = static_cast<uint32_t>(g.membership.world_size());
+    recovery_owner.nnodes = static_cast<uint32_t>(g.membership.nnodes());
+  }
   PlaneRegistration registration =
-      BindRegistration(req, g.layout, g.state_segment->base(), g.staging_segment->base());
+      BindRegistration(req, g.layout, g.state_segment->base(), g.staging_segment->base(),
+                       recovery_.enabled ? &recovery_owner : nullptr);
   std::vector<PlaneMember> members;
   for (const auto& [r, m] : g.members)
     members.push_back(PlaneMember{r, m.joiner.session_id, m.joiner.rings, m.joiner.resolver});
@@ -353,6 +382,196 @@ Status GroupRegistry::Form(Group& g) {
   g.state = Group::State::kRunning;
   spdlog::info("{} formed: {} local ranks, {} parameters (state {} bytes, staging {} bytes)", name,
                ranks, req.params_size(), g.layout.state_bytes, g.layout.staging_bytes);
+  return Status::Ok();
+}
+
+Status GroupRegistry::Rejoin(const GroupJoiner& joiner, const v1::GroupMembership& m,
+                             const OwnerProof& proof, AdoptionStore* store, v1::ResumedState* out) {
+  if (auto st = Validate(m); !st.ok()) return st;
+  std::shared_ptr<Group> gp;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::shared_ptr<Group>& slot = groups_[{joiner.uid, m.key()}];
+    if (!slot) {
+      std::unique_ptr<AdoptedState> adopted;
+      Status claimed = store->Claim(proof, joiner.uid, &adopted);
+      if (claimed.ok() &&
+          (adopted->registrations.size() != 1 || adopted->registrations[0].view.group_ranks !=
+                                                     static_cast<uint32_t>(m.local_world_size()))) {
+        claimed = Precondition("resume: that recovery token's state is not a group of " +
+                               std::to_string(m.local_world_size()) + " local ranks");
+        for (auto& r : adopted->registrations) {
+          drop_(std::move(r.staging));
+          drop_(std::move(r.state));
+        }
+      }
+      if (!claimed.ok()) {
+        groups_.erase({joiner.uid, m.key()});
+        return claimed;
+      }
+      auto g = std::make_shared<Group>();
+      g->uid = joiner.uid;
+      g->key = m.key();
+      g->job = joiner.job;
+      g->membership = m;
+      g->timeout_s = m.timeout_s() > 0 ? m.timeout_s() : kDefaultGroupTimeoutS;
+      g->state = Group::State::kResuming;
+      g->proof = proof;
+      AdoptedRegistration& reg = adopted->registrations[0];
+      g->view = std::move(reg.view);
+      g->report = std::move(reg.report);
+      g->state_segment = std::move(reg.state);
+      g->staging_segment = std::move(reg.staging);
+      g->step = adopted->step;
+      g->waited_s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - adopted->adopted)
+              .count();
+      slot = g;
+    }
+    gp = slot;
+  }
+  Group& g = *gp;
+  std::unique_lock<std::mutex> lock(g.mu);
+  const std::string name = "group '" + g.key + "'";
+  if (g.state != Group::State::kResuming ||
+      !std::equal(proof.begin(), proof.end(), g.proof.begin()))
+    return Precondition(name + " is not being resumed with this recovery token");
+  const auto& have = g.membership;
+  if (m.local_world_size() != have.local_world_size() || m.nnodes() != have.nnodes() ||
+      m.node_rank() != have.node_rank() || m.world_size() != have.world_size())
+    return Invalid(name + ": this rank's membership differs from the resuming group's");
+  if (g.members.count(m.local_rank()) != 0) {
+    return Status(StatusCode::kAlreadyExists,
+                  name + ": local rank " + std::to_string(m.local_rank()) + " is back already");
+  }
+  g.members[m.local_rank()].joiner = joiner;
+  g.members[m.local_rank()].registered = true;
+  {
+    std::lock_guard<std::mutex> glock(mu_);
+    by_session_[joiner.session_id] = gp;
+  }
+  spdlog::info("{}: local rank {} re-attached to resume (session {}), {} of {}", name,
+               m.local_rank(), joiner.session_id, g.members.size(), have.local_world_size());
+  Status result;
+  if (g.members.size() == static_cast<size_t>(have.local_world_size())) {
+    result = FormResumed(g);
+    g.cv.notify_all();
+  } else {
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(g.timeout_s);
+    while (g.state == Group::State::kResuming) {
+      if (g.cv.wait_until(lock, deadline) == std::cv_status::timeout &&
+          g.state == Group::State::kResuming) {
+        Break(g,
+              "only " + std::to_string(g.members.size()) + " of " +
+                  std::to_string(have.local_world_size()) + " local ranks came back within " +
+                  std::to_string(g.timeout_s) + " s to resume its state",
+              -1);
+      }
+    }
+  }
+  if (result.ok() && g.state == Group::State::kBroken)
+    result = Precondition(name + " is broken: " + g.broken_reason);
+  if (!result.ok()) {
+    lock.unlock();
+    std::lock_guard<std::mutex> glock(mu_);
+    auto it = groups_.find({g.uid, g.key});
+    if (it != groups_.end() && it->second == gp) groups_.erase(it);
+    return result;
+  }
+  // Every rank hears the same state, with its own gradient slots.
+  const StateSegmentView& v = g.view;
+  out->set_waited_s(g.waited_s);
+  out->set_completed_step(g.step.completed_step);
+  out->set_completed_grad_norm(g.step.completed_grad_norm);
+  out->set_completed_status(g.step.completed_status);
+  out->set_completed_params_updated(g.step.completed_params_updated);
+  out->set_restored_subchunks(g.report.restored_subchunks);
+  out->set_rolled_forward(g.report.rolled_forward);
+  auto* rr = out->add_registrations();
+  const ShmSegment& seg = *g.staging_segment;
+  v1::Region* region = rr->mutable_staging();
+  region->set_region_id(0);
+  region->set_segment_name(seg.name());
+  region->set_offset(wire::kSegmentHeaderBytes);
+  region->set_length(seg.size() - wire::kSegmentHeaderBytes);
+  region->set_segment_size(seg.size());
+  region->set_kind(v1::SEGMENT_KIND_SESSION);
+  for (size_t i = 0; i < v.params.size(); ++i) {
+    const CheckedParam& p = v.params[i];
+    const ParamOutcome& o = g.report.params[i];
+    auto* slot = rr->add_slots();
+    slot->set_param_id(p.param_id);
+    slot->set_grad_offset(p.rank_grad_offset +
+                          static_cast<uint64_t>(m.local_rank()) * p.rank_grad_stride);
+    slot->set_param_offset(p.param_offset);
+    slot->set_sum_offset(p.grad_offset);
+    slot->set_numel(p.numel);
+    auto* rp = rr->add_params();
+    rp->set_param_id(p.param_id);
+    rp->set_applied_step(o.applied_step);
+    rp->set_skipped(o.skipped);
+    rp->set_torch_step(o.torch_step);
+  }
+  return Status::Ok();
+}
+
+Status GroupRegistry::FormResumed(Group& g) {
+  const std::string name = "group '" + g.key + "'";
+  StateSegmentView& v = g.view;
+  // The ranks own it now: local rank 0 is who a later adoption waits for.
+  const pid_t leader = g.members.at(0).joiner.pid;
+  v.recovery->owner_pid = static_cast<int32_t>(leader);
+  v.recovery->owner_start = ProcessStartTime(leader);
+  g.state_segment->SetOwner(0);
+  g.staging_segment->SetOwner(0);
+  char* state_base = g.state_segment->base();
+  char* staging_base = g.staging_segment->base();
+  const auto ranks = static_cast<uint32_t>(g.membership.local_world_size());
+  std::vector<ParamBinding> bindings;
+  std::vector<CarriedNorm> carried;
+  for (size_t i = 0; i < v.params.size(); ++i) {
+    const CheckedParam& p = v.params[i];
+    const ParamOutcome& o = g.report.params[i];
+    ParamBinding b;
+    b.param_id = p.param_id;
+    b.name = p.name;
+    b.numel = p.numel;
+    b.group = p.group;
+    b.param_dtype = p.dtype;
+    b.grad_dtype = p.rank_grad_dtype;  // what the ranks post; the engine reads the fp32 sum
+    b.master = reinterpret_cast<float*>(state_base + p.master_offset);
+    b.exp_avg = state_base + p.exp_avg_offset;
+    b.exp_avg_sq = state_base + p.exp_avg_sq_offset;
+    b.param_slot = staging_base + p.param_offset;
+    for (uint32_t r = 0; r < ranks; ++r)
+      b.rank_grads.push_back(staging_base + p.rank_grad_offset + r * p.rank_grad_stride);
+    b.sum_slot = reinterpret_cast<float*>(staging_base + p.grad_offset);
+    b.durable = DurableRecordsOf(state_base, v.recovery_offset, p.step_offset, i);
+    bindings.push_back(std::move(b));
+    const uint64_t marked = v.records[i].mark.load() >> 2;
+    if (o.applied_step > g.step.completed_step && marked == o.applied_step)
+      carried.push_back({o.applied_step, p.param_id, o.grad_sumsq, !o.skipped});
+  }
+  std::vector<PlaneMember> members;
+  for (const auto& [r, m] : g.members)
+    members.push_back(PlaneMember{r, m.joiner.session_id, m.joiner.rings, m.joiner.resolver});
+  PlaneOptions options;
+  options.name = name;
+  options.group = true;
+  options.world_size = static_cast<uint32_t>(g.membership.world_size());
+  options.cross_node = g.membership.nnodes() > 1;
+  options.on_fault = on_fault_;
+  SessionOptimizerOptions engine;
+  engine.moment_dtype = v.moment_dtype;
+  engine.max_grad_norm = v.max_grad_norm;
+  engine.seed = v.seed;
+  engine.threads = v.threads;
+  g.plane = std::make_unique<OptimizerPlane>(std::move(options), std::move(members), pool_);
+  g.plane->AddParameters(engine, std::move(bindings), /*adopted=*/true, std::move(carried));
+  g.state = Group::State::kRunning;
+  spdlog::info("{} resumed: {} local ranks, {} parameters ({} finished on adoption)", name, ranks,
+               v.params.size(), g.report.rolled_forward);
   return Status::Ok();
 }
 
@@ -412,12 +631,14 @@ void GroupRegistry::FillStatus(v1::StatusResponse* out) {
     gs->set_node_rank(g->membership.node_rank());
     gs->set_nnodes(g->membership.nnodes());
     gs->set_world_size(g->membership.world_size());
-    std::string state = g->state == Group::State::kForming   ? "forming"
-                        : g->state == Group::State::kRunning ? "running"
-                                                             : "broken";
+    std::string state = g->state == Group::State::kForming    ? "forming"
+                        : g->state == Group::State::kResuming ? "resuming"
+                        : g->state == Group::State::kRunning  ? "running"
+                                                              : "broken";
     if (g->plane && !g->plane->failure().empty()) state = "broken";
     gs->set_state(state);
-    gs->set_params(g->have_spec ? static_cast<uint64_t>(g->spec.params_size()) : 0);
+    gs->set_params(g->have_spec ? static_cast<uint64_t>(g->spec.params_size())
+                                : static_cast<uint64_t>(g->view.params.size()));
     for (const ShmSegment* seg : {g->state_segment.get(), g->staging_segment.get()}) {
       if (seg == nullptr) continue;
       const bool is_state = seg == g->state_segment.get();

@@ -10,6 +10,11 @@
 //             registered the same parameters with the same initial weights
 //             (checksums), or fails for all of them, naming the difference.
 //   running   the plane serves every member's rings.
+//   resuming  (instead of forming, after a daemon restart: docs/recovery.md)
+//             ranks re-attach with the group's recovery token (Rejoin); the
+//             first one claims the state this daemon adopted, and once every
+//             local rank is back the plane starts on it. Every rank's attach
+//             waits for that, or fails with the same message for all.
 //   broken    a member left (detached, or its process died), a registration
 //             disagreed, or the barrier timed out. The plane stops before the
 //             leaver's memory is unmapped, every other member is sent
@@ -35,6 +40,8 @@
 
 #include "memory/shm_segment.h"
 #include "planes/optimizer_plane.h"
+#include "recovery/adoption.h"
+#include "sessions/param_layout.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 
@@ -71,8 +78,10 @@ class GroupRegistry {
  public:
   // `pool` (the optimizer's workers) must outlive the registry. `on_fault`
   // ends a member whose rings break the wire rules (client_rings.h).
+  // `recovery`: whether (and how) a group's state segment carries recovery
+  // records (Note [Optimizer state outlives the daemon]).
   GroupRegistry(SegmentFactory create, SegmentDropper drop, optimizer::WorkerPool* pool,
-                SessionFaultFn on_fault);
+                SessionFaultFn on_fault, RecoveryLayoutOptions recovery = {});
   ~GroupRegistry();
   GroupRegistry(const GroupRegistry&) = delete;
   GroupRegistry& operator=(const GroupRegistry&) = delete;
@@ -92,6 +101,15 @@ class GroupRegistry {
   Status Register(uint64_t session_id, const v1::RegisterParametersRequest& req,
                   v1::RegisterParametersResponse* resp);
 
+  // A rank of a group whose daemon died re-attaches (see "resuming" above)
+  // showing `proof` of the group's recovery token. The first claims the state
+  // from `store`; the call returns once every local rank is back and the plane
+  // runs, filling `out` with the state and this rank's slots, or fails: the
+  // store's NOT_FOUND / FAILED_PRECONDITION, a rank that did not come back
+  // within the group's timeout, or a membership that is not the group's.
+  Status Rejoin(const GroupJoiner& joiner, const v1::GroupMembership& m, const OwnerProof& proof,
+                AdoptionStore* store, v1::ResumedState* out);
+
   // The session is ending (`reason` says why). Breaks its group (see above);
   // when this returns, the group no longer touches the session's memory.
   // Safe for sessions in no group.
@@ -107,12 +125,14 @@ class GroupRegistry {
   // Every group, joinable (groups_) or broken and still held by members (by_session_).
   std::set<std::shared_ptr<Group>> AllGroups();              // takes mu_
   Status Form(Group& g);                                     // Group::mu held
+  Status FormResumed(Group& g);                              // Group::mu held
   void Break(Group& g, const std::string& why, int leaver);  // Group::mu held
 
   const SegmentFactory create_;
   const SegmentDropper drop_;
   optimizer::WorkerPool* const pool_;
   const SessionFaultFn on_fault_;
+  const RecoveryLayoutOptions recovery_;
 
   std::mutex mu_;
   // (uid, key) -> the group new ranks join. A broken group leaves this map

@@ -251,6 +251,11 @@ wire::StateManifestEntry* WriteStateManifest(char* state_base, const Registratio
   std::strncpy(rh->staging_name, owner->staging_name.c_str(), sizeof(rh->staging_name) - 1);
   rh->max_grad_norm = req.max_grad_norm();
   rh->threads = req.threads();
+  if (layout.sum_slot) {
+    rh->group_ranks = layout.grad_slots;
+    rh->world_size = owner->world_size;
+    rh->nnodes = owner->nnodes;
+  }
   auto* records = reinterpret_cast<wire::ParamRecord*>(state_base + layout.records_offset);
   for (int i = 0; i < req.params_size(); ++i) {
     const auto& p = req.params(i);
@@ -263,6 +268,9 @@ wire::StateManifestEntry* WriteStateManifest(char* state_base, const Registratio
     r.param_offset = pl.param_offset;
     r.chunk_first = pl.chunk_first;
     r.chunks = pl.chunks;
+    r.rank_grad_offset = pl.grad_offset;
+    r.rank_grad_stride = pl.grad_stride;
+    r.rank_grad_dtype = static_cast<uint32_t>(GradDType(p));
   }
   return entries;
 }

@@ -98,6 +98,8 @@ struct RecoveryOwner {
   uint32_t registration = 0;  // its index among the session's registrations
   std::string staging_name;   // the registration's staging segment
   uint64_t staging_bytes = 0;
+  uint32_t world_size = 0;  // a data-parallel group's: ranks of the job, machines
+  uint32_t nnodes = 0;
 };
 
 // Layout for a validated request. A group's staging has `grad_slots` (its

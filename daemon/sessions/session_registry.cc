@@ -55,7 +55,9 @@ SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
         return CreateSegment(owner, kind, bytes, what, out);
       },
       [this](std::unique_ptr<ShmSegment> seg) { DropSegment(std::move(seg)); }, optimizer_->pool(),
-      on_fault);
+      on_fault,
+      RecoveryLayoutOptions{config_.recovery_grace_s > 0, kPlaneChunkElems,
+                            optimizer_->pool()->size()});
   if (config_.recovery_grace_s > 0) {
     AdoptionHooks hooks;
     hooks.reserve = [this](uint64_t bytes, const std::string& what) {
@@ -256,13 +258,12 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
                     "resume: recovery is off in this daemon (recovery_grace = 0): it adopted "
                     "no optimizer state");
     }
-    if (req.has_group()) {
-      return Status(StatusCode::kFailedPrecondition,
-                    "resume: data-parallel groups are not resumed yet (docs/recovery.md)");
-    }
     const std::string& token = req.resume().recovery_token();
     if (token.size() != 32) return Invalid("resume.recovery_token: expected 32 hex digits");
-    if (Status st = adopted_->Claim(ProofOf(token), creds.uid, &resumed); !st.ok()) return st;
+    // A group's state is claimed by its first rank back (GroupRegistry::Rejoin).
+    if (!req.has_group()) {
+      if (Status st = adopted_->Claim(ProofOf(token), creds.uid, &resumed); !st.ok()) return st;
+    }
     s->recovery_token = token;
   } else if (config_.recovery_grace_s > 0) {
     s->recovery_token = RandomHex(16);
@@ -331,10 +332,20 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
   if (!s->group.empty()) {
     // A group member's rings are served by its group's plane, not its own.
     GroupJoiner joiner{s->id, creds.pid, creds.uid, s->job, s->rings, std::move(resolver)};
-    Status st = groups_->Join(joiner, req.group());
+    Status st = req.has_resume() ? groups_->Rejoin(joiner, req.group(), s->owner_proof,
+                                                   adopted_.get(), attached->mutable_resumed())
+                                 : groups_->Join(joiner, req.group());
     if (!st.ok()) {
-      End(s->id, "could not join its group", true);
+      // A resuming rank hears why from the attach's own status (every rank the same).
+      End(s->id, req.has_resume() ? "could not resume its group" : "could not join its group",
+          !req.has_resume());
       return st;
+    }
+    if (req.has_resume()) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      for (const auto& reg : attached->resumed().registrations())
+        for (const auto& p : reg.params()) s->param_ids.insert(p.param_id());
+      s->registrations = 1;
     }
   } else {
     std::lock_guard<std::mutex> lock(s->mu);
@@ -343,7 +354,7 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
   }
   if (resumed) {
     if (Status st = Resume(*s, std::move(resumed), attached->mutable_resumed()); !st.ok()) {
-      End(s->id, "could not resume its optimizer state", true);
+      End(s->id, "could not resume its optimizer state", false);
       return st;
     }
   }

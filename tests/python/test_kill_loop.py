@@ -51,3 +51,11 @@ def test_short_loop_reports_lost_steps_exactly(build_dir):
     assert f["bit_identical"] and not f["failures"]
     assert f["lost_reports"] >= 1 and f["lost_reports_exact"] == f["lost_reports"]
     assert f["worker_restarts"] >= f["lost_reports"]
+
+
+def test_short_loop_two_data_parallel_ranks(build_dir):
+    # Both ranks of a group share the daemon's one state: they resume it together.
+    f = run_loop(build_dir, "--short", "--dp", "2", "--kills", "4", "--seed", "14")
+    assert f["bit_identical"] and not f["failures"]
+    assert f["ranks"] == 2 and f["daemon_kills"] == 4
+    assert f["recoveries"] >= 2

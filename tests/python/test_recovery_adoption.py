@@ -173,3 +173,84 @@ def test_recovery_off_removes_everything_as_before(daemon_factory):
     second = daemon_factory("--recovery-grace", "0", socket=first.socket, shm_dir=first.shm_dir)
     assert second.segment_files() == []
     assert "optimizer state of 1 sessions in them is lost" in second.log()
+
+
+def _group_sessions(socket: str, timeout_s: float = 5.0):
+    """Two local ranks of one data-parallel group, attached and registered from this
+    process (registration is a barrier: one thread per rank)."""
+    import threading
+    client = control().Client.connect(socket, 2000)
+    members = [dict(key="recovery-group", local_rank=r, local_world_size=2, world_size=2,
+                    timeout_s=timeout_s) for r in range(2)]
+    sessions = [client.attach("g", r, r, members[r]) for r in range(2)]
+    out = [None, None]
+
+    def register(r):
+        out[r] = sessions[r].register_parameters(
+            [HP], [dict(param_id=0, name="w", shape=[N], dtype="float32")], "float32", 0.0, 0,
+            "same-weights", 0)
+    threads = [threading.Thread(target=register, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return client, members, sessions
+
+
+def test_a_group_resumes_with_every_rank_or_none(daemon_factory):
+    import threading
+    first = daemon_factory()
+    _, members, sessions = _group_sessions(first.socket)
+    tokens = {s.recovery_token for s in sessions}
+    assert len(tokens) == 1 and len(tokens.pop()) == 32  # the group's one token
+    token = sessions[0].recovery_token
+    plane = C().DataPlane(sessions[0].control.address, sessions[0].control.size, 10000)
+    plane.post_state(True, 0, FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
+    seq = plane.post_sync()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        c = plane.poll(100)
+        if c is not None and c["opcode"] == OP_SYNC_DONE and c["seq"] == seq:
+            break
+    kill(first)
+    second = daemon_factory(socket=first.socket, shm_dir=first.shm_dir)
+    client = control().Client.connect(second.socket, 2000)
+    results, resumed_sessions = [None, None], [None, None]
+
+    def rejoin(r):
+        try:  # (the sessions are kept: one that goes breaks the group)
+            resumed_sessions[r] = client.attach("g", r, r, members[r], token)
+            results[r] = resumed_sessions[r].resumed
+        except control().ControlError as e:
+            results[r] = e
+    threads = [threading.Thread(target=rejoin, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(2):
+        assert isinstance(results[r], dict), results[r]
+        (reg,) = results[r]["registrations"]
+        assert reg["params"][0]["applied_step"] == 0
+    # Each rank its own gradient slot, one weight slot for all.
+    a, b = (results[r]["registrations"][0]["params"][0] for r in range(2))
+    assert a["grad_offset"] != b["grad_offset"] and a["param_offset"] == b["param_offset"]
+    assert [g["state"] for g in second.status()["groups"]] == ["running"]
+
+
+def test_a_group_rank_that_does_not_come_back_fails_the_resume(daemon_factory):
+    first = daemon_factory()
+    _, members, sessions = _group_sessions(first.socket, timeout_s=1.0)
+    token = sessions[0].recovery_token
+    plane = C().DataPlane(sessions[0].control.address, sessions[0].control.size, 10000)
+    plane.post_state(True, 0, FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
+    time.sleep(0.2)
+    kill(first)
+    second = daemon_factory(socket=first.socket, shm_dir=first.shm_dir)
+    client = control().Client.connect(second.socket, 2000)
+    with pytest.raises(control().FailedPrecondition, match="only 1 of 2 local ranks came back"):
+        client.attach("g", 0, 0, members[0], token)
+    # The state went with the group: the other rank hears there is none.
+    with pytest.raises(control().NotFound):
+        client.attach("g", 1, 1, members[1], token)
+    wait_until(lambda: second.segment_files() == [], 5, what="the group's segments freed")

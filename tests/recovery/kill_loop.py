@@ -53,12 +53,14 @@ def parse(argv=None):
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (0: eager updates)")
     ap.add_argument("--embedded", action="store_true", help="the client starts the daemon")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel ranks sharing one state (daemon kills only)")
     ap.add_argument("--lose-every", type=int, default=0,
                     help="every K-th daemon kill also deletes the staging segment (0: never)")
     ap.add_argument("--jitter-ms", type=float, default=4.0)
     ap.add_argument("--restart-ms", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--short", action="store_true", help="6 kills over 40 steps (CI)")
+    ap.add_argument("--short", action="store_true", help="6 kills over 60 steps (CI)")
     ap.add_argument("--long", action="store_true", help="200 daemon kills, 100 client kills")
     ap.add_argument("--build-dir", default=os.environ.get("TRAINSTREAM_BUILD_DIR",
                                                           str(REPO / "build")))
@@ -67,10 +69,13 @@ def parse(argv=None):
     if a.lose_every and a.embedded:
         ap.error("--lose-every needs a supervised daemon (it deletes the staging segment "
                  "while none runs); drop --embedded")
+    if a.dp > 1 and a.client_kills:
+        ap.error("--client-kills with --dp: a killed rank breaks its group by design "
+                 "(docs/data-parallel.md); kill the daemon only")
     if a.short:
-        a.kills, a.steps, a.n_embd = min(a.kills, 6), 40, 32
+        a.kills, a.steps, a.n_embd = min(a.kills, 6), 60, 32
     if a.long:
-        a.kills, a.client_kills, a.steps = 200, 100, 400
+        a.kills, a.client_kills, a.steps = 200, 100, 1000
     return a
 
 
@@ -174,7 +179,11 @@ class Daemon:
 
 
 class Worker:
-    """kill_worker.py, its stdout read into a queue of (time, words)."""
+    """kill_worker.py (with --dp, one process per rank, as torchrun would start them:
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and one run id), rank 0's stdout read
+    into a queue of (time, words)."""
+
+    runs = 0
 
     def __init__(self, args, work: Path, socket, env, resume: bool, out: str):
         cmd = [sys.executable, str(HERE / "kill_worker.py"), "--steps", str(args.steps),
@@ -186,8 +195,19 @@ class Worker:
             cmd += ["--clip", str(args.clip)]
         if resume:
             cmd.append("--resume")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(work / "worker.err", "ab"),
-                                     text=True, env=env)
+        Worker.runs += 1
+        self.procs = []
+        err = open(work / "worker.err", "ab")
+        for rank in range(args.dp):
+            rank_env = dict(env)
+            if args.dp > 1:
+                rank_env.update(RANK=str(rank), WORLD_SIZE=str(args.dp), LOCAL_RANK=str(rank),
+                                LOCAL_WORLD_SIZE=str(args.dp), OMP_NUM_THREADS="1",
+                                TORCHELASTIC_RUN_ID=f"kill-loop-{os.getpid()}-{Worker.runs}")
+            self.procs.append(subprocess.Popen(
+                cmd + (["--dp"] if args.dp > 1 else []), env=rank_env, text=True, stderr=err,
+                stdout=subprocess.PIPE if rank == 0 else open(work / f"rank{rank}.out", "a")))
+        self.proc = self.procs[0]
         self.lines: "queue.Queue" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -195,6 +215,26 @@ class Worker:
         for line in self.proc.stdout:
             self.lines.put((time.monotonic(), line.split(maxsplit=2)))
         self.lines.put((time.monotonic(), None))
+
+    def wait(self, timeout: float = 180.0) -> int:
+        """Every rank's exit; rank 0's code (the others' must match it). A rank still
+        running after `timeout` is asked for its stacks (stderr) and killed."""
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGUSR1)
+                time.sleep(1)
+                p.kill()
+                codes.append(p.wait())
+        return codes[0] if len(set(codes)) == 1 else max(codes)
+
+    def kill(self):
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
 
 
 def write_base(path: Path) -> None:
@@ -214,7 +254,7 @@ def run_reference(args, work: Path, env) -> str:
     d = Daemon(args, work, socket, shm, supervise=True)
     try:
         w = Worker(args, work, socket, env, resume=False, out=str(work / "reference.pt"))
-        if w.proc.wait() != 0:
+        if w.wait() != 0:
             raise SystemExit(f"the reference run failed: {(work / 'worker.err').read_text()[-3000:]}")
     finally:
         d.stop()
@@ -279,11 +319,13 @@ def main(argv=None) -> int:
             if kill_times:
                 figures["resume_s"].append(time.monotonic() - kill_times[-1])
         elif words[0] == "lost":
-            step, message = int(words[1]), json.loads(words[2])["message"]
+            step, lost = int(words[1]), json.loads(words[2])
+            message = lost["message"]
             figures["lost_reports"] += 1
             # The client cannot finish a step without a daemon: the step it reports
-            # must be the one it was in (its last phase), named in the message.
-            if step == last_phase[1] and f"step {step}" in message:
+            # must be the one it was in (its last phase), named in the message (as its
+            # optimizer counts steps: from the checkpoint this worker started from).
+            if step == last_phase[1] and f"step {lost['optimizer_step']} " in message:
                 figures["lost_reports_exact"] += 1
             else:
                 failures.append(f"lost report names step {step}, the client was in step "
@@ -312,25 +354,35 @@ def main(argv=None) -> int:
         figures["worker_restarts"] += 1
         worker = Worker(args, work, worker_socket, env, resume=True, out=out)
 
-    for kind, at_step in events:
-        if done:
-            break
+    pending = list(events)
+    while pending and not done:
+        kind, at_step = pending[0]
+        # At least one step after the last kill: every event gets a moment of its own.
+        at_step = max(at_step, last_phase[1] + 1)
         target_phase = rng.choice(PHASES) if kind == "daemon" else rng.choice(PHASES[:3])
         if target_phase == "base_load":
-            # kill_worker.py loads the base before step i + 1 when i % 25 == 12.
-            base_steps = [i + 1 for i in range(args.steps) if i % 25 == 12 and i + 1 >= at_step]
+            # kill_worker.py loads the base before step i + 1 when i % 25 == 12; a load
+            # further off than the next event would push every later kill back.
+            spacing = args.steps / (len(events) + 1)
+            base_steps = [i + 1 for i in range(args.steps)
+                          if i % 25 == 12 and at_step <= i + 1 <= at_step + max(spacing, 1)]
             if base_steps:
                 at_step = base_steps[0]
             else:
-                target_phase = "backward"
+                target_phase = rng.choice(PHASES[:3])
         words = pump(lambda w, at=at_step, phase=target_phase:
                      w[0] == "phase" and int(w[2]) >= at and w[1] == phase)
-        if words is None:  # the worker exited: finished, lost its state, or was killed
-            code = worker.proc.wait()
+        if words is None:  # the worker exited: finished, or lost its state (code 3)
+            code = worker.wait()
             if code == 0 or done:
                 break
+            if code != 3:
+                failures.append(f"the worker exited with {code}: "
+                                f"{(work / 'worker.err').read_text()[-3000:]}")
+                break
             restart_worker()
-            continue
+            continue  # the same event, in the restarted worker
+        pending.pop(0)
         time.sleep(rng.uniform(0, args.jitter_ms) / 1000)
         if kind == "daemon":
             daemon_kills_done += 1
@@ -340,15 +392,14 @@ def main(argv=None) -> int:
                 figures["daemon_kills"] += 1
                 figures["by_phase"][target_phase] += 1
         else:
-            worker.proc.kill()
-            worker.proc.wait()
+            worker.kill()
             figures["client_kills"] += 1
             pump(timeout=10)  # what it said before dying
             restart_worker()
     # Let it finish, restarting it whenever its state was lost.
     while not done:
         if pump() is None:
-            code = worker.proc.wait()
+            code = worker.wait()
             if code == 0 or done:
                 break
             if code != 3:
@@ -356,7 +407,7 @@ def main(argv=None) -> int:
                                 f"{(work / 'worker.err').read_text()[-3000:]}")
                 break
             restart_worker()
-    worker.proc.wait()
+    worker.wait()
 
     import torch
     if done:
@@ -365,6 +416,10 @@ def main(argv=None) -> int:
         if differ:
             failures.append(f"{len(differ)} tensors differ from the uninterrupted run: "
                             f"{differ[:5]}")
+        for rank in range(1, args.dp):  # every rank holds the group's weights
+            other = torch.load(out.replace(".pt", f"-rank{rank}.pt"))
+            if any(not torch.equal(got[k], other[k]) for k in got):
+                failures.append(f"rank {rank}'s weights differ from rank 0's")
     else:
         failures.append("the run did not complete")
     daemon.stop()
@@ -380,9 +435,15 @@ def main(argv=None) -> int:
         failures.append(f"segments left behind: {sorted(left)[:5]} ({len(left)})")
     if not args.embedded:
         shutil.rmtree(shm, ignore_errors=True)
+    planned = (args.kills, args.client_kills)
+    if (figures["daemon_kills"], figures["client_kills"]) != planned and not failures:
+        failures.append(f"only {figures['daemon_kills']} daemon and {figures['client_kills']} "
+                        f"client kills of {planned} happened before the run ended: give it "
+                        "more --steps")
     resume = figures.pop("resume_s")
     figures.update(
         steps=args.steps, mode="embedded" if args.embedded else "supervised", clip=args.clip,
+        ranks=args.dp,
         daemon_starts=daemon.starts if not args.embedded else None,
         resume_s_median=round(statistics.median(resume), 3) if resume else None,
         resume_s_max=round(max(resume), 3) if resume else None,

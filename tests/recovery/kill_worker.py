@@ -9,7 +9,8 @@ Lines on stdout (each flushed):
   resumed <step> <json> the optimizer resumed after the daemon died (replayed and
                         landed gradients, seconds)
   lost <step> <json>    DaemonError: the state could not be resumed; <json> holds the
-                        message. The process then exits with code 3.
+                        message and the step as the optimizer counts it (from this
+                        process's start). The process then exits with code 3.
   done <json>           finished; <json> holds the optimizer's recovery figures
 Started with --resume, it goes on from its last checkpoint (model, optimizer, step):
 a killed worker, or one whose state was lost, picks up there.
@@ -17,8 +18,10 @@ a killed worker, or one whose state was lost, picks up there.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 
@@ -50,6 +53,9 @@ def parse(argv=None):
     ap.add_argument("--out", required=True, help="where the final weights go")
     ap.add_argument("--resume", action="store_true", help="go on from --ckpt if it exists")
     ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--dp", action="store_true",
+                    help="one rank of a data-parallel job (RANK, WORLD_SIZE, LOCAL_RANK, "
+                         "LOCAL_WORLD_SIZE set): the ranks share one state in the daemon")
     return ap.parse_args(argv)
 
 
@@ -62,9 +68,16 @@ def build(args):
         opts["socket"] = args.socket
     if args.clip > 0:
         opts["max_grad_norm"] = args.clip
+    world, rank = 1, 0
+    if args.dp:
+        opts["distributed"] = True
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), **opts)
-    batches = text_batches(corpus(), cfg, batch=4, steps=args.steps, seed=args.seed)
-    return model, opt, batches
+    # Each rank takes its rows of the global batch (as DDP's sampler would).
+    rows = slice(rank * 4, (rank + 1) * 4)
+    batches = [(x[rows], y[rows]) for x, y in
+               text_batches(corpus(), cfg, batch=4 * world, steps=args.steps, seed=args.seed)]
+    return model, opt, batches, rank
 
 
 def load_base(args, step: int) -> None:
@@ -83,12 +96,31 @@ def load_base(args, step: int) -> None:
             time.sleep(0.05)
 
 
-def checkpoint(args, model, opt, step: int) -> None:
+def checkpoint(args, model, opt, step: int, rank: int) -> None:
     say("phase", "state_dict", step + 1)
     state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
+    if rank != 0:  # a group's one state, saved by local rank 0
+        return
     tmp = args.ckpt + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, args.ckpt)  # a worker killed while saving leaves the last one whole
+
+
+def end_together(args, opt, rank: int) -> None:
+    """Data parallel: no rank leaves (which ends its session and so its group) before
+    every rank is done; a rank waiting here keeps asking the daemon (synchronize), so a
+    daemon that dies meanwhile finds every rank back to resume the group."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    world = int(os.environ["WORLD_SIZE"])
+    mark = f"{args.ckpt}.{run}.done"
+    open(f"{mark}{rank}", "w").close()
+    deadline = time.monotonic() + args.timeout_s
+    while not all(os.path.exists(f"{mark}{r}") for r in range(world)):
+        if time.monotonic() > deadline:
+            raise trainstream.DaemonError("the other ranks did not finish")
+        opt.synchronize()
+        time.sleep(0.02)
+    time.sleep(0.2)  # the last rank to arrive must see the others' marks too
 
 
 class Recoveries:
@@ -110,7 +142,8 @@ class Recoveries:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    model, opt, batches = build(args)
+    faulthandler.register(signal.SIGUSR1)  # the harness asks a stuck worker where it is
+    model, opt, batches, rank = build(args)
     start = 0
     if args.resume and os.path.exists(args.ckpt):
         state = torch.load(args.ckpt)
@@ -133,12 +166,17 @@ def main(argv=None) -> int:
             opt.zero_grad()
             seen.report(step)
             if step % args.ckpt_every == 0:
-                checkpoint(args, model, opt, step)
+                checkpoint(args, model, opt, step, rank)
                 seen.report(step + 1)
+        out = args.out if rank == 0 else args.out.replace(".pt", f"-rank{rank}.pt")
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out)
+        if args.dp:
+            end_together(args, opt, rank)
     except trainstream.DaemonError as e:
-        say("lost", opt.step_id + 1, json.dumps({"message": str(e)}))
+        # The optimizer counts its steps from this process's start (the checkpoint's).
+        say("lost", start + opt.step_id + 1,
+            json.dumps({"message": str(e), "optimizer_step": opt.step_id + 1}))
         return 3
-    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, args.out)
     stats = opt.stats()
     say("done", json.dumps({k: stats.get(k) for k in
                             ("steps", "recoveries", "replayed_grads", "landed_grads", "resume_s")}))

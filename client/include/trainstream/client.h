@@ -311,8 +311,9 @@ class Session {
 
   // Proves ownership of this session's optimizer state to a daemon that
   // adopts it after this one dies (AttachOptions::resume_token). Empty when
-  // the daemon runs with recovery off. A secret: keep it in memory.
-  const std::string& recovery_token() const;
+  // the daemon runs with recovery off. A secret: keep it in memory. A group
+  // session's becomes its group's at RegisterParameters.
+  std::string recovery_token() const;
   // Attached with a resume token: the state taken over; else null.
   const ResumedState* resumed() const;
 

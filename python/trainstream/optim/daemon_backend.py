@@ -66,8 +66,11 @@ class DaemonBackend:
         self._last_grad_norm: Optional[float] = None
         self._registrations = 0  # RegisterParameters calls that finished
         session.rejected_grad = self._rejected_grad
-        # Group sessions are not resumed yet (docs/recovery.md, "Data parallel").
-        session.resumable = bool(table.options["reconnect"]) and not table.in_group()
+        # A group's ranks resume its one state together (docs/recovery.md, "Data
+        # parallel"); ranks with copies of their own (replicated) resume like one process;
+        # across machines, the all-reduce of a step in flight is not replayed.
+        session.resumable = bool(table.options["reconnect"]) and not (
+            table.dp is not None and table.dp.nnodes > 1)
         table.stats.update(recoveries=0, replayed_grads=0, landed_grads=0, resume_s=0.0)
 
     # Note [Resuming after the daemon died]
@@ -87,12 +90,20 @@ class DaemonBackend:
     # self._replies, exports and loads are whole again). What cannot be resumed
     # raises DaemonError naming the step.
     def _resumable(self, fn, *args):
-        """Runs ``fn(*args)``, recovering from the daemon's death as often as it happens."""
+        """Runs ``fn(*args)``, recovering from the daemon's death as often as it happens
+        (a daemon may die again while the client resumes with it)."""
         while True:
             try:
                 return fn(*args)
             except SessionLost:
-                self._recover()
+                self._recover_until_resumed()
+
+    def _recover_until_resumed(self) -> None:
+        while True:
+            try:
+                return self._recover()
+            except SessionLost:
+                continue
 
     def _recover(self) -> None:
         t, session = self._table, self._session
@@ -159,7 +170,7 @@ class DaemonBackend:
                 self._session.forget_regions_after(done)
                 for e in entries:
                     e.grad_slot = e.param_slot = e.sum_slot = None
-                self._recover()
+                self._recover_until_resumed()
         self._registrations += 1
 
     def _register(self, entries: List[ParamEntry]) -> None:

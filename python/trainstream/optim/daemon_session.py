@@ -117,8 +117,11 @@ class DaemonSession:
 
     def register_parameters(self, *args):
         """RegisterParameters; the staging region it returns is mapped for this session's
-        lifetime (``map_staging``)."""
-        return self.call(self._session.register_parameters, *args)
+        lifetime (``map_staging``). A group's registration hands every rank the group's
+        recovery token, which replaces the session's."""
+        out = self.call(self._session.register_parameters, *args)
+        self._recovery_token = self._session.recovery_token
+        return out
 
     def map_staging(self, staging, cuda: bool) -> None:
         """Keeps a staging region mapped and, for CUDA parameters, registers it."""

@@ -38,7 +38,7 @@
 namespace trainstream::wire {
 
 inline constexpr uint32_t kRecoveryMagic = 0x54535243;  // "TSRC"
-inline constexpr uint32_t kRecoveryVersion = 1;
+inline constexpr uint32_t kRecoveryVersion = 2;         // 2: ParamRecord holds the ranks' slots
 // Elements a worker updates between two progress records (the journal's unit).
 inline constexpr uint64_t kSubChunkElems = 4096;
 
@@ -84,8 +84,12 @@ struct RecoveryHeader {
   char staging_name[64];
   double max_grad_norm;  // > 0: clipping mode (the step record's decision applies)
   uint32_t threads;      // the registration's worker-thread limit (0: the whole pool)
-  uint32_t reserved0;
-  uint64_t reserved[5];
+  // A data-parallel group's state: its local ranks (grad slots per parameter),
+  // ranks in the whole job and machines; all 0 for a solo session's.
+  uint32_t group_ranks;
+  uint32_t world_size;
+  uint32_t nnodes;
+  uint64_t reserved[4];
   StepRecord step_records[2];
 };
 static_assert(sizeof(RecoveryHeader) == 384, "wire format");
@@ -103,9 +107,15 @@ struct alignas(64) ParamRecord {
   uint64_t param_offset;                       // staging segment: the weights it writes
   uint64_t chunk_first;                        // its ChunkProgress entries
   uint64_t chunks;
-  uint64_t reserved[2];
+  // The client's gradient slots: local rank r's at rank_grad_offset + r *
+  // rank_grad_stride (a solo session has one, the slot the engine reads).
+  uint64_t rank_grad_offset;
+  uint64_t rank_grad_stride;
+  uint32_t rank_grad_dtype;
+  uint32_t reserved0;
+  uint64_t reserved[5];
 };
-static_assert(sizeof(ParamRecord) == 128, "wire format");
+static_assert(sizeof(ParamRecord) == 192, "wire format");
 
 struct ChunkProgress {
   std::atomic<uint64_t> done_step;   // last step whose update of the chunk is whole
