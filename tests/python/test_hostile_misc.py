@@ -192,9 +192,12 @@ def test_status_shows_a_non_admin_only_their_own(daemon_factory):
 # -- (e) OffloadAdamW after the daemon died ----------------------------------------
 
 def _optimizer(d):
+    # reconnect=False: the death is final here (waiting for a daemon to come back is
+    # tests/python/test_recovery_resume.py's).
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    opt = trainstream.OffloadAdamW(model.parameters(), lr=1e-3, socket=d.socket, timeout_s=10.0)
+    opt = trainstream.OffloadAdamW(model.parameters(), lr=1e-3, socket=d.socket, timeout_s=10.0,
+                                   reconnect=False)
     return model, opt
 
 
