@@ -1,0 +1,97 @@
+"""Resuming a DaemonBackend after its daemon died (docs/recovery.md): the mixin that
+reconnects, takes what landed and posts again what did not. Split from
+daemon_backend.py (which inherits it) to keep each module a readable size."""
+from __future__ import annotations
+
+from .._native.wire import OP_STEP_DONE
+from ..errors import DaemonError
+from .daemon_session import SessionLost
+
+
+class RecoveryMixin:
+    """DaemonBackend's recovery: ``_resumable`` runs a piece of work again after a
+    recovery; ``_recover`` is one. Uses the backend's ``_table``, ``_session``,
+    ``_replies_for`` and ``_post_grad``."""
+
+    # Note [Resuming after the daemon died]
+    # A daemon that dies leaves the optimizer state at a known point: each
+    # parameter's last update either landed (the daemon committed it before its
+    # PARAM_READY, or the next daemon finished it from the journal and the gradient
+    # in the staging slot) or never touched the state (docs/recovery.md). So a
+    # SessionLost anywhere below is answered by _recover(): reconnect (waiting for the
+    # daemon at most timeout_s, in embedded mode starting it), resume with the
+    # recovery token, and for each gradient of the pending step that had been posted:
+    # landed -> its weights are copied in as a PARAM_READY would have done, and it is
+    # off the step's pending set; not landed -> posted again (p.grad, or a paged
+    # weight's grad slot, which still holds it). A STEP_END that had gone is sent
+    # again; the new daemon counts the landed ones' norms into that step. Then the
+    # interrupted operation goes on: each piece run through _resumable is safe to run
+    # again (posting skips what is posted, _finish_step keeps its progress in
+    # self._replies, exports and loads are whole again). What cannot be resumed
+    # raises DaemonError naming the step.
+    def _resumable(self, fn, *args):
+        """Runs ``fn(*args)``, recovering from the daemon's death as often as it happens
+        (a daemon may die again while the client resumes with it)."""
+        while True:
+            try:
+                return fn(*args)
+            except SessionLost:
+                self._recover_until_resumed()
+
+    def _recover_until_resumed(self) -> None:
+        while True:
+            try:
+                return self._recover()
+            except SessionLost:
+                continue
+
+    def _recover(self) -> None:
+        t, session = self._table, self._session
+        step = t.step_id + 1
+        info = session.reconnect(step)
+        applied = {p["param_id"]: p for reg in info["registrations"] for p in reg["params"]}
+        missing = [e.name for e in t.entries.values()
+                   if e.grad_slot is not None and e.param_id not in applied]
+        if missing:
+            raise DaemonError(f"the TrainStream daemon came back without the state of "
+                              f"{len(missing)} parameter(s) ({', '.join(missing[:3])}): step "
+                              f"{step} and the state after step {step - 1} are lost; "
+                              "load_state_dict() of your last checkpoint is the way on")
+        r = self._replies_for(step)
+        replayed = landed = 0
+        plane = session.plane
+        for e in t.entries.values():
+            if e.posted_step != step:
+                continue
+            a = applied[e.param_id]
+            if a["applied_step"] == step:
+                landed += 1
+                if e.param_id not in r.ready and not a["skipped"] \
+                        and e.param.data_ptr() != e.param_slot.data_ptr():
+                    plane.copy_param(e.param, e.param_slot)
+                # No PARAM_READY comes for it: taken, as land() or _finish_step would.
+                r.ready.add(e.param_id)
+                t.in_flight.pop(id(e.param), None)
+            elif a["applied_step"] < step:
+                replayed += 1
+                # A paged weight's gradient lives on only in its slot (accept_grad).
+                self._post_grad(e, e.posted_grad if e.posted_grad is not None else e.grad_slot,
+                                replay=True)
+            else:
+                raise DaemonError(f"the TrainStream daemon came back with {e.name} at step "
+                                  f"{a['applied_step']}, past this optimizer's step {step}")
+        if info["completed_step"] == step:  # its STEP_DONE went out and was lost
+            r.result.update(opcode=OP_STEP_DONE, step=step, seq=0, param_id=0,
+                            status=info["completed_status"],
+                            grad_norm=info["completed_grad_norm"],
+                            params_updated=info["completed_params_updated"], message="")
+            r.end_sent = True
+        else:
+            r.end_sent = False
+        t.stats["recoveries"] += 1
+        t.stats["replayed_grads"] += replayed
+        t.stats["landed_grads"] += landed
+        t.stats["resume_s"] += info["seconds"]
+        t.event("resumed after the daemon died", step=step, replayed=replayed, landed=landed,
+                rolled_forward=info["rolled_forward"], seconds=round(info["seconds"], 3))
+
