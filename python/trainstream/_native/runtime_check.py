@@ -30,6 +30,7 @@ DEBIAN_PACKAGES = (
     ("libcares.so", "libc-ares2"),
     ("libspdlog.so", "libspdlog1.10"),
     ("libfmt.so", "libfmt9"),
+    ("libcrypto.so", "libssl3"),  # the daemon: SHA-256 of recovery tokens
 )
 
 _SONAME = re.compile(r"(lib[\w+.-]+\.so[\w.]*)")
