@@ -242,11 +242,9 @@ Status AdamWEngine::AdoptInitialized() {
   return Status::Ok();
 }
 
-Status AdamWEngine::CarryNorm(uint64_t step, uint64_t param_id, double sumsq, bool updated) {
-  auto it = by_id_.find(param_id);
-  if (it == by_id_.end())
-    return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
-  std::lock_guard<std::mutex> lock(mu_);
+// The step's record, made on first use; a step already ended takes nothing more.
+// Requires mu_.
+Status AdamWEngine::OpenStep(uint64_t step, Step** out) {
   std::unique_ptr<Step>& s = steps_[step];
   if (!s) {
     s = std::make_unique<Step>();
@@ -255,6 +253,17 @@ Status AdamWEngine::CarryNorm(uint64_t step, uint64_t param_id, double sumsq, bo
   if (s->ended)
     return Status(StatusCode::kFailedPrecondition,
                   "step " + std::to_string(step) + " already ended");
+  *out = s.get();
+  return Status::Ok();
+}
+
+Status AdamWEngine::CarryNorm(uint64_t step, uint64_t param_id, double sumsq, bool updated) {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end())
+    return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
+  std::lock_guard<std::mutex> lock(mu_);
+  Step* s = nullptr;
+  if (Status st = OpenStep(step, &s); !st.ok()) return st;
   s->norms.push_back({it->second->index, sumsq, it->second, /*carried=*/true});
   if (updated) {
     ++s->result.params_updated;
@@ -281,14 +290,8 @@ Status AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHype
                                                          " still has an update in flight (step " +
                                                          std::to_string(p->submit_step) + ")");
     }
-    std::unique_ptr<Step>& s = steps_[step];
-    if (!s) {
-      s = std::make_unique<Step>();
-      s->result.step = step;
-    }
-    if (s->ended)
-      return Status(StatusCode::kFailedPrecondition,
-                    "step " + std::to_string(step) + " already ended");
+    Step* s = nullptr;
+    if (Status st = OpenStep(step, &s); !st.ok()) return st;
     p->busy = true;
     p->submit_step = step;
     p->hp = hp;
@@ -305,14 +308,8 @@ Status AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHype
 
 Status AdamWEngine::StepEnd(uint64_t step) {
   std::unique_lock<std::mutex> lock(mu_);
-  std::unique_ptr<Step>& s = steps_[step];
-  if (!s) {
-    s = std::make_unique<Step>();
-    s->result.step = step;
-  }
-  if (s->ended)
-    return Status(StatusCode::kFailedPrecondition,
-                  "step " + std::to_string(step) + " already ended");
+  Step* s = nullptr;
+  if (Status st = OpenStep(step, &s); !st.ok()) return st;
   s->ended = true;
   if (deferred_ && s->norms_pending == 0 && !s->params.empty() && !s->updates_started) {
     s->updates_started = true;

@@ -201,6 +201,7 @@ class AdamWEngine {
  private:
   struct Param;
   struct Step;
+  Status OpenStep(uint64_t step, Step** out);  // Requires mu_
   void StartNormPhase(Param* p);
   void NormChunk(Param* p, size_t chunk);
   void CheckAndUpdateChunk(Param* p, size_t chunk);
