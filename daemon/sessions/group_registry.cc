@@ -319,6 +319,20 @@ Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterParameters
   return result;
 }
 
+// The group's optimizer plane over its members' rings (formed or resumed alike).
+void GroupRegistry::StartPlane(Group& g, const std::string& name) {
+  std::vector<PlaneMember> members;
+  for (const auto& [r, m] : g.members)
+    members.push_back(PlaneMember{r, m.joiner.session_id, m.joiner.rings, m.joiner.resolver});
+  PlaneOptions options;
+  options.name = name;
+  options.group = true;
+  options.world_size = static_cast<uint32_t>(g.membership.world_size());
+  options.cross_node = g.membership.nnodes() > 1;
+  options.on_fault = on_fault_;
+  g.plane = std::make_unique<OptimizerPlane>(std::move(options), std::move(members), pool_);
+}
+
 Status GroupRegistry::Form(Group& g) {
   const std::string name = "group '" + g.key + "'";
   const std::string& reference = g.members.at(0).checksum;
@@ -367,16 +381,7 @@ Status GroupRegistry::Form(Group& g) {
   PlaneRegistration registration =
       BindRegistration(req, g.layout, g.state_segment->base(), g.staging_segment->base(),
                        recovery_.enabled ? &recovery_owner : nullptr);
-  std::vector<PlaneMember> members;
-  for (const auto& [r, m] : g.members)
-    members.push_back(PlaneMember{r, m.joiner.session_id, m.joiner.rings, m.joiner.resolver});
-  PlaneOptions options;
-  options.name = name;
-  options.group = true;
-  options.world_size = static_cast<uint32_t>(g.membership.world_size());
-  options.cross_node = g.membership.nnodes() > 1;
-  options.on_fault = on_fault_;
-  g.plane = std::make_unique<OptimizerPlane>(std::move(options), std::move(members), pool_);
+  StartPlane(g, name);
   // The plane's first parameters: nothing to disagree with.
   g.plane->AddParameters(registration.options, std::move(registration.params));
   g.state = Group::State::kRunning;
@@ -553,21 +558,12 @@ Status GroupRegistry::FormResumed(Group& g) {
     if (o.applied_step > g.step.completed_step && marked == o.applied_step)
       carried.push_back({o.applied_step, p.param_id, o.grad_sumsq, !o.skipped});
   }
-  std::vector<PlaneMember> members;
-  for (const auto& [r, m] : g.members)
-    members.push_back(PlaneMember{r, m.joiner.session_id, m.joiner.rings, m.joiner.resolver});
-  PlaneOptions options;
-  options.name = name;
-  options.group = true;
-  options.world_size = static_cast<uint32_t>(g.membership.world_size());
-  options.cross_node = g.membership.nnodes() > 1;
-  options.on_fault = on_fault_;
   SessionOptimizerOptions engine;
   engine.moment_dtype = v.moment_dtype;
   engine.max_grad_norm = v.max_grad_norm;
   engine.seed = v.seed;
   engine.threads = v.threads;
-  g.plane = std::make_unique<OptimizerPlane>(std::move(options), std::move(members), pool_);
+  StartPlane(g, name);
   g.plane->AddParameters(engine, std::move(bindings), /*adopted=*/true, std::move(carried));
   g.state = Group::State::kRunning;
   spdlog::info("{} resumed: {} local ranks, {} parameters ({} finished on adoption)", name, ranks,

@@ -126,6 +126,7 @@ class GroupRegistry {
   std::set<std::shared_ptr<Group>> AllGroups();              // takes mu_
   Status Form(Group& g);                                     // Group::mu held
   Status FormResumed(Group& g);                              // Group::mu held
+  void StartPlane(Group& g, const std::string& name);        // Group::mu held
   void Break(Group& g, const std::string& why, int leaver);  // Group::mu held
 
   const SegmentFactory create_;
