@@ -354,6 +354,19 @@ def main(argv=None) -> int:
         figures["worker_restarts"] += 1
         worker = Worker(args, work, worker_socket, env, resume=True, out=out)
 
+    def exited_for_good() -> bool:
+        """After the worker exited: True if it finished or failed (recorded); False if
+        it lost its state (code 3) and was restarted from its checkpoint."""
+        code = worker.wait()
+        if code == 0 or done:
+            return True
+        if code != 3:
+            failures.append(f"the worker exited with {code}: "
+                            f"{(work / 'worker.err').read_text()[-3000:]}")
+            return True
+        restart_worker()
+        return False
+
     pending = list(events)
     while pending and not done:
         kind, at_step = pending[0]
@@ -373,14 +386,8 @@ def main(argv=None) -> int:
         words = pump(lambda w, at=at_step, phase=target_phase:
                      w[0] == "phase" and int(w[2]) >= at and w[1] == phase)
         if words is None:  # the worker exited: finished, or lost its state (code 3)
-            code = worker.wait()
-            if code == 0 or done:
+            if exited_for_good():
                 break
-            if code != 3:
-                failures.append(f"the worker exited with {code}: "
-                                f"{(work / 'worker.err').read_text()[-3000:]}")
-                break
-            restart_worker()
             continue  # the same event, in the restarted worker
         pending.pop(0)
         time.sleep(rng.uniform(0, args.jitter_ms) / 1000)
@@ -398,15 +405,8 @@ def main(argv=None) -> int:
             restart_worker()
     # Let it finish, restarting it whenever its state was lost.
     while not done:
-        if pump() is None:
-            code = worker.wait()
-            if code == 0 or done:
-                break
-            if code != 3:
-                failures.append(f"the worker exited with {code}: "
-                                f"{(work / 'worker.err').read_text()[-3000:]}")
-                break
-            restart_worker()
+        if pump() is None and exited_for_good():
+            break
     worker.wait()
 
     import torch
