@@ -20,9 +20,11 @@
 #include "base/base_loader.h"
 #include "base/model_sources.h"
 #include "catch_compat.h"
+#include "shard_files.h"
 #include "trainstream/kernels/quant.h"
 
 using namespace trainstream::daemon::base;
+using trainstream::daemon::base::testing::AddShard;
 namespace tk = trainstream::kernels;
 using trainstream::Status;
 using trainstream::StatusCode;
@@ -84,23 +86,6 @@ std::string SafetensorsFile(const std::vector<TestTensor>& tensors) {
   const uint64_t n = json.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
   return out + json + data;
-}
-
-// Writes `file` to a temporary path and opens it as a shard; the path is
-// unlinked at once (the fd keeps the file). `sparse_tail` bytes of hole follow.
-void AddShard(const std::string& file, ModelSources* sources, uint64_t sparse_tail = 0) {
-  char path[] = "/tmp/ts-fill-XXXXXX";
-  SourceFile f;
-  f.fd = mkstemp(path);
-  REQUIRE(f.fd >= 0);
-  f.path = path;
-  unlink(path);
-  REQUIRE(write(f.fd, file.data(), file.size()) == static_cast<ssize_t>(file.size()));
-  if (sparse_tail != 0)
-    REQUIRE(ftruncate(f.fd, static_cast<off_t>(file.size() + sparse_tail)) == 0);
-  REQUIRE(fstat(f.fd, &f.st) == 0);
-  sources->path = "/models/m";
-  sources->files.push_back(std::move(f));
 }
 
 // Two shards of block weights (sizes that are no multiple of any block), norms,

@@ -17,8 +17,10 @@
 #include "base/base_loader.h"
 #include "base/model_sources.h"
 #include "catch_compat.h"
+#include "shard_files.h"
 
 using namespace trainstream::daemon::base;
+using trainstream::daemon::base::testing::AddShard;
 
 namespace {
 
@@ -256,25 +258,6 @@ TEST_CASE("A shard index over the tensor cap is refused", "[safetensors]") {
             "i.json: weight_map lists " + std::to_string(kMaxTensors + 1) +
                 " tensors, more than the " + std::to_string(kMaxTensors)));
 }
-
-namespace {
-
-// Writes `file` to a temporary path and opens it as a checkpoint shard; the
-// file is unlinked at once (the fd keeps it).
-void AddShard(const std::string& file, ModelSources* sources) {
-  char path[] = "/tmp/ts-shard-XXXXXX";
-  SourceFile f;
-  f.fd = mkstemp(path);
-  REQUIRE(f.fd >= 0);
-  f.path = path;
-  unlink(path);
-  REQUIRE(write(f.fd, file.data(), file.size()) == static_cast<ssize_t>(file.size()));
-  REQUIRE(fstat(f.fd, &f.st) == 0);
-  sources->path = "/models/m";
-  sources->files.push_back(std::move(f));
-}
-
-}  // namespace
 
 TEST_CASE("PlanBase refuses more than the tensor cap over all shards", "[base_loader]") {
   ModelSources sources;
