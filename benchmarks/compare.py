@@ -42,7 +42,7 @@ from headtohead import measure, report  # noqa: E402
 from headtohead.engines import ENGINES, Context, parse_engines  # noqa: E402
 from headtohead.scenarios import (SCENARIOS, batch_ids, ensure_checkpoint, lora_param_count,  # noqa: E402
                                   param_count, parse_scenarios)
-from bench_paging import run_case_process, start_daemon  # noqa: E402 (benchmarks/paging)
+from bench_paging import run_case_process, start_daemon, stop_daemon  # noqa: E402
 
 DEFAULT_SCENARIOS = "full1.5b,full7b,lora14b,lora14b_2k,lora32b"
 
@@ -238,11 +238,7 @@ def _run_engine(args, sc, engine, cap, ckpt) -> dict:
                              f"{sc.name}/{engine.name}", args.timeout, stderr_tail=2000,
                              on_line=on_line, env=_child_env(spec.get("socket")))
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
-        for d in cleanup:
-            shutil.rmtree(d, ignore_errors=True)
+        stop_daemon(proc, cleanup, timeout=60)
     r.pop("case", None)
     r = {"scenario": sc.name, "engine": engine.name, "label": engine.label,
          "capped": cap is not None, "cap_gib": cap, **r}

@@ -209,7 +209,7 @@ def main() -> int:
                  "trace": traceback.format_exc()[-2000:], **getattr(e, "ts_report", {})}
         print("RESULT " + json.dumps(r), flush=True)
         return 0
-    from bench_paging import run_case_process, start_daemon  # noqa: E402 (benchmarks/paging)
+    from bench_paging import run_case_process, start_daemon, stop_daemon  # noqa: E402
     cleanup = []
     if any(c.startswith("qlora14b") for c in args.cases.split(",")):
         if args.dir is None:
@@ -234,11 +234,7 @@ def main() -> int:
             results.append(r)
             print(json.dumps(r, indent=1), flush=True)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
-        for d in cleanup:
-            shutil.rmtree(d, ignore_errors=True)
+        stop_daemon(proc, cleanup)
     print("\n| case | s/step | peak VRAM GiB (measured steps / whole run) | RSS GiB | "
           "daemon shm GiB | loss first -> last | paged blocks |")
     print("|---|---|---|---|---|---|---|")

@@ -458,6 +458,16 @@ def start_daemon(budget: str):
     return proc, sock, [tmp, shm]
 
 
+def stop_daemon(proc, dirs, timeout: float = 30) -> None:
+    """Stops what start_daemon started (``proc`` may be None: no daemon of ours) and
+    removes ``dirs``."""
+    if proc is not None:
+        proc.terminate()
+        proc.wait(timeout=timeout)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -523,11 +533,7 @@ def main() -> int:
                 results.append(r)
                 print(json.dumps(r, indent=1), flush=True)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
-        for d in cleanup:
-            shutil.rmtree(d, ignore_errors=True)
+        stop_daemon(proc, cleanup)
     print_summary(results)
     return 0 if all("error" not in r for r in results) else 1
 
