@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from conftest import REPO
 
 LOOP = REPO / "tests" / "recovery" / "kill_loop.py"
@@ -60,3 +62,14 @@ def test_short_loop_two_data_parallel_ranks(build_dir):
     assert f["bit_identical"] and not f["failures"]
     assert f["ranks"] == 2 and f["daemon_kills"] == 4
     assert f["recoveries"] >= 2
+
+
+def test_short_loop_cuda_model(build_dir):
+    # The same resume for a model on the GPU: gradients come off the device into the
+    # staging slots, new weights go back over PCIe (the GPU host runs this).
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the GPU host runs it: scripts/gpu-check.sh)")
+    f = run_loop(build_dir, "--short", "--device", "cuda", "--kills", "6", "--seed", "15")
+    assert f["bit_identical"] and not f["failures"]
+    assert f["daemon_kills"] == 6
+    assert f["recoveries"] >= 3

@@ -60,6 +60,8 @@ def parse(argv=None):
     ap.add_argument("--jitter-ms", type=float, default=4.0)
     ap.add_argument("--restart-ms", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", default="cpu",
+                    help="where the client's model trains (cpu, cuda: the GPU host's check)")
     ap.add_argument("--short", action="store_true", help="6 kills over 60 steps (CI)")
     ap.add_argument("--long", action="store_true", help="200 daemon kills, 100 client kills")
     ap.add_argument("--build-dir", default=os.environ.get("TRAINSTREAM_BUILD_DIR",
@@ -193,6 +195,8 @@ class Worker:
             cmd += ["--socket", socket]
         if args.clip:
             cmd += ["--clip", str(args.clip)]
+        if args.device != "cpu":
+            cmd += ["--device", args.device]
         if resume:
             cmd.append("--resume")
         Worker.runs += 1

@@ -53,6 +53,7 @@ def parse(argv=None):
     ap.add_argument("--out", required=True, help="where the final weights go")
     ap.add_argument("--resume", action="store_true", help="go on from --ckpt if it exists")
     ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")
     ap.add_argument("--dp", action="store_true",
                     help="one rank of a data-parallel job (RANK, WORLD_SIZE, LOCAL_RANK, "
                          "LOCAL_WORLD_SIZE set): the ranks share one state in the daemon")
@@ -62,7 +63,7 @@ def parse(argv=None):
 def build(args):
     torch.manual_seed(args.seed)
     cfg = GPTConfig(n_embd=args.n_embd, n_head=2)
-    model = TinyGPT(cfg)
+    model = TinyGPT(cfg).to(args.device)
     opts = dict(timeout_s=args.timeout_s, profile=False, check_memory=False, offload=True)
     if args.socket:
         opts["socket"] = args.socket
@@ -75,7 +76,7 @@ def build(args):
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), **opts)
     # Each rank takes its rows of the global batch (as DDP's sampler would).
     rows = slice(rank * 4, (rank + 1) * 4)
-    batches = [(x[rows], y[rows]) for x, y in
+    batches = [(x[rows].to(args.device), y[rows].to(args.device)) for x, y in
                text_batches(corpus(), cfg, batch=4 * world, steps=args.steps, seed=args.seed)]
     return model, opt, batches, rank
 
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     model, opt, batches, rank = build(args)
     start = 0
     if args.resume and os.path.exists(args.ckpt):
-        state = torch.load(args.ckpt)
+        state = torch.load(args.ckpt, map_location="cpu")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = state["step"]
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
                 checkpoint(args, model, opt, step, rank)
                 seen.report(step + 1)
         out = args.out if rank == 0 else args.out.replace(".pt", f"-rank{rank}.pt")
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out)
+        torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()}, out)
         if args.dp:
             end_together(args, opt, rank)
     except trainstream.DaemonError as e:
