@@ -157,6 +157,21 @@ if [[ $STAGES == *frontdoor* ]]; then
     tail -20 "$OUT/bench-losses.log" | tee -a "$OUT/bench.log"
   fi
 fi
+# Recovery with a CUDA model (issue 21, docs/recovery.md): the kill loop's 20 daemon
+# SIGKILLs over 200 steps with the model on the GPU, bit-identical to an uninterrupted
+# run, then the short loop's CUDA test (skipped on the CPU machine).
+if [[ $STAGES == *recovery* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
+  echo "== recovery" | tee -a "$OUT/bench.log"
+  ls /dev/shm > "$OUT/shm-before.txt" 2>&1
+  timeout ${RECOVERY_TIMEOUT:-300} .venv/bin/python tests/recovery/kill_loop.py --device cuda \
+    --build-dir "$PWD/build-gpu" ${RECOVERY_ARGS:-} > "$OUT/recovery.log" 2>&1 || { rc=1; echo "kill loop failed"; }
+  tail -3 "$OUT/recovery.log" | tee -a "$OUT/bench.log"
+  timeout 200 .venv/bin/python -m pytest -q -rs tests/python/test_kill_loop.py -k cuda \
+    >> "$OUT/recovery.log" 2>&1 || rc=1
+  tail -8 "$OUT/recovery.log" | tee -a "$OUT/bench.log"
+  ls /dev/shm | diff "$OUT/shm-before.txt" - | tee -a "$OUT/bench.log"
+fi
 # Head-to-head against other libraries and the formats' perplexity (issue 22;
 # docs/benchmarks-compare.md). The peers' wheels come in .whl/ (carried; made with
 # benchmarks/headtohead/peer_wheels.py) and install into /tmp/site. COMPARE_ARGS picks
@@ -182,21 +197,6 @@ if [[ $STAGES == *quality* ]]; then
   timeout ${QUALITY_TIMEOUT:-300} python3 benchmarks/quality.py --out "$OUT/quality.json" ${QUALITY_ARGS:-} \
     >> "$OUT/quality.log" 2>&1 || { rc=1; echo "quality failed"; }
   tail -12 "$OUT/quality.log" | tee -a "$OUT/bench.log"
-fi
-# Recovery with a CUDA model (issue 21, docs/recovery.md): the kill loop's 20 daemon
-# SIGKILLs over 200 steps with the model on the GPU, bit-identical to an uninterrupted
-# run, then the short loop's CUDA test (skipped on the CPU machine).
-if [[ $STAGES == *recovery* ]]; then
-  export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
-  echo "== recovery" | tee -a "$OUT/bench.log"
-  ls /dev/shm > "$OUT/shm-before.txt" 2>&1
-  timeout ${RECOVERY_TIMEOUT:-300} .venv/bin/python tests/recovery/kill_loop.py --device cuda \
-    --build-dir "$PWD/build-gpu" ${RECOVERY_ARGS:-} > "$OUT/recovery.log" 2>&1 || { rc=1; echo "kill loop failed"; }
-  tail -3 "$OUT/recovery.log" | tee -a "$OUT/bench.log"
-  timeout 200 .venv/bin/python -m pytest -q -rs tests/python/test_kill_loop.py -k cuda \
-    >> "$OUT/recovery.log" 2>&1 || rc=1
-  tail -8 "$OUT/recovery.log" | tee -a "$OUT/bench.log"
-  ls /dev/shm | diff "$OUT/shm-before.txt" - | tee -a "$OUT/bench.log"
 fi
 # The CUDA cap test's scenario with the allocator's history recorded (diag_cap.py).
 if [[ $STAGES == *capdiag* ]]; then

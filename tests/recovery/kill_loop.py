@@ -62,6 +62,8 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cpu",
                     help="where the client's model trains (cpu, cuda: the GPU host's check)")
+    ap.add_argument("--optimizer-mode", default="cpu", choices=("cpu", "gpu"),
+                    help="with --device cuda: the daemon's host AdamW (cpu) or zero-copy (gpu)")
     ap.add_argument("--short", action="store_true", help="6 kills over 60 steps (CI)")
     ap.add_argument("--long", action="store_true", help="200 daemon kills, 100 client kills")
     ap.add_argument("--build-dir", default=os.environ.get("TRAINSTREAM_BUILD_DIR",
@@ -196,7 +198,7 @@ class Worker:
         if args.clip:
             cmd += ["--clip", str(args.clip)]
         if args.device != "cpu":
-            cmd += ["--device", args.device]
+            cmd += ["--device", args.device, "--optimizer-mode", args.optimizer_mode]
         if resume:
             cmd.append("--resume")
         Worker.runs += 1

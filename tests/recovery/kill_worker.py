@@ -54,6 +54,9 @@ def parse(argv=None):
     ap.add_argument("--resume", action="store_true", help="go on from --ckpt if it exists")
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")
+    ap.add_argument("--optimizer-mode", default="cpu",
+                    help="wrap()'s optimizer_mode: cpu (the daemon's host AdamW, whose state "
+                         "the daemon keeps) or gpu (zero-copy; its state is a client region)")
     ap.add_argument("--dp", action="store_true",
                     help="one rank of a data-parallel job (RANK, WORLD_SIZE, LOCAL_RANK, "
                          "LOCAL_WORLD_SIZE set): the ranks share one state in the daemon")
@@ -64,7 +67,8 @@ def build(args):
     torch.manual_seed(args.seed)
     cfg = GPTConfig(n_embd=args.n_embd, n_head=2)
     model = TinyGPT(cfg).to(args.device)
-    opts = dict(timeout_s=args.timeout_s, profile=False, check_memory=False, offload=True)
+    opts = dict(timeout_s=args.timeout_s, profile=False, check_memory=False, offload=True,
+                optimizer_mode=args.optimizer_mode)
     if args.socket:
         opts["socket"] = args.socket
     if args.clip > 0:
@@ -133,7 +137,7 @@ class Recoveries:
 
     def report(self, step: int) -> None:
         now = self.opt.stats()
-        for _ in range(now["recoveries"] - self.seen["recoveries"]):
+        for _ in range(now.get("recoveries", 0) - self.seen.get("recoveries", 0)):
             say("resumed", step, json.dumps({
                 "replayed": now["replayed_grads"] - self.seen["replayed_grads"],
                 "landed": now["landed_grads"] - self.seen["landed_grads"],
