@@ -83,6 +83,9 @@ def _load(ctx: Context, on_device: bool, **kwargs):
     model = AutoModelForCausalLM.from_pretrained(ctx.ckpt, dtype=dtype, attn_implementation="sdpa",
                                                  **kwargs)
     model.config.use_cache = False
+    # from_pretrained returns the model in eval mode, where transformers skips gradient
+    # checkpointing: every engine trains in train mode, as Trainer and its users do.
+    model.train()
     return model
 
 
@@ -287,6 +290,7 @@ def _unsloth(ctx: Context) -> Run:
         model, r=LORA["r"], lora_alpha=LORA["lora_alpha"], lora_dropout=LORA["lora_dropout"],
         target_modules=LORA["target_modules"], bias="none", use_gradient_checkpointing="unsloth",
         random_state=0)
+    model.train()
     params = _trained(model)
     opt = _adamw(params, ctx.scenario.lr, ctx.cuda)
     return Run(_loop(model, opt, ctx), _numel(params), info={"checkpointing": "unsloth"})
@@ -310,6 +314,7 @@ def _trainstream(quantize: Optional[str] = None, checkpointing: bool = False,
             from trainstream.integrations.huggingface import load_model
             model = load_model(ctx.ckpt, quantize=quantize, socket=ctx.socket)
             model.config.use_cache = False
+            model.train()
         if ctx.scenario.kind == "lora":
             model = _lora(model)
         if checkpointing:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from . import memory
+from .integrations import hf_logits_loss
 from .optim import OffloadAdamW
 from .options import validate
 from .report import SESSION_ATTR as _SESSION_ATTR
@@ -36,6 +37,7 @@ class TrainStreamSession:
     activation_regions: List[Any] = field(default_factory=list)  # keep the mappings alive
     retired_regions: List[Any] = field(default_factory=list)    # ... after the session ended
     leave_session: Any = None  # moves activation pages out of the daemon session (memory.stream)
+    restore_loss: Any = None  # puts the model's own loss_function back (hf_logits_loss.py)
 
     @property
     def steps(self) -> int:
@@ -83,6 +85,11 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     memory.stream(model, opt, session, prepared)
     memory.adapt(model, opt, session, prepared)
     opt.attach(model)  # guard_params: ParamReadyHooks on the model's modules
+    if config["lm_loss"] == "trainstream":
+        session.restore_loss = hf_logits_loss.install(model)
+        if session.restore_loss is not None:
+            session.event("lm_loss", what="the model's loss_function computes the causal-LM "
+                                          "loss without fp32 copies of the logits")
     setattr(model, _SESSION_ATTR, session)
     return model, opt
 
@@ -93,7 +100,8 @@ def _offload_optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
     parameters), attached to the daemon with the plan's moment precision."""
     names = {id(p): n for n, p in model.named_parameters()}
     opt_options = {k: v for k, v in config.items()
-                   if k not in ("device", "lr", "check_memory", "blocks", "mode", "eager")}
+                   if k not in ("device", "lr", "check_memory", "blocks", "mode", "eager",
+                                 "lm_loss")}
     opt_options["moment_dtype"] = moment_dtype
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -153,6 +161,8 @@ def unwrap(model: nn.Module) -> nn.Module:
             delattr(model, _SESSION_ATTR)
         return model
     memory.uninstall(model, session)
+    if session.restore_loss is not None:
+        session.restore_loss()
     if session.optimizer is not None:
         session.optimizer.detach()
         session.optimizer.release_hooks()

@@ -191,6 +191,9 @@ OPTIONS: Dict[str, tuple] = {
                                 lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
                                 and v >= 0),
     "attention": ("auto", *_one_of("auto", "cudnn", "efficient", "flash", "math", None)[::-1]),
+    "lm_loss": ("trainstream", "'trainstream' (a Hugging Face causal LM's loss_function computes "
+                "the same loss without fp32 copies of the logits) or 'model' (its own)",
+                _one_of("trainstream", "model")[0]),
     "vram_limit": (None, "None (TRAINSTREAM_VRAM_LIMIT, else the whole device), a number of "
                    "bytes > 0 or a string such as '24GiB'", _bytes_or_none),
     "vram_headroom": (0.10, "a number in [0, 0.9] (fraction of the device memory kept free)",

@@ -1,0 +1,152 @@
+"""wrap()'s loss for Hugging Face causal LMs (integrations/hf_logits_loss.py) against
+transformers' own ForCausalLMLoss and torch's F.cross_entropy on the CPU: the same loss
+and gradients (fp32 sums in another order: 1e-6 relative), padding (-100),
+num_items_in_batch, shift_labels, bf16 logits, and wrap()/unwrap() putting it in place
+and back. The CUDA (Triton) kernels are compared with the torch path in
+test_chunked_loss_cuda.py; this file runs that path's arithmetic with the same rows."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import trainstream  # noqa: E402
+from trainstream.integrations import hf_logits_loss  # noqa: E402
+from trainstream.integrations.hf_logits_loss import logits_cross_entropy  # noqa: E402
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, vocab_size=300,
+                                   max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def _batch(seed=1, rows=3, tokens=40, vocab=300):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab, (rows, tokens), generator=g)
+    labels = ids.clone()
+    labels[0, -7:] = -100  # padding: rows count different numbers of tokens
+    labels[2, :5] = -100
+    return ids, labels
+
+
+def _loss_and_grads(model, ids, labels, **kw):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=labels, **kw).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("rows", [1, 257, 600])  # under, at and over the torch path's block
+def test_matches_cross_entropy_rows_and_padding(rows):
+    g = torch.Generator().manual_seed(rows)
+    z = torch.randn(rows, 97, generator=g, dtype=torch.float64).float() * 3
+    t = torch.randint(97, (rows,), generator=g)
+    t[1::5] = -100
+    a = z.clone().requires_grad_()
+    b = z.clone().requires_grad_()
+    ref = F.cross_entropy(a, t, ignore_index=-100)
+    got = logits_cross_entropy(b, t)
+    ref.backward()
+    got.backward()
+    assert torch.allclose(got, ref, rtol=1e-6, atol=0)
+    assert torch.allclose(b.grad, a.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_num_items_in_batch_and_bf16_logits():
+    g = torch.Generator().manual_seed(3)
+    z = (torch.randn(64, 50, generator=g) * 4).to(torch.bfloat16)
+    t = torch.randint(50, (64,), generator=g)
+    t[:10] = -100
+    a = z.clone().requires_grad_()
+    b = z.clone().requires_grad_()
+    # transformers' way: fp32 copy, sum, divided by the items of the whole accumulated batch.
+    ref = F.cross_entropy(a.float(), t, ignore_index=-100, reduction="sum") / 123
+    got = logits_cross_entropy(b, t, num_items_in_batch=torch.tensor(123))
+    ref.backward()
+    got.backward()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, ref, rtol=1e-6)
+    assert b.grad.dtype == torch.bfloat16
+    # Both gradients are the same fp32 values rounded once to bf16.
+    assert torch.equal(b.grad, a.grad) or (b.grad.float() - a.grad.float()).abs().max() <= \
+        a.grad.float().abs().max() * 2 ** -8
+
+
+def test_nothing_counted_is_nan_like_torch():
+    z = torch.randn(4, 10, requires_grad=True)
+    t = torch.full((4,), -100)
+    assert torch.isnan(F.cross_entropy(z, t)) and torch.isnan(logits_cross_entropy(z, t))
+
+
+def test_bad_target_names_the_range():
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 10\)"):
+        logits_cross_entropy(torch.randn(4, 10), torch.tensor([0, 1, 10, 2]))
+    with pytest.raises(ValueError, match="logits must be"):
+        logits_cross_entropy(torch.randn(4, 10), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_items_in_batch": 97}])
+def test_model_loss_function_matches_transformers(kw):
+    ref_model = _model()
+    our_model = copy.deepcopy(ref_model)
+    restore = hf_logits_loss.install(our_model)
+    assert restore is not None and getattr(our_model.loss_function, "trainstream", False)
+    ids, labels = _batch()
+    ref_loss, ref_grads = _loss_and_grads(ref_model, ids, labels, **kw)
+    our_loss, our_grads = _loss_and_grads(our_model, ids, labels, **kw)
+    assert torch.allclose(our_loss, ref_loss, rtol=1e-6)
+    for n, g in ref_grads.items():
+        assert torch.allclose(our_grads[n], g, rtol=1e-4, atol=1e-7), n
+    restore()
+    assert not getattr(our_model.loss_function, "trainstream", False)
+
+
+def test_shift_labels_and_unknown_keywords_go_where_they_should():
+    model = _model()
+    hf_logits_loss.install(model)
+    ids, labels = _batch()
+    logits = model(input_ids=ids).logits
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    a = model.loss_function(logits, None, 300, shift_labels=shifted)
+    b = F.cross_entropy(logits.reshape(-1, 300).float(), shifted.reshape(-1), ignore_index=-100)
+    assert torch.allclose(a, b, rtol=1e-6)
+    assert type(a.grad_fn).__name__ == "_LogitsCrossEntropyBackward"
+    # A keyword this version does not know goes to transformers' own function.
+    other = model.loss_function(logits, labels, 300, some_future_option=0.1)
+    assert type(other.grad_fn).__name__ != "_LogitsCrossEntropyBackward"
+    assert torch.allclose(other, model.loss_function(logits, labels, 300), rtol=1e-6)
+
+
+def test_wrap_installs_it_and_unwrap_restores(daemon):
+    model = _model()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  socket=daemon.socket, profile=False)
+    try:
+        assert getattr(model.loss_function, "trainstream", False)
+        kinds = [e["kind"] for e in model._trainstream_session.events]
+        assert "lm_loss" in kinds
+        ids, labels = _batch()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    finally:
+        trainstream.unwrap(model)
+    assert not getattr(model.loss_function, "trainstream", False)
+
+
+def test_wrap_model_loss_keeps_the_models(daemon):
+    model = _model()
+    model, _ = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                socket=daemon.socket, profile=False, lm_loss="model")
+    try:
+        assert not getattr(model.loss_function, "trainstream", False)
+    finally:
+        trainstream.unwrap(model)
+    with pytest.raises(ValueError, match="lm_loss"):
+        trainstream.wrap(_model(), lm_loss="fast")
