@@ -79,7 +79,7 @@ def parse(argv=None):
     if a.short:
         a.kills, a.steps, a.n_embd = min(a.kills, 6), 60, 32
     if a.long:
-        a.kills, a.client_kills, a.steps = 200, 100, 1000
+        a.kills, a.client_kills, a.steps = 200, 100, 1500
     return a
 
 
