@@ -360,3 +360,45 @@ TEST_CASE("SIGKILL mid-update with clipping: a step lands on every parameter or 
           "[recovery]") {
   KillLoop(Case{wire::DType::kFloat32, 0.5}, 3);
 }
+
+TEST_CASE("A manifest entry whose master layout does not fit its dtype is refused", "[recovery]") {
+  // Note [One host copy of a trained weight]: the layout decides where the engine
+  // reads and writes the master, so one that the entry's dtype does not have (a split
+  // master of fp32 weights, an fp32 weight slot master with a state array) is hostile.
+  const Case c;
+  const v1::RegisterParametersRequest req = Request(c);
+  Memory mem(req, 2);
+  RecoveryOwner owner;
+  owner.staging_name = "trainstream-test";
+  owner.staging_bytes = mem.layout.staging_bytes;
+  PlaneRegistration reg = BindRegistration(req, mem.layout, mem.state, mem.staging, &owner);
+  optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
+  {
+    optimizer::AdamWEngine engine(&pool, Options(c));
+    for (size_t p = 0; p < kSizes.size(); ++p) {
+      WriteWeights(mem.ParamSlot(p), p);
+      REQUIRE(engine.AddParam(EngineBinding(reg.params[p])).ok());
+    }
+    REQUIRE(engine.Init().ok());
+  }
+  StateSegmentView view;
+  REQUIRE(CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
+  auto* entries = reinterpret_cast<wire::StateManifestEntry*>(
+      mem.state + mem.layout.manifest_offset + sizeof(wire::StateManifest));
+  // Entry 1 is the fp32 parameter: its slot is its master.
+  REQUIRE(entries[1].master_layout == static_cast<uint32_t>(wire::MasterLayout::kWeightSlot));
+  entries[1].master_layout = static_cast<uint32_t>(wire::MasterLayout::kSplitBf16);
+  trainstream::Status st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  CHECK(st.message().find("entry 1: master layout") != std::string::npos);
+  entries[1].master_layout = 7;
+  CHECK(!CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
+  entries[1].master_layout = static_cast<uint32_t>(wire::MasterLayout::kWeightSlot);
+  entries[1].master_offset = entries[1].exp_avg_offset;  // a state array it does not have
+  st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  CHECK(st.message().find("entry 1: state arrays out of range") != std::string::npos);
+  entries[1].master_offset = 0;
+  // Entry 0 (bf16): its low halves must lie inside the segment.
+  entries[0].master_offset = mem.layout.state_bytes - 64;
+  st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  CHECK(st.message().find("entry 0: state arrays out of range") != std::string::npos);
+}
