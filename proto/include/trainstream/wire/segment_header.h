@@ -59,7 +59,10 @@ struct StateManifest {
 // client that writes its weight slot changes its own master (it could send any
 // gradient anyway); the daemon only computes with what is there, and a slot's
 // mapping is guarded like every client page (Note [Client pages can vanish]). A
-// split master is an fp32 master's bits except for a rounding tie: see its Note.
+// split master is an fp32 master's bits except after a tie that rounded up (about
+// one element in 2^17 per step), which it keeps one ulp further from zero (Note
+// [Split master]): bf16 weights train as with a whole fp32 master to the ulp of the
+// master, not to the bit; fp32 and fp16 weights bit for bit.
 enum class MasterLayout : uint32_t {
   kFp32 = 0,        // fp32[numel] at master_offset in the state segment
   kSplitBf16 = 1,   // high halves: the bf16 weight slot; low halves: uint16[numel] at master_offset
