@@ -4,10 +4,9 @@ so the daemon's state segments hold 4 and 2 bytes a parameter less than they did
 
 A state_dict saved by the daemon that kept a whole fp32 master per parameter in its
 state segment loads into this one, and training goes on bit for bit as it went on
-there. The fixture was written by that
-daemon (fixtures/make_state_dict_v2.py says how): the state after 3 steps, and what
-that daemon made of it: the state_dict it gave right after loading it, the gradients
-of 3 more steps and the state after them."""
+there. The fixture was written by that daemon (fixtures/make_state_dict_v2.py says
+how): the state after 3 steps, and what that daemon made of it: the state_dict it gave
+right after loading it, the gradients of 3 more steps and the state after them."""
 from pathlib import Path
 
 import pytest
