@@ -161,10 +161,10 @@ Status AdamWEngine::AddParam(const ParamBinding& b) {
   const DurableRecords& d = b.durable;
   const size_t chunk = std::max<size_t>(options_.chunk_elems, 64);
   if (d.record != nullptr) {
-    if (split || options_.eager_check_per_chunk)
+    if (options_.eager_check_per_chunk)
       return Status(StatusCode::kInvalidArgument,
                     "parameter " + std::to_string(b.param_id) +
-                        ": durable records need an fp32 master and eager_check_per_chunk off");
+                        ": durable records need eager_check_per_chunk off");
     const uint64_t chunks = (b.numel + chunk - 1) / chunk;
     const uint64_t slot_bytes =
         wire::JournalSlotLayoutFor(wire::kSubChunkElems, kernels::DTypeSize(options_.moment_dtype))
@@ -532,6 +532,7 @@ void AdamWEngine::UpdateJournaled(Param* p, size_t chunk) {
   const DurableRecords& d = b.durable;
   JournaledChunk j;
   j.whole.master = b.master;
+  j.whole.master_lo = b.master_lo;
   j.whole.exp_avg = b.exp_avg;
   j.whole.exp_avg_sq = b.exp_avg_sq;
   j.whole.grad = b.grad_slot;

@@ -273,6 +273,7 @@ struct OptimizerPlane::Impl {
       eb.numel = b.numel;
       eb.param_dtype = b.param_dtype;
       eb.master = b.master;
+      eb.master_lo = b.master_lo;
       eb.exp_avg = b.exp_avg;
       eb.exp_avg_sq = b.exp_avg_sq;
       eb.param_slot = b.param_slot;

@@ -65,7 +65,11 @@ struct ParamBinding {
   uint32_t group = 0;
   wire::DType param_dtype = wire::DType::kFloat32;
   wire::DType grad_dtype = wire::DType::kFloat32;
-  float* master = nullptr;     // fp32[numel], state segment
+  // The fp32 master (Note [One host copy of a trained weight]): master, in the
+  // state segment (fp16 weights), or param_slot itself (fp32 weights), or, with
+  // master null, the bf16 param_slot plus these low halves in the state segment.
+  float* master = nullptr;
+  uint16_t* master_lo = nullptr;
   void* exp_avg = nullptr;     // moment dtype[numel], state segment
   void* exp_avg_sq = nullptr;  // moment dtype[numel], state segment
   void* grad_slot = nullptr;   // grad dtype[numel], staging (solo planes only)

@@ -135,16 +135,25 @@ Status CheckStateSegment(char* base, uint64_t bytes, StateSegmentView* out) {
     p.dtype = static_cast<wire::DType>(e.dtype);
     p.grad_dtype = static_cast<wire::DType>(r.grad_dtype);
     const uint64_t mb = p.numel * moment_bytes;
+    // Only the layout this daemon writes for the dtype (MasterLayoutFor): a
+    // split master of anything but bf16 weights would be read as garbage.
+    if (e.master_layout != static_cast<uint32_t>(wire::MasterLayoutFor(p.dtype)))
+      return Bad(what + ": master layout " + std::to_string(e.master_layout) + " for its dtype");
+    p.master_layout = static_cast<wire::MasterLayout>(e.master_layout);
+    const uint64_t master_bytes = wire::MasterStateBytes(p.master_layout);
     p.master_offset = e.master_offset;
     p.exp_avg_offset = e.exp_avg_offset;
     p.exp_avg_sq_offset = e.exp_avg_sq_offset;
-    if (p.master_offset % 4 != 0 || p.exp_avg_offset % 4 != 0 || p.exp_avg_sq_offset % 4 != 0 ||
-        !Within(p.master_offset, p.numel * 4, bytes) || !Within(p.exp_avg_offset, mb, bytes) ||
-        !Within(p.exp_avg_sq_offset, mb, bytes) || p.master_offset < jo)
+    const bool master_ok = master_bytes == 0
+                               ? p.master_offset == 0
+                               : p.master_offset % 4 == 0 && p.master_offset >= jo &&
+                                     Within(p.master_offset, p.numel * master_bytes, bytes);
+    if (!master_ok || p.exp_avg_offset % 4 != 0 || p.exp_avg_sq_offset % 4 != 0 ||
+        !Within(p.exp_avg_offset, mb, bytes) || !Within(p.exp_avg_sq_offset, mb, bytes))
       return Bad(what + ": state arrays out of range");
     p.grad_offset = r.grad_offset;
     p.param_offset = r.param_offset;
-    if (p.grad_offset % 4 != 0 || p.param_offset % 2 != 0 ||
+    if (p.grad_offset % 4 != 0 || p.param_offset % wire::DTypeSize(p.dtype) != 0 ||
         p.grad_offset < wire::kSegmentHeaderBytes || p.param_offset < wire::kSegmentHeaderBytes ||
         !Within(p.grad_offset, p.numel * wire::DTypeSize(p.grad_dtype), v.staging_bytes) ||
         !Within(p.param_offset, p.numel * wire::DTypeSize(p.dtype), v.staging_bytes))
@@ -198,12 +207,42 @@ struct Finisher {
     report->lost_step = step;
   }
 
+  // Parameter p's arrays (every pointer at element 0), its master where its
+  // layout keeps it; false when that needs the staging segment and it is gone.
+  bool Arrays(const CheckedParam& p, kernels::AdamWRange* whole) const {
+    kernels::AdamWRange w;
+    w.exp_avg = v.base + p.exp_avg_offset;
+    w.exp_avg_sq = v.base + p.exp_avg_sq_offset;
+    w.numel = p.numel;
+    w.grad_dtype = p.grad_dtype;
+    w.moment_dtype = v.moment_dtype;
+    w.param_dtype = p.dtype;
+    if (staging != nullptr) {
+      w.grad = staging + p.grad_offset;
+      w.param_out = staging + p.param_offset;
+    }
+    switch (p.master_layout) {
+      case wire::MasterLayout::kFp32:
+        w.master = reinterpret_cast<float*>(v.base + p.master_offset);
+        break;
+      case wire::MasterLayout::kSplitBf16:
+        w.master_lo = reinterpret_cast<uint16_t*>(v.base + p.master_offset);
+        break;
+      case wire::MasterLayout::kWeightSlot:
+        w.master = static_cast<float*>(w.param_out);
+        break;
+    }
+    *whole = w;
+    return staging != nullptr || p.master_layout == wire::MasterLayout::kFp32;
+  }
+
   // Puts back every sub-chunk a journal slot says was changing, for parameter
-  // i's update of `step` (its chunks' progress points at it).
+  // i's update of `step` (its chunks' progress points at it). A master in a
+  // staging segment that is gone cannot be: RollForward reports it lost.
   void RestoreTorn(uint32_t i, uint64_t step) {
     const CheckedParam& p = v.params[i];
-    const size_t mb = wire::DTypeSize(v.moment_dtype);
-    const wire::JournalSlotLayout jl = wire::JournalSlotLayoutFor(wire::kSubChunkElems, mb);
+    kernels::AdamWRange whole;
+    if (!Arrays(p, &whole)) return;
     for (uint32_t s = 0; s < v.journal_slots; ++s) {
       char* slot = SlotPointer(s);
       const auto* jh = reinterpret_cast<const wire::JournalSlotHeader*>(slot);
@@ -214,9 +253,7 @@ struct Finisher {
       const uint64_t c = off / v.chunk_elems;
       const wire::ChunkProgress& pr = v.progress[p.chunk_first + c];
       if (pr.done_step.load() >= step || c * v.chunk_elems + pr.done_elems.load() != off) continue;
-      std::memcpy(v.base + p.master_offset + off * 4, slot + jl.master, count * 4);
-      std::memcpy(v.base + p.exp_avg_offset + off * mb, slot + jl.exp_avg, count * mb);
-      std::memcpy(v.base + p.exp_avg_sq_offset + off * mb, slot + jl.exp_avg_sq, count * mb);
+      optimizer::RestoreJournaled(whole, slot, off, count);
       ++report->restored_subchunks;
     }
   }
@@ -243,15 +280,7 @@ struct Finisher {
       return false;
     }
     optimizer::JournaledChunk j;
-    j.whole.master = reinterpret_cast<float*>(v.base + p.master_offset);
-    j.whole.exp_avg = v.base + p.exp_avg_offset;
-    j.whole.exp_avg_sq = v.base + p.exp_avg_sq_offset;
-    j.whole.grad = staging + p.grad_offset;
-    j.whole.param_out = staging + p.param_offset;
-    j.whole.numel = p.numel;
-    j.whole.grad_dtype = p.grad_dtype;
-    j.whole.moment_dtype = v.moment_dtype;
-    j.whole.param_dtype = p.dtype;
+    Arrays(p, &j.whole);  // staging is there: every array is
     const kernels::AdamWHyperParams hp{r.lr, r.beta1, r.beta2, r.eps, r.weight_decay};
     j.scalars = kernels::ComputeAdamWStepScalars(hp, r.state_step, r.grad_scale);
     j.key = kernels::RoundingKey{v.seed, p.param_id, r.state_step, 0};

@@ -29,6 +29,10 @@ struct CheckedParam {
   wire::DType dtype = wire::DType::kFloat32;       // the weights it writes back
   wire::DType grad_dtype = wire::DType::kFloat32;  // the slot the engine reads
   uint32_t group = 0;
+  // Where the master is (Note [One host copy of a trained weight]): its state
+  // array at master_offset (none for kWeightSlot), and for kSplitBf16 and
+  // kWeightSlot the param slot.
+  wire::MasterLayout master_layout = wire::MasterLayout::kFp32;
   uint64_t master_offset = 0, exp_avg_offset = 0, exp_avg_sq_offset = 0;  // state segment
   uint64_t grad_offset = 0, param_offset = 0;                             // staging segment
   // The clients' gradient slots (a group's local ranks; a solo session's one).

@@ -545,10 +545,10 @@ Status GroupRegistry::FormResumed(Group& g) {
     b.group = p.group;
     b.param_dtype = p.dtype;
     b.grad_dtype = p.rank_grad_dtype;  // what the ranks post; the engine reads the fp32 sum
-    b.master = reinterpret_cast<float*>(state_base + p.master_offset);
+    b.param_slot = staging_base + p.param_offset;
+    BindMaster(&b, p.master_layout, state_base, p.master_offset);
     b.exp_avg = state_base + p.exp_avg_offset;
     b.exp_avg_sq = state_base + p.exp_avg_sq_offset;
-    b.param_slot = staging_base + p.param_offset;
     for (uint32_t r = 0; r < ranks; ++r)
       b.rank_grads.push_back(staging_base + p.rank_grad_offset + r * p.rank_grad_stride);
     b.sum_slot = reinterpret_cast<float*>(staging_base + p.grad_offset);

@@ -12,6 +12,24 @@ SessionOptimizerOptions OptimizerOptionsOf(const v1::RegisterParametersRequest& 
   return o;
 }
 
+void BindMaster(ParamBinding* b, wire::MasterLayout layout, char* state_base,
+                uint64_t master_offset) {
+  switch (layout) {
+    case wire::MasterLayout::kFp32:
+      b->master = reinterpret_cast<float*>(state_base + master_offset);
+      b->master_lo = nullptr;
+      return;
+    case wire::MasterLayout::kSplitBf16:
+      b->master = nullptr;
+      b->master_lo = reinterpret_cast<uint16_t*>(state_base + master_offset);
+      return;
+    case wire::MasterLayout::kWeightSlot:
+      b->master = static_cast<float*>(b->param_slot);
+      b->master_lo = nullptr;
+      return;
+  }
+}
+
 optimizer::DurableRecords DurableRecordsOf(char* state_base, uint64_t recovery_offset,
                                            uint64_t entry_step_offset, uint64_t index) {
   optimizer::DurableRecords d;
@@ -48,10 +66,10 @@ PlaneRegistration BindRegistration(const v1::RegisterParametersRequest& req,
     b.param_dtype = static_cast<wire::DType>(p.dtype());
     b.grad_dtype = static_cast<wire::DType>(
         p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype() : p.grad_dtype());
-    b.master = reinterpret_cast<float*>(state_base + pl.master_offset);
+    b.param_slot = staging_base + pl.param_offset;
+    BindMaster(&b, pl.master_layout, state_base, pl.master_offset);
     b.exp_avg = state_base + pl.exp_avg_offset;
     b.exp_avg_sq = state_base + pl.exp_avg_sq_offset;
-    b.param_slot = staging_base + pl.param_offset;
     b.durable = DurableRecordsOf(
         state_base, recovery_offset,
         static_cast<uint64_t>(reinterpret_cast<char*>(&entries[i].step) - state_base),

@@ -31,6 +31,13 @@ PlaneRegistration BindRegistration(const v1::RegisterParametersRequest& req,
                                    const RegistrationLayout& layout, char* state_base,
                                    char* staging_base, const RecoveryOwner* owner = nullptr);
 
+// Points b's master where `layout` keeps it (Note [One host copy of a trained
+// weight], trainstream/wire/segment_header.h), its param_slot set first: a state
+// array at `master_offset` of the state segment mapped at `state_base`, the
+// param slot itself, or both halves.
+void BindMaster(ParamBinding* b, wire::MasterLayout layout, char* state_base,
+                uint64_t master_offset);
+
 // The engine's records of manifest entry `index` of a state segment mapped at
 // `state_base` whose recovery header is at `recovery_offset` (all null for 0);
 // `entry_step_offset` is where that entry's torch step lies.

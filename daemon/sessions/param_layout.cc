@@ -189,8 +189,11 @@ RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest
     }
     pl.param_offset = AlignUp(staging, kSlotAlign);
     staging = pl.param_offset + pl.numel * DTypeBytes(p.dtype());
-    pl.master_offset = AlignUp(state, kSlotAlign);
-    state = pl.master_offset + pl.numel * 4;
+    pl.master_layout = wire::MasterLayoutFor(static_cast<wire::DType>(p.dtype()));
+    if (const uint64_t master_bytes = wire::MasterStateBytes(pl.master_layout); master_bytes != 0) {
+      pl.master_offset = AlignUp(state, kSlotAlign);
+      state = pl.master_offset + pl.numel * master_bytes;
+    }
     pl.exp_avg_offset = AlignUp(state, kSlotAlign);
     state = pl.exp_avg_offset + pl.numel * moment_bytes;
     pl.exp_avg_sq_offset = AlignUp(state, kSlotAlign);
@@ -224,6 +227,7 @@ wire::StateManifestEntry* WriteStateManifest(char* state_base, const Registratio
     e.dtype = static_cast<uint32_t>(p.dtype());
     e.group = p.group();
     e.master_offset = pl.master_offset;
+    e.master_layout = static_cast<uint32_t>(pl.master_layout);
     e.exp_avg_offset = pl.exp_avg_offset;
     e.exp_avg_sq_offset = pl.exp_avg_sq_offset;
     std::strncpy(e.name, p.name().c_str(), sizeof(e.name) - 1);

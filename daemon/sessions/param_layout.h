@@ -16,8 +16,11 @@
 //   trainstream/wire/state_record.h), each 64-byte aligned: RecoveryHeader,
 //   ParamRecord per parameter, ChunkProgress per chunk of every parameter,
 //   one journal slot per worker of the pool
-//   per parameter (64-byte aligned, starting on the page after the above):
-//   master fp32[numel], exp_avg moment[numel], exp_avg_sq moment[numel].
+//   per parameter (64-byte aligned, starting on the page after the above): its
+//   master's state array (MasterLayoutFor its dtype, Note [One host copy of a
+//   trained weight] in trainstream/wire/segment_header.h: fp32[numel] for fp16
+//   weights, the uint16[numel] low halves for bf16, none for fp32), then
+//   exp_avg moment[numel], exp_avg_sq moment[numel].
 #pragma once
 
 #include <sys/types.h>
@@ -54,11 +57,12 @@ struct ParamPlacement {
   uint64_t numel = 0;
   uint64_t chunk_first = 0;  // with recovery: its first ChunkProgress, and how many
   uint64_t chunks = 0;
-  uint64_t grad_offset = 0;    // staging segment (local rank 0's in a group)
-  uint64_t grad_stride = 0;    // bytes between consecutive ranks' grad slots
-  uint64_t sum_offset = 0;     // group staging only: fp32[numel]; else 0
-  uint64_t param_offset = 0;   // staging segment
-  uint64_t master_offset = 0;  // state segment
+  uint64_t grad_offset = 0;   // staging segment (local rank 0's in a group)
+  uint64_t grad_stride = 0;   // bytes between consecutive ranks' grad slots
+  uint64_t sum_offset = 0;    // group staging only: fp32[numel]; else 0
+  uint64_t param_offset = 0;  // staging segment
+  wire::MasterLayout master_layout = wire::MasterLayout::kFp32;
+  uint64_t master_offset = 0;  // state segment: the master's state array (0: none)
   uint64_t exp_avg_offset = 0;
   uint64_t exp_avg_sq_offset = 0;
 };

@@ -414,11 +414,11 @@ Status SessionRegistry::Resume(Session& s, std::unique_ptr<AdoptedState> state,
       b.group = p.group;
       b.param_dtype = p.dtype;
       b.grad_dtype = p.grad_dtype;
-      b.master = reinterpret_cast<float*>(state_base + p.master_offset);
-      b.exp_avg = state_base + p.exp_avg_offset;
-      b.exp_avg_sq = state_base + p.exp_avg_sq_offset;
       b.grad_slot = staging_base + p.grad_offset;
       b.param_slot = staging_base + p.param_offset;
+      BindMaster(&b, p.master_layout, state_base, p.master_offset);
+      b.exp_avg = state_base + p.exp_avg_offset;
+      b.exp_avg_sq = state_base + p.exp_avg_sq_offset;
       b.durable = DurableRecordsOf(state_base, v.recovery_offset, p.step_offset, i);
       bindings.push_back(std::move(b));
       // An update that landed in a step whose STEP_DONE never went out: its

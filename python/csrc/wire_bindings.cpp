@@ -51,6 +51,12 @@ void RegisterWireBindings(pybind11::module_& m) {
       {"SEGMENT_MAGIC", u(wire::kSegmentMagic)},
       {"SEGMENT_HEADER_BYTES", u(wire::kSegmentHeaderBytes)},
       {"SEGMENT_MANIFEST_OFFSET_FIELD", u(offsetof(wire::SegmentHeader, manifest_offset))},
+      {"MASTER_STATE_BYTES_FLOAT32",
+       u(wire::MasterStateBytes(wire::MasterLayoutFor(DType::kFloat32)))},
+      {"MASTER_STATE_BYTES_BFLOAT16",
+       u(wire::MasterStateBytes(wire::MasterLayoutFor(DType::kBFloat16)))},
+      {"MASTER_STATE_BYTES_FLOAT16",
+       u(wire::MasterStateBytes(wire::MasterLayoutFor(DType::kFloat16)))},
       {"BASE_MANIFEST_MAGIC", u(wire::kBaseManifestMagic)},
       {"BASE_MANIFEST_HEADER_BYTES", u(sizeof(wire::BaseManifestHeader))},
   };

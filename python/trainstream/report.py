@@ -90,7 +90,10 @@ def _host_per_param(opt, numel: int) -> Dict[str, Any]:
     """Host memory of the training by category, in bytes and per trained parameter: the
     daemon's optimizer state (masters, moments), the staging slots this optimizer maps,
     and the process's private memory (everything else it holds: the Python heap, any
-    host copy of a weight, pinned buffers)."""
+    host copy of a weight, pinned buffers). "daemon_state" splits the first: what the
+    masters take beyond the weight slots (none for fp32 weights, whose slots are their
+    masters; 2 B a parameter for bf16) and the moments."""
+    state = opt.state_bytes_by_kind() if opt is not None else {"masters": 0, "moments": 0}
     bytes_ = {
         "daemon optimizer state": opt.state_bytes() if opt is not None else 0,
         "staging slots": pinned_stats(opt)["mapped_bytes"] if opt is not None else 0,
@@ -99,7 +102,10 @@ def _host_per_param(opt, numel: int) -> Dict[str, Any]:
     per = {k: (v / numel if numel else None) for k, v in bytes_.items()}
     total = sum(bytes_.values())
     return {"trained_params": numel, "bytes": bytes_, "bytes_per_param": per,
-            "total_bytes": total, "total_bytes_per_param": total / numel if numel else None}
+            "total_bytes": total, "total_bytes_per_param": total / numel if numel else None,
+            "daemon_state": state,
+            "daemon_state_per_param": {k: (v / numel if numel else None)
+                                       for k, v in state.items()}}
 
 
 def _is_optimizer(obj) -> bool:

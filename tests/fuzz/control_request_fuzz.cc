@@ -85,7 +85,14 @@ void RegisterParameters(uint8_t selector, const std::string& bytes) {
                    staging, layout.staging_bytes);
     if (sum_slot) staging = Slot(pl.sum_offset, numel * 4, staging, layout.staging_bytes);
     staging = Slot(pl.param_offset, numel * DTypeBytes(p.dtype()), staging, layout.staging_bytes);
-    state = Slot(pl.master_offset, numel * 4, state, layout.state_bytes);
+    // Note [One host copy of a trained weight]: none for fp32 weights (the weight
+    // slot is the master), the low halves for bf16, a whole fp32 master for fp16.
+    Check(pl.master_layout == wire::MasterLayoutFor(static_cast<wire::DType>(p.dtype())));
+    if (const uint64_t master = wire::MasterStateBytes(pl.master_layout); master != 0) {
+      state = Slot(pl.master_offset, numel * master, state, layout.state_bytes);
+    } else {
+      Check(pl.master_offset == 0);
+    }
     state = Slot(pl.exp_avg_offset, numel * moment, state, layout.state_bytes);
     state = Slot(pl.exp_avg_sq_offset, numel * moment, state, layout.state_bytes);
   }

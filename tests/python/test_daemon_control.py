@@ -50,7 +50,7 @@ def test_attach_allocate_free_detach(daemon):
         assert f.read(16) == b"\x07" * 16  # the client's writes land in the daemon's segment
         f.seek(0)
         magic, version, kind = struct.unpack("<III", f.read(12))
-    assert (magic, version, kind) == (0x54535347, 2, 2)
+    assert (magic, version, kind) == (0x54535347, 3, 2)
 
     s = daemon.status()
     (sess,) = s["sessions"]
@@ -173,7 +173,7 @@ def test_register_parameters_layout_and_state_manifest(daemon):
     with open(os.path.join(daemon.shm_dir, state["name"]), "rb") as f:
         data = f.read()
     magic, version, kind, _flags, total, session_id, uid = struct.unpack_from("<IIIIQQI", data, 0)
-    assert (magic, version, kind, total, session_id) == (0x54535347, 2, 3, len(data), a["session_id"])
+    assert (magic, version, kind, total, session_id) == (0x54535347, 3, 3, len(data), a["session_id"])
     manifest_offset, manifest_bytes = struct.unpack_from("<QQ", data, 120)
     assert manifest_offset == 4096 and manifest_bytes == 40 + 3 * 176
     mmagic, entries, moment = struct.unpack_from("<III", data, manifest_offset)
@@ -183,14 +183,22 @@ def test_register_parameters_layout_and_state_manifest(daemon):
     assert recovery_offset >= manifest_offset + manifest_bytes
     assert struct.unpack_from("<II", data, recovery_offset) == (0x54535243, 2)
     ids = []
+    # Note [One host copy of a trained weight]: where each master is, and what of it the
+    # state segment holds (bf16: the low halves, fp32: nothing, fp16: an fp32 master).
+    master_bytes = {1: 2, 2: 0, 0: 4}  # by MasterLayout
     for i in range(3):
         e = manifest_offset + 40 + 176 * i
         pid, numel = struct.unpack_from("<QQ", data, e)
         master, m1, m2 = struct.unpack_from("<QQQ", data, e + 24)
-        assert master % 64 == 0 and master + 4 * numel <= m1 and m1 + 2 * numel <= m2 <= len(data)
-        name = data[e + 56:e + 176].split(b"\0")[0].decode()
-        ids.append((pid, numel, name))
-    assert ids == [(10, 15, "w"), (11, 7, "b"), (12, 1, "scalar")]
+        (layout,) = struct.unpack_from("<I", data, e + 56)
+        if master_bytes[layout]:
+            assert master % 64 == 0 and master + master_bytes[layout] * numel <= m1
+        else:
+            assert master == 0
+        assert m1 + 2 * numel <= m2 <= len(data)
+        name = data[e + 64:e + 176].split(b"\0")[0].decode()
+        ids.append((pid, numel, layout, name))
+    assert ids == [(10, 15, 1, "w"), (11, 7, 2, "b"), (12, 1, 0, "scalar")]
     # The same ids cannot be registered twice; new ones can.
     again = c.send("register " + json.dumps({"groups": [{}], "params": [{"id": 11, "shape": [1]}]}))
     assert again["code"] == "INVALID_ARGUMENT" and again["message"].startswith("params[0].param_id:")

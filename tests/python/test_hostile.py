@@ -437,3 +437,41 @@ def test_a_connection_flood_by_a_member_leaves_the_others_alone(member_daemon):
         assert int(r.stdout) > 0
         assert d.ctl("--timeout-ms", "2000", "ping").returncode == 0
     under_attack(d, attack)
+
+
+# ------------------------------------------------------------------ masters in staging
+
+
+def test_garbage_in_its_weight_slots_changes_only_its_own_masters(daemon):
+    # Note [One host copy of a trained weight]: an fp32 weight slot is the master and a
+    # bf16 one its high half, in memory the client maps read-write. Writing NaNs, zeros
+    # and ones there between and during updates changes that session's masters; the
+    # daemon computes on, its session goes on, and nothing else is touched.
+    numel = 1 << 17
+    spec = {"groups": [{"lr": 1e-3}],
+            "params": [{"id": 0, "name": "fp32", "shape": [numel], "dtype": 1},
+                       {"id": 1, "name": "bf16", "shape": [numel], "dtype": 2}]}
+
+    def attack():
+        c, _ = attach(daemon)
+        reg = c.send("register " + json.dumps(spec))
+        assert reg["ok"], reg
+        slots = {s["param_id"]: s for s in reg["slots"]}
+        for pid in (0, 1):
+            assert c.send(f'post {{"opcode": 3, "seq": {pid}, "param_id": {pid}, "field": 4}}')["ok"]
+        seq = 2
+        for step in range(1, 9):
+            for pid, size in ((0, 4), (1, 2)):
+                fill = (0xFF, 0x00, 0x7F, 0x80)[step % 4]  # NaN, zero, huge, -0/-NaN
+                assert c.send(f"fill_staging 0 {slots[pid]['param_offset']} {numel * size} "
+                              f"{fill}")["ok"]
+                cmd = {"opcode": 1, "seq": seq, "param_id": pid, "step": step, "lr": 1e-3}
+                assert c.send("post " + json.dumps(cmd))["ok"]
+                seq += 1
+            assert c.send('post ' + json.dumps({"opcode": 2, "seq": seq, "step": step}))["ok"]
+            seq += 1
+        # Its session is not ended for it (given two seconds to be).
+        r = c.send("wait_dead 2000", timeout=20)
+        assert r["alive"], r
+        c.send("detach")
+    under_attack(daemon, attack)

@@ -1,6 +1,8 @@
 """The memory planner (trainstream/memory/planner.py): a pure function of a model
 summary, a capacity and the options, tested with any capacity."""
 import pytest
+import torch
+from torch import nn
 
 from paging_helpers import _config
 from trainstream.memory import planner
@@ -10,8 +12,9 @@ def _summary(n=8, trained=100 << 20, frozen=0, outside=50 << 20):
     blocks = [planner.BlockSummary(trained_bytes=trained, trained_numel=trained // 4,
                                    frozen_bytes=frozen, quantizable_bytes=frozen,
                                    quantized_bytes=frozen // 4 + 1) for _ in range(n)]
+    # fp32 weights: the daemon's masters are their weight slots (no bytes beyond them).
     return planner.ModelSummary(blocks, outside, outside, n * trained // 4 + outside // 4,
-                                n * trained + outside)
+                                n * trained + outside, 0)
 
 
 def _cap(vram_gib, ram_gib=64.0, daemon_gib=None):
@@ -54,8 +57,8 @@ def test_planner_moment_dtype_auto_and_host_memory_error():
     s = _summary(n=8, trained=1 << 30)  # 8 GiB of fp32 weights trained: 2 Gi elements
     fp32 = planner.plan(s, _cap(100, ram_gib=200), _config(moment_dtype="auto"))
     assert fp32.moment_dtype == "float32"
-    # fp32: master 8 + moments 16 + slots 16 GiB; bf16 moments: 32 GiB.
-    bf16 = planner.plan(s, _cap(100, ram_gib=100, daemon_gib=35), _config(moment_dtype="auto"))
+    # fp32 weights are their own masters: moments 16 + slots 16 GiB; bf16 moments: 24 GiB.
+    bf16 = planner.plan(s, _cap(100, ram_gib=100, daemon_gib=30), _config(moment_dtype="auto"))
     assert bf16.moment_dtype == "bfloat16"
     assert any("bf16 moments" in d for d in bf16.decisions)
     with pytest.raises(MemoryError, match="daemon budget free 20.00 GiB"):
@@ -99,3 +102,27 @@ def test_planner_bounds_activation_copies_in_flight_by_half_the_reserve():
     assert not any(d.startswith("max_inflight_bytes") for d in big.decisions)
     unknown = planner.Capacity("cpu", None, 64 << 30, None, 0.0, source="test")
     assert planner.plan(s, unknown, _config()).max_inflight_bytes is None
+
+
+@pytest.mark.parametrize("dtype,master", [(torch.float32, 0), (torch.bfloat16, 2),
+                                          (torch.float16, 4)])
+def test_planner_host_error_lists_the_daemons_bytes_per_parameter(dtype, master):
+    # Note [One host copy of a trained weight]: beyond its weight slot the daemon's master
+    # takes nothing for an fp32 weight, 2 B for bf16 (the low halves), 4 for fp16.
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).to(dtype)
+    s = planner.summarize(model, list(model), min_paged_bytes=0)
+    assert s.master_bytes == master * s.trained_numel
+    with pytest.raises(MemoryError) as info:
+        planner.plan(s, _cap(100, ram_gib=1e-6), _config(moment_dtype="float32"))
+    msg = str(info.value)
+    size = torch.finfo(dtype).bits // 8
+    assert f"needs {s.trained_numel * (master + 8 + 2 * size) / 2**10:.2f} KiB = " \
+           f"{master + 8 + 2 * size:.2f} B per trained parameter" in msg, msg
+    assert "daemon moments (fp32) 130.00 KiB = 8.00 B/param" in msg, msg
+    assert f"staging slots (gradient + weight) {s.trained_bytes * 2 / 2**10:.2f} KiB = " \
+           f"{2 * size:.2f} B/param" in msg, msg
+    if master:
+        assert f"daemon masters beyond the weight slots {s.master_bytes / 2**10:.2f} KiB = " \
+               f"{master:.2f} B/param" in msg, msg
+    else:
+        assert "daemon masters" not in msg, msg

@@ -65,6 +65,22 @@ def test_memory_report_with_model_adds_pinned_by_tag_and_keeps_sections(daemon):
     assert h["total_bytes"] == sum(h["bytes"].values())
     assert h["bytes_per_param"]["daemon optimizer state"] == opt.state_bytes() / n
     assert abs(h["total_bytes_per_param"] * n - h["total_bytes"]) < 1
+    # fp32 weights: their slots are the masters (Note [One host copy of a trained weight]).
+    assert h["daemon_state"] == {"masters": 0, "moments": 8 * n}
+    assert h["daemon_state_per_param"] == {"masters": 0.0, "moments": 8.0}
+    assert sum(h["daemon_state"].values()) == h["bytes"]["daemon optimizer state"]
+    trainstream.unwrap(ours)
+
+
+@pytest.mark.parametrize("dtype,master", [(torch.bfloat16, 2.0), (torch.float16, 4.0)])
+def test_memory_report_shows_the_daemons_master_bytes_per_parameter(daemon, dtype, master):
+    # Beyond its weight slot a bf16 weight's master is its low halves, an fp16 one's a
+    # whole fp32 master; bf16 moments take 2 B each.
+    cfg, _, ours = _pair()
+    ours, opt = trainstream.wrap(ours.to(dtype), socket=daemon.socket, moment_dtype="bfloat16")
+    h = trainstream.memory_report(ours)["host_per_param"]
+    assert h["daemon_state_per_param"] == {"masters": master, "moments": 4.0}
+    assert h["bytes"]["daemon optimizer state"] == (master + 4) * h["trained_params"]
     trainstream.unwrap(ours)
 
 

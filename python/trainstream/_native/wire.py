@@ -40,3 +40,11 @@ SEGMENT_HEADER_BYTES = 4096
 SEGMENT_MANIFEST_OFFSET_FIELD = 120  # offsetof(SegmentHeader, manifest_offset)
 BASE_MANIFEST_MAGIC = 0x54534246
 BASE_MANIFEST_HEADER_BYTES = 64
+
+# Bytes per trained element the daemon's master takes in a state segment, beyond the
+# weight slot, by the weight's dtype (segment_header.h, MasterStateBytes: Note [One host
+# copy of a trained weight]): an fp32 weight slot is the master, a bf16 one its high
+# half, an fp16 weight keeps a whole fp32 master.
+MASTER_STATE_BYTES_FLOAT32 = 0
+MASTER_STATE_BYTES_BFLOAT16 = 2
+MASTER_STATE_BYTES_FLOAT16 = 4

@@ -24,9 +24,11 @@ Device memory model (bytes that are live at the peak of a step):
   memory until their copy ends: copies in flight each way are bounded by half the
   reserve (``Plan.max_inflight_bytes``), else a fast forward runs ahead of its D2H
   copies and holds every paged block's activations at once.
-Host memory model: the daemon's fp32 master and two moments per trained element,
-its staging slots (a gradient and a weight slot in the parameter's dtype) and the
-pinned copies of paged frozen tensors.
+Host memory model: per trained element the daemon's two moments, what its master takes
+beyond the weight slot (``master_state_bytes``: nothing for an fp32 weight, whose slot is
+the master; 2 B for bf16, the low halves; 4 B for fp16), the staging slots (a gradient
+and a weight slot in the parameter's dtype), and the pinned copies of paged frozen
+tensors.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 from .._native.pinning import registered_host
+from ..optim.backend import master_state_bytes
 from ..blocks import chosen_blocks
 from .capacity import Capacity, format_bytes as _fmt
 
@@ -76,6 +79,7 @@ class ModelSummary:
     outside_grad_bytes: int       # trained tensors outside the block stack
     trained_numel: int            # every trained element of the model
     trained_bytes: int            # ... in the parameters' dtype
+    master_bytes: int             # the daemon's masters beyond the weight slots (master_state_bytes)
 
 
 @dataclass
@@ -140,7 +144,7 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
                 if registered_host(buf):
                     b.frozen_registered_bytes += _nbytes(buf)
         out.append(b)
-    outside = outside_grad = trained_numel = trained_bytes = 0
+    outside = outside_grad = trained_numel = trained_bytes = master_bytes = 0
     seen = set()
     for p in model.parameters():
         if id(p) in seen:
@@ -149,6 +153,7 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
         if p.requires_grad:
             trained_numel += p.numel()
             trained_bytes += _nbytes(p)
+            master_bytes += master_state_bytes(p)
         if id(p) not in in_blocks:
             outside += _nbytes(p)
             if p.requires_grad:
@@ -156,7 +161,7 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
     for buf in model.buffers():
         if id(buf) not in in_blocks:
             outside += _nbytes(buf)
-    return ModelSummary(out, outside, outside_grad, trained_numel, trained_bytes)
+    return ModelSummary(out, outside, outside_grad, trained_numel, trained_bytes, master_bytes)
 
 
 def _chosen(option, n: int) -> Optional[List[int]]:
@@ -189,7 +194,7 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
             b = summary.blocks[i]
             reused = 0 if quantize else b.frozen_registered_bytes
             frozen += max(0, b.paged_bytes(quantize) - b.trained_bytes - reused)
-        return {"daemon master weights (fp32)": 4 * summary.trained_numel,
+        return {"daemon masters beyond the weight slots": summary.master_bytes,
                 f"daemon moments ({'bf16' if moment_bytes == 2 else 'fp32'})":
                     2 * moment_bytes * summary.trained_numel,
                 "staging slots (gradient + weight)": 2 * summary.trained_bytes,

@@ -23,9 +23,23 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tupl
 
 import torch
 
+from .._native.wire import (MASTER_STATE_BYTES_BFLOAT16, MASTER_STATE_BYTES_FLOAT16,
+                            MASTER_STATE_BYTES_FLOAT32)
 from ..options import check_adamw_hyper
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Bytes per element of the daemon's master beyond the weight slot, by the weight's dtype
+# (Note [One host copy of a trained weight], trainstream/wire/segment_header.h).
+_MASTER_STATE_BYTES = {torch.float32: MASTER_STATE_BYTES_FLOAT32,
+                       torch.bfloat16: MASTER_STATE_BYTES_BFLOAT16,
+                       torch.float16: MASTER_STATE_BYTES_FLOAT16}
+
+
+def master_state_bytes(p: torch.Tensor) -> int:
+    """Bytes the daemon's fp32 master of trained tensor ``p`` takes in its state segment
+    beyond the weight slot: 0 for fp32 (the slot is the master), 2 an element for bf16
+    (the low halves), 4 for fp16 (a whole fp32 master)."""
+    return p.numel() * _MASTER_STATE_BYTES[p.dtype]
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from ..errors import TrainStreamError
 from ..options import check_adamw_hyper, validate
 from . import data_parallel
-from .backend import DTYPE_NAMES, Backend, ParamEntry, ParamTable
+from .backend import DTYPE_NAMES, Backend, ParamEntry, ParamTable, master_state_bytes
 from .daemon_backend import DaemonBackend
 from .daemon_session import DaemonSession
 from .local import LocalBackend
@@ -384,13 +384,24 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self._backend.regions() if self._backend is not None else []
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state the daemon holds for this optimizer's parameters:
-        the two moments and the fp32 master (none for an fp32 parameter with
-        optimizer_mode="gpu", which is its own)."""
+        """Bytes of optimizer state the daemon holds for this optimizer's parameters
+        (the sum of ``state_bytes_by_kind()``)."""
+        return sum(self.state_bytes_by_kind().values())
+
+    def state_bytes_by_kind(self) -> Dict[str, int]:
+        """``"moments"``: the two moments; ``"masters"``: what the fp32 masters take
+        beyond the weight slots (the daemon's: ``backend.master_state_bytes``, none for
+        fp32 weights, 2 B a parameter for bf16; with optimizer_mode="gpu" a whole fp32
+        master, none for an fp32 parameter, which is its own)."""
         moment = 2 if self._options["moment_dtype"] == "bfloat16" else 4
-        return sum(e.param.numel() * (2 * moment + (0 if self.optimizer_mode == "gpu"
-                                                    and e.param.dtype == torch.float32 else 4))
-                   for e in self._table.entries.values())
+
+        def master(p: torch.Tensor) -> int:
+            if self.optimizer_mode == "gpu":
+                return 0 if p.dtype == torch.float32 else 4 * p.numel()
+            return master_state_bytes(p)
+        entries = self._table.entries.values()
+        return {"masters": sum(master(e.param) for e in entries),
+                "moments": sum(2 * moment * e.param.numel() for e in entries)}
 
     # --------------------------------------------- what the memory layer asks for
     def register_regions_with_cuda(self) -> None:

@@ -25,6 +25,9 @@
 //                                    well-behaved producer (fields as in session_control.h)
 //   flood <n>                        push n zeroed records (opcode 0), waiting for room,
 //                                    never draining completions
+//   fill_staging <reg> <offset> <bytes> <byte>   memset bytes of registration reg's
+//                                    staging (offset from the segment start), e.g.
+//                                    its weight slots, which hold masters
 //   truncate <segment> <bytes>       ftruncate a file in the shm dir (O_RDWR open)
 //   try_open <segment> <r|rw>        open a segment file; reports errno
 //   try_chmod <segment> <octal>      chmod a segment file; reports errno
@@ -167,6 +170,20 @@ json Run(State& st, const std::string& line) {
     if (it == st.regions.end())
       return {{"ok", false}, {"code", "CLIENT"}, {"message", "unknown region"}};
     std::memset(it->second->data(), byte, it->second->size());
+    return {{"ok", true}};
+  }
+  if (cmd == "fill_staging") {  // registration index, offset from the segment start, bytes, byte
+    size_t index = 0;
+    uint64_t offset = 0, bytes = 0;
+    int byte = 0;
+    in >> index >> offset >> bytes >> byte;
+    if (index >= st.registrations.size())
+      return {{"ok", false}, {"code", "CLIENT"}, {"message", "unknown registration"}};
+    const trainstream::MappedRegion& m = *st.registrations[index].staging;
+    const uint64_t start = m.info().offset;
+    if (offset < start || offset - start > m.size() || bytes > m.size() - (offset - start))
+      return {{"ok", false}, {"code", "CLIENT"}, {"message", "offset"}};
+    std::memset(static_cast<char*>(m.data()) + (offset - start), byte, bytes);
     return {{"ok", true}};
   }
   if (cmd == "register") {

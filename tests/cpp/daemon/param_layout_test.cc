@@ -84,12 +84,42 @@ TEST_CASE("Layout: aligned, disjoint slots; manifest then state tensors", "[para
   CHECK(l.manifest_offset == 4096);
   CHECK(l.manifest_bytes == 40 + 2 * 176);
   CHECK(l.recovery_offset == 0);  // no recovery records asked for
+  // Note [One host copy of a trained weight]: a bf16 weight's master is its slot
+  // plus 15 low halves (30 bytes) here; an fp32 weight's slot is its master.
+  CHECK(a.master_layout == wire::MasterLayout::kSplitBf16);
   CHECK(a.master_offset == 8192);
   CHECK(a.exp_avg_offset == 8192 + 64);
   CHECK(a.exp_avg_sq_offset == 8192 + 128);
-  CHECK(b.master_offset == 8192 + 192);
+  CHECK(b.master_layout == wire::MasterLayout::kWeightSlot);
+  CHECK(b.master_offset == 0);
+  CHECK(b.exp_avg_offset == 8192 + 192);
+  CHECK(b.exp_avg_sq_offset == 8192 + 256);
   CHECK(l.state_bytes % 4096 == 0);
   CHECK(b.exp_avg_sq_offset + 2 * 7 <= l.state_bytes);
+}
+
+TEST_CASE("State segment: a trained weight is held once (issue 20)", "[params]") {
+  // 8 parameters of 2^20 elements, fp32 moments (8 B an element). The fp32 master
+  // took 4 more bytes an element for every dtype before; now an fp32 weight's slot
+  // is the master and a bf16 one is its high half (Note [One host copy of a trained
+  // weight], trainstream/wire/segment_header.h).
+  constexpr uint64_t kNumel = 1 << 20, kParams = 8;
+  auto bytes_per_param = [&](v1::DType dtype) {
+    v1::RegisterParametersRequest r = Request();
+    r.clear_params();
+    for (uint64_t i = 0; i < kParams; ++i) {
+      auto* p = r.add_params();
+      p->set_param_id(i + 1);
+      p->add_shape(kNumel);
+      p->set_dtype(dtype);
+    }
+    const RegistrationLayout l = ComputeRegistrationLayout(r);
+    // The state arrays start on the page after the manifest (8192) and fill the rest.
+    return static_cast<double>(l.state_bytes - 8192) / static_cast<double>(kParams * kNumel);
+  };
+  CHECK(bytes_per_param(v1::DTYPE_FLOAT32) == 8.0);    // was 12
+  CHECK(bytes_per_param(v1::DTYPE_BFLOAT16) == 10.0);  // was 12
+  CHECK(bytes_per_param(v1::DTYPE_FLOAT16) == 12.0);   // as before: a whole fp32 master
 }
 
 TEST_CASE("Group layout: a grad slot per rank, a sum slot, one param slot; same state",

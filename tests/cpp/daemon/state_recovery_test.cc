@@ -1,7 +1,11 @@
 // Note [Optimizer state outlives the daemon]: a process running the engine on
 // durable state is SIGKILLed at random moments (often in the middle of a
 // sub-chunk); CompleteUpdates then makes the state whole, a new engine adopts it
-// and trains on, and the result must be bit for bit an uninterrupted run's.
+// and trains on, and the result must be bit for bit an uninterrupted run's. The
+// parameters have one dtype each, so every master layout is journaled: a split
+// bf16 master (its high halves in the staging segment), an fp32 weight slot
+// that is its own master, and an fp16 weight's separate fp32 master (Note [One
+// host copy of a trained weight], trainstream/wire/segment_header.h).
 #include "recovery/state_recovery.h"
 
 #include <signal.h>
@@ -21,6 +25,7 @@
 #include "planes/optimizer_plane.h"
 #include "sessions/param_binding.h"
 #include "sessions/param_layout.h"
+#include "trainstream/kernels/bf16.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/optimizer/worker_pool.h"
 
@@ -33,6 +38,7 @@ namespace {
 constexpr uint64_t kSteps = 6;
 constexpr uint64_t kSeed = 5;
 const std::vector<int64_t> kSizes = {300000, 70001, 5};
+const std::vector<v1::DType> kDTypes = {v1::DTYPE_BFLOAT16, v1::DTYPE_FLOAT32, v1::DTYPE_FLOAT16};
 const kernels::AdamWHyperParams kHp{1e-2, 0.9, 0.999, 1e-8, 0.01};
 
 float Grad(uint64_t step, size_t param, size_t i) {
@@ -70,9 +76,41 @@ v1::RegisterParametersRequest Request(const Case& c) {
     p->set_param_id(10 + i);
     p->set_name("p" + std::to_string(i));
     p->add_shape(kSizes[i]);
-    p->set_dtype(v1::DTYPE_FLOAT32);
+    p->set_dtype(kDTypes[i]);
+    p->set_grad_dtype(v1::DTYPE_FLOAT32);
   }
   return req;
+}
+
+// The engine's binding of a plane's (a solo session's) parameter.
+optimizer::ParamBinding EngineBinding(const ParamBinding& b) {
+  optimizer::ParamBinding eb;
+  eb.param_id = b.param_id;
+  eb.numel = b.numel;
+  eb.param_dtype = b.param_dtype;
+  eb.grad_dtype = b.grad_dtype;
+  eb.master = b.master;
+  eb.master_lo = b.master_lo;
+  eb.exp_avg = b.exp_avg;
+  eb.exp_avg_sq = b.exp_avg_sq;
+  eb.grad_slot = b.grad_slot;
+  eb.param_slot = b.param_slot;
+  eb.durable = b.durable;
+  return eb;
+}
+
+// Writes parameter p's initial weights into its slot, in its dtype.
+void WriteWeights(void* slot, size_t p) {
+  for (int64_t i = 0; i < kSizes[p]; ++i) {
+    const float w = Weight0(p, static_cast<size_t>(i));
+    if (kDTypes[p] == v1::DTYPE_FLOAT32) {
+      static_cast<float*>(slot)[i] = w;
+    } else {
+      static_cast<uint16_t*>(slot)[i] = kDTypes[p] == v1::DTYPE_BFLOAT16
+                                            ? kernels::FloatToBf16Rne(w)
+                                            : kernels::FloatToFp16Rne(w);
+    }
+  }
 }
 
 optimizer::EngineOptions Options(const Case& c) {
@@ -109,9 +147,7 @@ struct Memory {
   float* GradSlot(size_t p) {
     return reinterpret_cast<float*>(staging + layout.params[p].grad_offset);
   }
-  float* ParamSlot(size_t p) {
-    return reinterpret_cast<float*>(staging + layout.params[p].param_offset);
-  }
+  void* ParamSlot(size_t p) { return staging + layout.params[p].param_offset; }
 };
 
 void WriteGrads(float* const* slots, uint64_t step, const std::vector<size_t>& params) {
@@ -130,19 +166,8 @@ void WriteGrads(float* const* slots, uint64_t step, const std::vector<size_t>& p
   optimizer::AdamWEngine engine(&pool, Options(c));
   std::vector<float*> grads;
   for (size_t p = 0; p < kSizes.size(); ++p) {
-    for (int64_t i = 0; i < kSizes[p]; ++i)
-      mem->ParamSlot(p)[i] = Weight0(p, static_cast<size_t>(i));
-    const ParamBinding& b = reg.params[p];
-    optimizer::ParamBinding eb;
-    eb.param_id = b.param_id;
-    eb.numel = b.numel;
-    eb.master = b.master;
-    eb.exp_avg = b.exp_avg;
-    eb.exp_avg_sq = b.exp_avg_sq;
-    eb.grad_slot = b.grad_slot;
-    eb.param_slot = b.param_slot;
-    eb.durable = b.durable;
-    if (!engine.AddParam(eb).ok()) _exit(3);
+    WriteWeights(mem->ParamSlot(p), p);
+    if (!engine.AddParam(EngineBinding(reg.params[p])).ok()) _exit(3);
     grads.push_back(mem->GradSlot(p));
   }
   if (!engine.Init().ok()) _exit(4);
@@ -157,41 +182,26 @@ void WriteGrads(float* const* slots, uint64_t step, const std::vector<size_t>& p
   _exit(0);
 }
 
-// An uninterrupted run's state after kSteps, per parameter.
+// An uninterrupted run's state after kSteps: a registration laid out the same
+// way, trained without durable records.
 struct Reference {
-  std::vector<std::vector<float>> master, m, v, slot;
-  std::vector<std::vector<uint16_t>> m16, v16;
+  std::unique_ptr<Memory> mem;
   explicit Reference(const Case& c) {
+    const v1::RegisterParametersRequest req = Request(c);
+    mem = std::make_unique<Memory>(req, 2);
+    PlaneRegistration reg = BindRegistration(req, mem->layout, mem->state, mem->staging);
     optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
     optimizer::AdamWEngine engine(&pool, Options(c));
-    const size_t n = kSizes.size();
-    master.resize(n), m.resize(n), v.resize(n), slot.resize(n), m16.resize(n), v16.resize(n);
-    std::vector<std::vector<float>> grad(n);
     std::vector<float*> grads;
-    for (size_t p = 0; p < n; ++p) {
-      const size_t numel = static_cast<size_t>(kSizes[p]);
-      master[p].assign(numel, 0);
-      m[p].assign(numel, 0), v[p].assign(numel, 0), m16[p].assign(numel, 0),
-          v16[p].assign(numel, 0);
-      grad[p].assign(numel, 0);
-      slot[p].resize(numel);
-      for (size_t i = 0; i < numel; ++i) slot[p][i] = Weight0(p, i);
-      optimizer::ParamBinding b;
-      b.param_id = 10 + p;
-      b.numel = numel;
-      b.master = master[p].data();
-      const bool bf16 = c.moment == wire::DType::kBFloat16;
-      b.exp_avg = bf16 ? static_cast<void*>(m16[p].data()) : m[p].data();
-      b.exp_avg_sq = bf16 ? static_cast<void*>(v16[p].data()) : v[p].data();
-      b.grad_slot = grad[p].data();
-      b.param_slot = slot[p].data();
-      REQUIRE(engine.AddParam(b).ok());
-      grads.push_back(grad[p].data());
+    for (size_t p = 0; p < kSizes.size(); ++p) {
+      WriteWeights(mem->ParamSlot(p), p);
+      REQUIRE(engine.AddParam(EngineBinding(reg.params[p])).ok());
+      grads.push_back(mem->GradSlot(p));
     }
     REQUIRE(engine.Init().ok());
     for (uint64_t s = 1; s <= kSteps; ++s) {
       WriteGrads(grads.data(), s, {0, 1, 2});
-      for (size_t p = 0; p < n; ++p) REQUIRE(engine.SubmitGrad(10 + p, s, kHp).ok());
+      for (size_t p = 0; p < kSizes.size(); ++p) REQUIRE(engine.SubmitGrad(10 + p, s, kHp).ok());
       REQUIRE(engine.StepEnd(s).ok());
       engine.WaitIdle();
     }
@@ -272,16 +282,19 @@ void OneRun(const Case& c, const Reference& ref, std::mt19937* rng, Totals* tota
   std::vector<float*> grads;
   for (size_t p = 0; p < view.params.size(); ++p) {
     const CheckedParam& cp = view.params[p];
-    optimizer::ParamBinding eb;
-    eb.param_id = cp.param_id;
-    eb.numel = cp.numel;
-    eb.master = reinterpret_cast<float*>(mem.state + cp.master_offset);
-    eb.exp_avg = mem.state + cp.exp_avg_offset;
-    eb.exp_avg_sq = mem.state + cp.exp_avg_sq_offset;
-    eb.grad_slot = mem.staging + cp.grad_offset;
-    eb.param_slot = mem.staging + cp.param_offset;
-    eb.durable = DurableRecordsOf(mem.state, view.recovery_offset, cp.step_offset, p);
-    REQUIRE(engine.AddParam(eb).ok());
+    CHECK(cp.master_layout == wire::MasterLayoutFor(static_cast<wire::DType>(kDTypes[p])));
+    ParamBinding b;  // as the session registry binds an adopted state
+    b.param_id = cp.param_id;
+    b.numel = cp.numel;
+    b.param_dtype = cp.dtype;
+    b.grad_dtype = cp.grad_dtype;
+    b.grad_slot = mem.staging + cp.grad_offset;
+    b.param_slot = mem.staging + cp.param_offset;
+    BindMaster(&b, cp.master_layout, mem.state, cp.master_offset);
+    b.exp_avg = mem.state + cp.exp_avg_offset;
+    b.exp_avg_sq = mem.state + cp.exp_avg_sq_offset;
+    b.durable = DurableRecordsOf(mem.state, view.recovery_offset, cp.step_offset, p);
+    REQUIRE(engine.AddParam(EngineBinding(b)).ok());
     grads.push_back(reinterpret_cast<float*>(mem.staging + cp.grad_offset));
   }
   REQUIRE(engine.AdoptInitialized().ok());
@@ -295,16 +308,20 @@ void OneRun(const Case& c, const Reference& ref, std::mt19937* rng, Totals* tota
     REQUIRE(engine.StepEnd(s).ok());
     engine.WaitIdle();
   }
-  const bool bf16 = c.moment == wire::DType::kBFloat16;
+  const size_t mb = wire::DTypeSize(c.moment);
+  const Memory& want = *ref.mem;
   for (size_t p = 0; p < view.params.size(); ++p) {
     const CheckedParam& cp = view.params[p];
     const size_t n = cp.numel;
-    CHECK(std::memcmp(mem.state + cp.master_offset, ref.master[p].data(), n * 4) == 0);
-    CHECK(std::memcmp(mem.staging + cp.param_offset, ref.slot[p].data(), n * 4) == 0);
-    const void* m = bf16 ? static_cast<const void*>(ref.m16[p].data()) : ref.m[p].data();
-    const void* v = bf16 ? static_cast<const void*>(ref.v16[p].data()) : ref.v[p].data();
-    CHECK(std::memcmp(mem.state + cp.exp_avg_offset, m, n * (bf16 ? 2 : 4)) == 0);
-    CHECK(std::memcmp(mem.state + cp.exp_avg_sq_offset, v, n * (bf16 ? 2 : 4)) == 0);
+    // The master wherever it is: its state array (if any) and the weight slot.
+    const uint64_t master_bytes = n * wire::MasterStateBytes(cp.master_layout);
+    CHECK(std::memcmp(mem.state + cp.master_offset, want.state + cp.master_offset, master_bytes) ==
+          0);
+    CHECK(std::memcmp(mem.staging + cp.param_offset, want.staging + cp.param_offset,
+                      n * wire::DTypeSize(cp.dtype)) == 0);
+    CHECK(std::memcmp(mem.state + cp.exp_avg_offset, want.state + cp.exp_avg_offset, n * mb) == 0);
+    CHECK(std::memcmp(mem.state + cp.exp_avg_sq_offset, want.state + cp.exp_avg_sq_offset,
+                      n * mb) == 0);
     CHECK(*reinterpret_cast<uint64_t*>(mem.state + cp.step_offset) == kSteps);
   }
 }
@@ -342,4 +359,46 @@ TEST_CASE("SIGKILL mid-update, bf16 moments (stochastic rounding): bit-identical
 TEST_CASE("SIGKILL mid-update with clipping: a step lands on every parameter or none",
           "[recovery]") {
   KillLoop(Case{wire::DType::kFloat32, 0.5}, 3);
+}
+
+TEST_CASE("A manifest entry whose master layout does not fit its dtype is refused", "[recovery]") {
+  // Note [One host copy of a trained weight]: the layout decides where the engine
+  // reads and writes the master, so one that the entry's dtype does not have (a split
+  // master of fp32 weights, an fp32 weight slot master with a state array) is hostile.
+  const Case c;
+  const v1::RegisterParametersRequest req = Request(c);
+  Memory mem(req, 2);
+  RecoveryOwner owner;
+  owner.staging_name = "trainstream-test";
+  owner.staging_bytes = mem.layout.staging_bytes;
+  PlaneRegistration reg = BindRegistration(req, mem.layout, mem.state, mem.staging, &owner);
+  optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
+  {
+    optimizer::AdamWEngine engine(&pool, Options(c));
+    for (size_t p = 0; p < kSizes.size(); ++p) {
+      WriteWeights(mem.ParamSlot(p), p);
+      REQUIRE(engine.AddParam(EngineBinding(reg.params[p])).ok());
+    }
+    REQUIRE(engine.Init().ok());
+  }
+  StateSegmentView view;
+  REQUIRE(CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
+  auto* entries = reinterpret_cast<wire::StateManifestEntry*>(
+      mem.state + mem.layout.manifest_offset + sizeof(wire::StateManifest));
+  // Entry 1 is the fp32 parameter: its slot is its master.
+  REQUIRE(entries[1].master_layout == static_cast<uint32_t>(wire::MasterLayout::kWeightSlot));
+  entries[1].master_layout = static_cast<uint32_t>(wire::MasterLayout::kSplitBf16);
+  trainstream::Status st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  CHECK(st.message().find("entry 1: master layout") != std::string::npos);
+  entries[1].master_layout = 7;
+  CHECK(!CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
+  entries[1].master_layout = static_cast<uint32_t>(wire::MasterLayout::kWeightSlot);
+  entries[1].master_offset = entries[1].exp_avg_offset;  // a state array it does not have
+  st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  CHECK(st.message().find("entry 1: state arrays out of range") != std::string::npos);
+  entries[1].master_offset = 0;
+  // Entry 0 (bf16): its low halves must lie inside the segment.
+  entries[0].master_offset = mem.layout.state_bytes - 64;
+  st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  CHECK(st.message().find("entry 0: state arrays out of range") != std::string::npos);
 }

@@ -84,7 +84,7 @@ struct ParamBinding {
   // it (ImportArray to set weights); a bf16 value written there by anyone else is read
   // back with the old low half (a zero with a low half above 0x8000 decodes to NaN).
   uint16_t* master_lo = nullptr;
-  DurableRecords durable;  // not with a split master, nor with eager_check_per_chunk
+  DurableRecords durable;  // not with eager_check_per_chunk
 };
 
 struct EngineOptions {

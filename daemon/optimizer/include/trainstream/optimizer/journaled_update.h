@@ -26,6 +26,20 @@ struct JournaledChunk {
   wire::ChunkProgress* progress = nullptr;
 };
 
+// Note [Journaling a master in two places]. A journal slot's master array
+// (JournalSlotLayout::master, 4 bytes an element) holds what the master of
+// the sub-chunk was wherever it lives (Note [One host copy of a trained
+// weight], trainstream/wire/segment_header.h): the fp32 values (a state array
+// or the fp32 weight slot), or for a split master the bf16 high halves (the
+// weight slot) in its first kSubChunkElems * 2 bytes and the low halves after
+// them. Restoring both halves puts back the master bit for bit, and with it
+// the weight the client copies.
+
+// Copies elements [off, off + n) of `whole`'s master and moments into, and
+// back from, the journal slot `slot` (JournalSlotHeader first); n <= kSubChunkElems.
+void SaveJournaled(const kernels::AdamWRange& whole, char* slot, size_t off, size_t n);
+void RestoreJournaled(const kernels::AdamWRange& whole, const char* slot, size_t off, size_t n);
+
 // Updates elements [chunk_offset + done, chunk_offset + chunk_count) where
 // `done` is the chunk's recorded progress (0 for a new update), then records
 // the chunk whole for `step`.
