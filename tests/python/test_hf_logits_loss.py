@@ -2,8 +2,8 @@
 transformers' own ForCausalLMLoss and torch's F.cross_entropy on the CPU: the same loss
 and gradients (fp32 sums in another order: 1e-6 relative), padding (-100),
 num_items_in_batch, shift_labels, bf16 logits, and wrap()/unwrap() putting it in place
-and back. The CUDA (Triton) kernels are compared with the torch path in
-test_chunked_loss_cuda.py; this file runs that path's arithmetic with the same rows."""
+and back; on CUDA (the GPU host) the Triton kernels against the torch path and against
+transformers' loss, and the memory the loss adds."""
 import copy
 
 import pytest
@@ -150,3 +150,38 @@ def test_wrap_model_loss_keeps_the_models(daemon):
         trainstream.unwrap(model)
     with pytest.raises(ValueError, match="lm_loss"):
         trainstream.wrap(_model(), lm_loss="fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_cuda_kernels_match_transformers_and_add_no_fp32_copy(kernel, monkeypatch):
+    from trainstream import _ce_kernels
+    if kernel == "triton" and _ce_kernels.triton is None:
+        pytest.skip("this torch has no Triton")
+    monkeypatch.setenv("TRAINSTREAM_CE_KERNEL", kernel)
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows, vocab = 2 * 1024, 32768
+    z = (torch.randn(2, 1024, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    labels = torch.randint(vocab, (2, 1024), device="cuda", generator=g)
+    labels[:, :100] = -100
+    a = z.clone().requires_grad_()
+    b = z.clone().requires_grad_()
+    ref = ForCausalLMLoss(a, labels, vocab)
+    ref.backward()
+    loss_fn = hf_logits_loss.causal_lm_loss_function(ForCausalLMLoss)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = loss_fn(b, labels, vocab)
+    got.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert torch.allclose(got, ref, rtol=1e-5)
+    diff = (b.grad.float() - a.grad.float()).abs().max()
+    assert diff <= a.grad.float().abs().max() * 2 ** -7, diff
+    # The gradient (bf16, the logits' size) plus per-row fp32 figures; the torch path
+    # adds one fp32 copy of a block of rows. transformers' loss holds three fp32 copies.
+    logits_bytes = rows * vocab * 2
+    block = 0 if kernel == "triton" else 256 * vocab * 4
+    assert extra <= logits_bytes + block + 64 * rows + (8 << 20), extra
