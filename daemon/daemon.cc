@@ -107,6 +107,25 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
   close(fd);
 }
 
+// Note [A restart keeps the optimizer state]
+// A clean stop (SIGTERM) ends every session and frees its memory: that is what
+// `systemctl stop` means. A restart must not: a package upgrade or `systemctl restart`
+// would lose every job's masters and moments. The unit sets RestartKillSignal=SIGUSR2
+// (systemd >= 250), and on SIGUSR2 the daemon leaves exactly what a crash leaves: it
+// exits at once, without ending sessions or unlinking segments. The recovery design
+// already makes any moment of death safe (docs/recovery.md: the undo journal, the
+// commit records, roll-forward at adoption), so the next daemon adopts each state and
+// its clients resume as after a SIGKILL; the segments nobody adopts (rings, client
+// regions, bases) are unlinked by that daemon's startup sweep. With recovery_grace 0
+// nothing could be adopted, and SIGUSR2 is a clean stop like SIGTERM.
+[[noreturn]] void ExitForRestart(size_t sessions, uint64_t grace_s) {
+  spdlog::info("SIGUSR2 (restart): exiting with {} sessions attached and their optimizer state "
+               "left for the next daemon on this socket to adopt (recovery_grace {} s)",
+               sessions, grace_s);
+  spdlog::default_logger()->flush();
+  _exit(0);
+}
+
 }  // namespace
 
 int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const char* error)) {
@@ -212,6 +231,13 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
         if (si.ssi_signo == SIGHUP) {
           spdlog::info("SIGHUP: nothing to reload (restart the daemon to apply config changes)");
           continue;
+        }
+        if (si.ssi_signo == SIGUSR2 && config.recovery_grace_s > 0) {
+          ExitForRestart(registry->size(), config.recovery_grace_s);
+        }
+        if (si.ssi_signo == SIGUSR2) {
+          spdlog::info("SIGUSR2 (restart) with recovery_grace 0: nothing can be kept for the "
+                       "next daemon, so this is a clean stop");
         }
         why = std::string("signal ") + strsignal(static_cast<int>(si.ssi_signo));
         break;

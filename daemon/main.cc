@@ -181,6 +181,7 @@ int main(int argc, char** argv) {
   sigaddset(&mask, SIGTERM);
   sigaddset(&mask, SIGINT);
   sigaddset(&mask, SIGHUP);
+  sigaddset(&mask, SIGUSR2);  // a restart (Note [A restart keeps the optimizer state])
   pthread_sigmask(SIG_BLOCK, &mask, nullptr);
   signal(SIGPIPE, SIG_IGN);
   int sfd = signalfd(-1, &mask, SFD_CLOEXEC);

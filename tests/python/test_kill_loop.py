@@ -73,3 +73,13 @@ def test_short_loop_cuda_model(build_dir):
     assert f["bit_identical"] and not f["failures"]
     assert f["daemon_kills"] == 6
     assert f["recoveries"] >= 3
+
+
+def test_short_loop_restarts_keep_the_state(build_dir):
+    # SIGUSR2 is a restart (systemctl restart, a package upgrade): the daemon leaves its
+    # sessions' state for the next one, and training goes on to the same weights.
+    f = run_loop(build_dir, "--short", "--daemon-signal", "USR2", "--kills", "4",
+                 "--seed", "16")
+    assert f["bit_identical"] and not f["failures"]
+    assert f["signal"] == "USR2" and f["daemon_kills"] == 4
+    assert f["recoveries"] >= 2 and f["lost_reports"] == 0

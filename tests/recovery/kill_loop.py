@@ -60,6 +60,9 @@ def parse(argv=None):
     ap.add_argument("--jitter-ms", type=float, default=4.0)
     ap.add_argument("--restart-ms", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--daemon-signal", default="KILL", choices=("KILL", "USR2"),
+                    help="what ends the daemon: KILL (a crash) or USR2 (a restart: "
+                         "Note [A restart keeps the optimizer state])")
     ap.add_argument("--device", default="cpu",
                     help="where the client's model trains (cpu, cuda: the GPU host's check)")
     ap.add_argument("--optimizer-mode", default="cpu", choices=("cpu", "gpu"),
@@ -166,7 +169,7 @@ class Daemon:
             return False
         with self.cv:
             self.lose_next = lose
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, getattr(signal, "SIG" + self.args.daemon_signal))
         return True
 
     def stop(self):
@@ -448,8 +451,8 @@ def main(argv=None) -> int:
                         "more --steps")
     resume = figures.pop("resume_s")
     figures.update(
-        steps=args.steps, mode="embedded" if args.embedded else "supervised", clip=args.clip,
-        ranks=args.dp,
+        steps=args.steps, mode="embedded" if args.embedded else "supervised",
+        signal=args.daemon_signal, clip=args.clip, ranks=args.dp,
         daemon_starts=daemon.starts if not args.embedded else None,
         resume_s_median=round(statistics.median(resume), 3) if resume else None,
         resume_s_max=round(max(resume), 3) if resume else None,
