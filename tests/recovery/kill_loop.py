@@ -353,6 +353,10 @@ def main(argv=None) -> int:
                 continue
             if words is None:
                 return None
+            # A line cut short (a client killed while it printed) or another library's
+            # output on stdout: only whole lines of the worker's protocol count.
+            if not words or (words[0] in ("phase", "resumed", "lost") and len(words) < 3):
+                continue
             handle(words)
             if until is not None and until(words):
                 return words
