@@ -359,6 +359,9 @@ def run_case(args) -> dict:
         loss_decreased=losses[-1] < losses[0],
         peak_vram_gib=_gib(peak), within_cap=(cap is None or peak <= cap),
         host_rss_gib=_gib(_rss()), daemon_shm_gib=_gib(status["budget"]["used"]),
+        # Issue 20's figure: the daemon's state and staging plus this process's private
+        # memory, per trained parameter (activation pages and bases not counted).
+        host_per_param=rep.get("host_per_param"),
         pcie_bytes_per_step=int(per_step), pcie_gb_s=round(per_step / step_s / 1e9, 2),
         adapting=session.adapting, optimizer_mode=opt.optimizer_mode,
         plan={k: rep["plan"].get(k) for k in ("paged_blocks", "moment_dtype", "quantize",
@@ -538,10 +541,17 @@ def main() -> int:
     return 0 if all("error" not in r for r in results) else 1
 
 
+def _per_param(r) -> str:
+    """memory_report's host bytes per trained parameter: state + staging + private."""
+    hp = r.get("host_per_param") or {}
+    per = hp.get("total_bytes_per_param")
+    return "" if per is None else f"{per:.2f}"
+
+
 def print_summary(results) -> None:
-    print("\n| case | cap | s/step | peak VRAM GiB | RSS GiB | daemon shm GiB | PCIe GB/step | "
-          "PCIe GB/s | loss first -> last | paged blocks |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| case | cap | s/step | peak VRAM GiB | RSS GiB | daemon shm GiB | host B/param | "
+          "PCIe GB/step | PCIe GB/s | loss first -> last | paged blocks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     by = {}
     for r in results:
         if "error" in r:
@@ -553,7 +563,7 @@ def print_summary(results) -> None:
             continue
         cap = "none" if r["uncapped"] else f"{r['cap_gib']} GiB"
         print(f"| {r['case']} | {cap} | {r['step_s']} | {r['peak_vram_gib']} | "
-              f"{r['host_rss_gib']} | {r['daemon_shm_gib']} | "
+              f"{r['host_rss_gib']} | {r['daemon_shm_gib']} | {_per_param(r)} | "
               f"{r['pcie_bytes_per_step'] / 1e9:.2f} | {r['pcie_gb_s']} | "
               f"{r['losses'][0]} -> {r['losses'][-1]} | "
               f"{len(r['plan']['paged_blocks'] or [])} |")
