@@ -38,7 +38,8 @@ def _loss_and_grads(model, ids, labels, **kw):
     model.zero_grad()
     loss = model(input_ids=ids, labels=labels, **kw).loss
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
 
 
 @pytest.mark.parametrize("rows", [1, 257, 600])  # under, at and over the torch path's block
@@ -185,3 +186,20 @@ def test_cuda_kernels_match_transformers_and_add_no_fp32_copy(kernel, monkeypatc
     logits_bytes = rows * vocab * 2
     block = 0 if kernel == "triton" else 256 * vocab * 4
     assert extra <= logits_bytes + block + 64 * rows + (8 << 20), extra
+
+
+def test_peft_model_gets_it_on_the_causal_lm_inside():
+    peft = pytest.importorskip("peft")
+    ref = peft.get_peft_model(_model(), peft.LoraConfig(task_type="CAUSAL_LM", r=4,
+                                                        target_modules=["q_proj", "v_proj"]))
+    ours = copy.deepcopy(ref)
+    restore = hf_logits_loss.install(ours)
+    assert restore is not None
+    assert getattr(ours.base_model.model.loss_function, "trainstream", False)
+    ids, labels = _batch()
+    ref_loss, ref_grads = _loss_and_grads(ref, ids, labels)
+    our_loss, our_grads = _loss_and_grads(ours, ids, labels)
+    assert torch.allclose(our_loss, ref_loss, rtol=1e-6)
+    assert ref_grads.keys() == our_grads.keys() and ref_grads  # the adapters'
+    for n, g in ref_grads.items():
+        assert torch.allclose(our_grads[n], g, rtol=1e-4, atol=1e-7), n
