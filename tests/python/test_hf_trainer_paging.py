@@ -75,7 +75,11 @@ def test_evaluate_before_train_wraps_a_paged_model_first(daemon, tmp_path):
     plain_model = _model()
     paged_model = copy.deepcopy(plain_model)
     plain = _trainer(plain_model, tmp_path / "plain", daemon, max_steps=2)
-    paged = _trainer(paged_model, tmp_path / "paged", daemon, PAGING, max_steps=2)
+    # The plain model is not wrapped before train(), so its evaluation runs the model's
+    # own loss; lm_loss="model" keeps the paged one on it too, for a bit-for-bit check
+    # of paging alone (wrap()'s lm_loss is the same loss to float rounding).
+    paged = _trainer(paged_model, tmp_path / "paged", daemon, {**PAGING, "lm_loss": "model"},
+                     max_steps=2)
     before = paged.evaluate()["eval_loss"]
     assert trainstream.memory_report(paged_model)["params"]["paged_blocks"] == [0, 1]
     assert before == plain.evaluate()["eval_loss"]
