@@ -24,15 +24,22 @@ logs=$build/wine-logs
 wine=$(command -v wine64 || true)
 [[ -n $wine ]] || wine=/usr/lib/wine/wine64  # Debian's wine64 package (windows-cross.sh)
 [[ -x $wine ]] || { echo "windows-check: wine64 not found (scripts/windows-cross.sh installs it)" >&2; exit 1; }
+wineserver=$(dirname "$wine")/wineserver
 export WINEPREFIX=$cache/wineprefix WINEDEBUG=-all
 mkdir -p "$WINEPREFIX" "$logs"
+
+# One wineserver for the whole run, stopped at the end: when each test starts
+# its own, a test can connect just as the previous one's server times out and
+# exits ("wine client error:0: recvmsg: Connection reset by peer", seen once in
+# four fresh runs).
+"$wineserver" -p
+trap '"$wineserver" -k 2> /dev/null || true' EXIT
 
 if [[ ! -f $WINEPREFIX/system.reg ]]; then
   echo "windows-check: creating the wine prefix $WINEPREFIX"
   # A 64-bit-only Wine cannot start the 32-bit rundll32 wineboot asks for; the
   # prefix is complete without it.
   "$wine" wineboot --init > "$logs/wineboot.log" 2>&1 || true
-  "$(dirname "$wine")/wineserver" -w 2> /dev/null || true
 fi
 
 if [[ -n ${TESTS:-} ]]; then
