@@ -7,6 +7,7 @@
 
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/kernels/counter_rng.h"
+#include "trainstream/kernels/fused_multiply_add.h"
 
 namespace trainstream::kernels::internal {
 
@@ -45,7 +46,8 @@ inline void AdamWElement(float g, float* p, float* m, float* v, const AdamWStepS
   g = g * s.grad_scale;
   float param = *p * s.decay;
   const float diff = g - *m;
-  const float exp_avg = std::fma(s.lerp_coeff, diff, s.lerp_from_end ? g : *m);
+  // Note [A correctly rounded fmaf on every platform] (fused_multiply_add.h).
+  const float exp_avg = Fmaf(s.lerp_coeff, diff, s.lerp_from_end ? g : *m);
   float exp_avg_sq = *v * s.beta2;
   exp_avg_sq = exp_avg_sq + (s.one_minus_beta2 * g) * g;
   const float denom = std::sqrt(exp_avg_sq) + s.eps_scaled;
