@@ -84,8 +84,9 @@ def merge_stats(z, m, lsum, zt, targets, s0):
     if rows == 0:
         return
     if triton_usable(z):
-        _merge_stats_kernel[(rows,)](z, m, lsum, zt, targets, s0, cols, BLOCK=_BLOCK,
-                                     num_warps=8)
+        with torch.cuda.device(z.device):  # the current device may be another one
+            _merge_stats_kernel[(rows,)](z, m, lsum, zt, targets, s0, cols, BLOCK=_BLOCK,
+                                         num_warps=8)
         return
     # One fp32 copy of the block, reused in place (for an fp32 block .float() would be
     # the block itself, which write_grad still reads).
@@ -108,8 +109,9 @@ def write_grad(z, lse, scale, targets, s0):
     if rows == 0:
         return
     if triton_usable(z):
-        _write_grad_kernel[(rows,)](z, lse, scale, targets, s0, cols, BLOCK=_BLOCK,
-                                    num_warps=8)
+        with torch.cuda.device(z.device):
+            _write_grad_kernel[(rows,)](z, lse, scale, targets, s0, cols, BLOCK=_BLOCK,
+                                        num_warps=8)
         return
     p = z.float().sub_(lse[:, None]).exp_()
     local = targets - s0

@@ -34,10 +34,19 @@ def _batch(seed=1, rows=3, tokens=40, vocab=300):
     return ids, labels
 
 
+def _ours(loss) -> bool:
+    return type(loss.grad_fn).__name__ == "_LogitsCrossEntropyBackward"
+
+
+def _ours_fn(fn) -> bool:
+    return isinstance(fn, hf_logits_loss.CausalLMLoss)
+
+
 def _loss_and_grads(model, ids, labels, **kw):
     model.zero_grad()
     loss = model(input_ids=ids, labels=labels, **kw).loss
     loss.backward()
+    _loss_and_grads.ours = _ours(loss)
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                            if p.grad is not None}
 
@@ -96,15 +105,17 @@ def test_model_loss_function_matches_transformers(kw):
     ref_model = _model()
     our_model = copy.deepcopy(ref_model)
     restore = hf_logits_loss.install(our_model)
-    assert restore is not None and getattr(our_model.loss_function, "trainstream", False)
+    assert restore is not None and _ours_fn(our_model.loss_function)
     ids, labels = _batch()
     ref_loss, ref_grads = _loss_and_grads(ref_model, ids, labels, **kw)
+    assert not _loss_and_grads.ours
     our_loss, our_grads = _loss_and_grads(our_model, ids, labels, **kw)
+    assert _loss_and_grads.ours
     assert torch.allclose(our_loss, ref_loss, rtol=1e-6)
     for n, g in ref_grads.items():
         assert torch.allclose(our_grads[n], g, rtol=1e-4, atol=1e-7), n
     restore()
-    assert not getattr(our_model.loss_function, "trainstream", False)
+    assert not _ours_fn(our_model.loss_function)
 
 
 def test_shift_labels_and_unknown_keywords_go_where_they_should():
@@ -116,11 +127,36 @@ def test_shift_labels_and_unknown_keywords_go_where_they_should():
     a = model.loss_function(logits, None, 300, shift_labels=shifted)
     b = F.cross_entropy(logits.reshape(-1, 300).float(), shifted.reshape(-1), ignore_index=-100)
     assert torch.allclose(a, b, rtol=1e-6)
-    assert type(a.grad_fn).__name__ == "_LogitsCrossEntropyBackward"
-    # A keyword this version does not know goes to transformers' own function.
-    other = model.loss_function(logits, labels, 300, some_future_option=0.1)
-    assert type(other.grad_fn).__name__ != "_LogitsCrossEntropyBackward"
-    assert torch.allclose(other, model.loss_function(logits, labels, 300), rtol=1e-6)
+    assert _ours(a)
+    # transformers' loss ignores the model's other keywords (its forward hands them all
+    # on), so ours does; a loss function of another kind gets them.
+    assert _ours(model.loss_function(logits, labels, 300, output_hidden_states=True))
+    seen = {}
+
+    def custom(logits, labels, vocab_size, **kw):
+        seen.update(kw)
+        return logits.float().mean()
+    wrapped = hf_logits_loss.CausalLMLoss(custom)
+    wrapped(logits, labels, 300, z_loss=0.1)
+    assert seen["z_loss"] == 0.1
+
+
+def test_a_loss_the_user_set_is_left_alone():
+    model = _model()
+
+    def mine(logits, labels, vocab_size, **kw):
+        return logits.float().pow(2).mean()
+    model.loss_function = mine
+    assert hf_logits_loss.install(model) is None
+    assert model.loss_function is mine
+
+
+def test_a_wrapped_model_pickles():
+    import pickle
+    model = _model()
+    hf_logits_loss.install(model)
+    again = pickle.loads(pickle.dumps(model))
+    assert _ours_fn(again.loss_function)
 
 
 def test_wrap_installs_it_and_unwrap_restores(daemon):
@@ -128,17 +164,17 @@ def test_wrap_installs_it_and_unwrap_restores(daemon):
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                   socket=daemon.socket, profile=False)
     try:
-        assert getattr(model.loss_function, "trainstream", False)
+        assert _ours_fn(model.loss_function)
         kinds = [e["kind"] for e in model._trainstream_session.events]
         assert "lm_loss" in kinds
         ids, labels = _batch()
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         opt.step()
-        assert torch.isfinite(loss)
+        assert torch.isfinite(loss) and _ours(loss)
     finally:
         trainstream.unwrap(model)
-    assert not getattr(model.loss_function, "trainstream", False)
+    assert not _ours_fn(model.loss_function)
 
 
 def test_wrap_model_loss_keeps_the_models(daemon):
@@ -146,7 +182,7 @@ def test_wrap_model_loss_keeps_the_models(daemon):
     model, _ = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                 socket=daemon.socket, profile=False, lm_loss="model")
     try:
-        assert not getattr(model.loss_function, "trainstream", False)
+        assert not _ours_fn(model.loss_function)
     finally:
         trainstream.unwrap(model)
     with pytest.raises(ValueError, match="lm_loss"):
@@ -177,6 +213,7 @@ def test_cuda_kernels_match_transformers_and_add_no_fp32_copy(kernel, monkeypatc
     got = loss_fn(b, labels, vocab)
     got.backward()
     torch.cuda.synchronize()
+    assert _ours(got)
     extra = torch.cuda.max_memory_allocated() - base
     assert torch.allclose(got, ref, rtol=1e-5)
     diff = (b.grad.float() - a.grad.float()).abs().max()
@@ -195,10 +232,11 @@ def test_peft_model_gets_it_on_the_causal_lm_inside():
     ours = copy.deepcopy(ref)
     restore = hf_logits_loss.install(ours)
     assert restore is not None
-    assert getattr(ours.base_model.model.loss_function, "trainstream", False)
+    assert _ours_fn(ours.base_model.model.loss_function)
     ids, labels = _batch()
     ref_loss, ref_grads = _loss_and_grads(ref, ids, labels)
     our_loss, our_grads = _loss_and_grads(ours, ids, labels)
+    assert _loss_and_grads.ours
     assert torch.allclose(our_loss, ref_loss, rtol=1e-6)
     assert ref_grads.keys() == our_grads.keys() and ref_grads  # the adapters'
     for n, g in ref_grads.items():

@@ -14,16 +14,18 @@ torch elsewhere, one fp32 copy of a block of rows at most): the forward keeps on
 log-sum-exp per token, the backward writes the gradient into one tensor in the
 logits' dtype. The model's ``logits`` output is left alone (the gradient does not
 reuse its storage), so code that reads it after ``backward()`` sees what it always did.
-Anything this version does not reproduce (an unknown keyword, a non-causal loss type)
-goes to the model's own function. ``wrap(lm_loss="model")`` keeps the model's loss.
+A loss the user set on the model is left alone, as are models whose loss is not the
+causal LM's; the model's other keywords are ignored, as transformers' loss ignores them.
+``wrap(lm_loss="model")`` keeps the model's loss.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .. import _ce_kernels
 
@@ -34,7 +36,7 @@ _ROWS = 256
 
 class _LogitsCrossEntropy(torch.autograd.Function):
     """Sum over rows of ``(lse(z) - z[target]) * scale`` for logits ``z`` [rows, vocab];
-    rows with target -1 have scale 0."""
+    rows with target -1 do not count (and have scale 0)."""
 
     @staticmethod
     def forward(ctx, logits, targets, scale):
@@ -48,9 +50,14 @@ class _LogitsCrossEntropy(torch.autograd.Function):
             _ce_kernels.merge_stats(logits[s:e], m[s:e], lsum[s:e], zt[s:e], targets[s:e], 0)
         lse = m + torch.log(lsum)
         ctx.save_for_backward(logits, targets, scale, lse)
-        return ((lse - zt) * scale).sum()
+        # A row that does not count is never read, as F.cross_entropy never reads it
+        # (inf * 0 would be NaN); its 0 * (1 / count) scale keeps 0/0 = NaN when no row
+        # counts, as torch's mean over no tokens.
+        per_row = torch.where(targets >= 0, lse - zt, torch.zeros_like(lse))
+        return (per_row * scale).sum()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         logits, targets, scale, lse = ctx.saved_tensors
         grad = logits.clone()
@@ -75,9 +82,13 @@ def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_ind
     targets = targets.to(logits.device)
     counted = targets != ignore_index
     vocab = logits.shape[1]
-    # On the CPU a bad target is an error here; on CUDA checking would stall the stream
-    # each step (torch's own loss asserts on the device instead).
-    if not logits.is_cuda and bool((((targets < 0) | (targets >= vocab)) & counted).any()):
+    bad = ((targets < 0) | (targets >= vocab)) & counted
+    if logits.is_cuda:
+        # Asserted on the device, as torch's own loss does: a host check would stall the
+        # stream every step, and no check would train on a target matching no column.
+        torch._assert_async(~bad.any(), f"targets must be in [0, {vocab}) or ignore_index "
+                                         f"({ignore_index})")
+    elif bool(bad.any()):
         raise ValueError(f"targets must be in [0, {vocab}) or ignore_index ({ignore_index})")
     if num_items_in_batch is None:
         denom = counted.sum().to(torch.float32)
@@ -92,14 +103,22 @@ def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_ind
     return _LogitsCrossEntropy.apply(logits, t, scale.to(torch.float32))
 
 
-def causal_lm_loss_function(original: Callable) -> Callable:
-    """A replacement for transformers' ``ForCausalLMLoss`` with its signature."""
+class CausalLMLoss:
+    """A replacement for transformers' ``ForCausalLMLoss`` with its signature (a class,
+    not a closure, so a wrapped model still pickles)."""
+    trainstream = True
 
-    def loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-             shift_labels=None, **kwargs):
-        if kwargs or not torch.is_floating_point(logits):
-            return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
-                            ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+    def __init__(self, original: Callable):
+        self.original = original
+
+    def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None,
+                 ignore_index=-100, shift_labels=None, **kwargs):
+        # transformers' own ForCausalLMLoss ignores the model's other keywords (its
+        # forward hands on everything it got: output_hidden_states and the like); any
+        # other function gets them, with the call.
+        if (kwargs and self.original is not _stock_loss()) or not torch.is_floating_point(logits):
+            return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         if shift_labels is None:
             # Tokens < n predict n: the last position predicts nothing.
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -107,8 +126,17 @@ def causal_lm_loss_function(original: Callable) -> Callable:
         return logits_cross_entropy(logits.reshape(-1, vocab), shift_labels.reshape(-1),
                                     ignore_index, num_items_in_batch)
 
-    loss.trainstream = True
-    return loss
+
+def causal_lm_loss_function(original: Callable) -> Callable:
+    return CausalLMLoss(original)
+
+
+def _stock_loss() -> Optional[Callable]:
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # pragma: no cover - transformers is optional
+        return None
+    return ForCausalLMLoss
 
 
 def _causal_lms(model: nn.Module) -> List[nn.Module]:
@@ -133,21 +161,17 @@ def _causal_lms(model: nn.Module) -> List[nn.Module]:
 def install(model: nn.Module) -> Optional[Callable[[], None]]:
     """Sets the loss of every causal LM in ``model``; returns what undoes it (None: there
     was none)."""
-    done: List[Tuple[nn.Module, Any]] = []
+    done: List[nn.Module] = []
     for m in _causal_lms(model):
-        previous = m.__dict__.get("_loss_function", None)
-        original = m.loss_function
-        if getattr(original, "trainstream", False):
+        # A loss the user set (model.loss_function = ...) is theirs: left alone.
+        if "_loss_function" in m.__dict__:
             continue
-        m.loss_function = causal_lm_loss_function(original)
-        done.append((m, previous))
+        m.loss_function = CausalLMLoss(m.loss_function)
+        done.append(m)
     if not done:
         return None
 
     def restore() -> None:
-        for m, previous in done:
-            if previous is None:
-                m.__dict__.pop("_loss_function", None)
-            else:
-                m.loss_function = previous
+        for m in done:
+            m.__dict__.pop("_loss_function", None)
     return restore
