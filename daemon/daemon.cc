@@ -111,7 +111,7 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
 // A clean stop (SIGTERM) ends every session and frees its memory: that is what
 // `systemctl stop` means. A restart must not: a package upgrade or `systemctl restart`
 // would lose every job's masters and moments. The unit sets RestartKillSignal=SIGUSR2
-// (systemd >= 250), and on SIGUSR2 the daemon leaves exactly what a crash leaves: it
+// (deploy/trainstreamd.service), and on SIGUSR2 the daemon leaves exactly what a crash leaves: it
 // exits at once, without ending sessions or unlinking segments. The recovery design
 // already makes any moment of death safe (docs/recovery.md: the undo journal, the
 // commit records, roll-forward at adoption), so the next daemon adopts each state and

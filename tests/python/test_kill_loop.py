@@ -82,4 +82,5 @@ def test_short_loop_restarts_keep_the_state(build_dir):
                  "--seed", "16")
     assert f["bit_identical"] and not f["failures"]
     assert f["signal"] == "USR2" and f["daemon_kills"] == 4
+    assert f["restart_exits"] == 4  # the daemon's own exit each time, from its log
     assert f["recoveries"] >= 2 and f["lost_reports"] == 0

@@ -86,6 +86,14 @@ def parse(argv=None):
     return a
 
 
+def _json(text: str):
+    """A worker line's JSON, or None for one cut short (its client killed mid-print)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
 def trainstream_files(directory: str) -> set:
     try:
         return {n for n in os.listdir(directory) if n.startswith("trainstream-")}
@@ -321,14 +329,18 @@ def main(argv=None) -> int:
         if words[0] == "phase":
             last_phase = (words[1], int(words[2]))
         elif words[0] == "resumed":
-            info = json.loads(words[2])
+            info = _json(words[2])
+            if info is None:
+                return
             figures["recoveries"] += 1
             figures["replayed_grads"] += info["replayed"]
             figures["landed_grads"] += info["landed"]
             if kill_times:
                 figures["resume_s"].append(time.monotonic() - kill_times[-1])
         elif words[0] == "lost":
-            step, lost = int(words[1]), json.loads(words[2])
+            step, lost = int(words[1]), _json(words[2])
+            if lost is None:
+                return
             message = lost["message"]
             figures["lost_reports"] += 1
             # The client cannot finish a step without a daemon: the step it reports
@@ -436,6 +448,14 @@ def main(argv=None) -> int:
     else:
         failures.append("the run did not complete")
     daemon.stop()
+    if args.daemon_signal == "USR2" and not args.embedded:
+        # Each restart must have been the daemon's own exit (Note [A restart keeps the
+        # optimizer state]), not SIGUSR2's default action, which would leave the same state.
+        log = (work / f"daemon-{Path(socket).stem}.log").read_text(errors="replace")
+        figures["restart_exits"] = log.count("SIGUSR2 (restart): exiting")
+        if figures["restart_exits"] < figures["daemon_kills"]:
+            failures.append(f"{figures['daemon_kills']} SIGUSR2 sent, but the daemon's log shows "
+                            f"{figures['restart_exits']} restart exits")
     # /dev/shm back to its baseline: nothing of ours is left (an embedded daemon exits
     # once idle; a killed client's adopted state goes when the daemon sees it is gone).
     deadline = time.monotonic() + 15
