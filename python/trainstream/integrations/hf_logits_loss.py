@@ -116,7 +116,10 @@ class CausalLMLoss:
         # transformers' own ForCausalLMLoss ignores the model's other keywords (its
         # forward hands on everything it got: output_hidden_states and the like); any
         # other function gets them, with the call.
-        if (kwargs and self.original is not _stock_loss()) or not torch.is_floating_point(logits):
+        # Tensor subclasses (a vocabulary-sharded DTensor, tracing's fake tensors) go to
+        # the model's own loss: the row kernels read plain local memory.
+        if ((kwargs and self.original is not _stock_loss()) or type(logits) is not torch.Tensor
+                or not torch.is_floating_point(logits)):
             return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         if shift_labels is None:
