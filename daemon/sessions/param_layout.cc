@@ -80,7 +80,7 @@ Status ValidateRegistration(const v1::RegisterParametersRequest& req,
     return Invalid("grad_pool_bytes", std::to_string(req.grad_pool_bytes()) + " (at most " +
                                           std::to_string(kMaxGradPoolBytes) + ")");
   if (req.grad_pool_bytes() != 0 && req.max_grad_norm() != 0) {
-    // Note [Clipping keeps gradient slots] (trainstream/wire/grad_pool.h).
+    // Note [Clipping keeps gradient slots] (python/trainstream/optim/grad_pool.py).
     return Invalid("grad_pool_bytes",
                    "a gradient pool needs max_grad_norm 0: clipping holds every gradient of "
                    "a step until its global norm is known");

@@ -52,6 +52,9 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (0: eager updates)")
+    ap.add_argument("--grad-pool", default="auto",
+                    help="the client's gradient staging pool: 'auto', 0 (slots) or bytes (a "
+                         "small pool makes backward wait for room, so kills land there too)")
     ap.add_argument("--embedded", action="store_true", help="the client starts the daemon")
     ap.add_argument("--dp", type=int, default=1,
                     help="data-parallel ranks sharing one state (daemon kills only)")
@@ -193,6 +196,7 @@ class Worker:
             cmd += ["--socket", socket]
         if args.clip:
             cmd += ["--clip", str(args.clip)]
+        cmd += ["--grad-pool", str(args.grad_pool)]
         if resume:
             cmd.append("--resume")
         Worker.runs += 1

@@ -15,7 +15,9 @@
 // the daemon has released what it would overwrite. GRAD_READY then names it:
 // flags = kFlagPooledGrad, region_offset = pos, bytes = len, region_id = 0.
 // The daemon checks every extent against what it holds in its own memory
-// (daemon/planes/grad_pool.h) and never reads this header back.
+// (daemon/planes/grad_pool.h) and never reads this header back. Clipping and
+// data-parallel groups keep one gradient slot per parameter (Note [Clipping
+// keeps gradient slots], python/trainstream/optim/grad_pool.py).
 #pragma once
 
 #include <atomic>
