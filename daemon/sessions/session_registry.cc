@@ -622,7 +622,10 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
                      &state);
   if (!st.ok()) return st;
   st = CreateSegment(s, v1::SEGMENT_KIND_SESSION, layout.staging_bytes,
-                     "staging slots of " + std::to_string(req.params_size()) + " parameters",
+                     (layout.grad_pool_bytes != 0
+                          ? "gradient pool and weight slots of "
+                          : "staging slots of ") +
+                         std::to_string(req.params_size()) + " parameters",
                      &staging);
   if (!st.ok()) {
     DropSegment(std::move(state));
