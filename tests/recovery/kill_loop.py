@@ -14,8 +14,10 @@ the daemon's update (step()), state_dict() (checkpoints), a base load; the kill 
 0 to --jitter-ms after the announcement. A supervisor restarts the daemon after 0 to
 --restart-ms (as systemd's Restart=on-failure would); with --embedded there is no
 supervisor: the client restarts the daemon itself. With --lose-every K, every K-th
-kill also deletes the client's staging segment while no daemon runs, so the state
-cannot be resumed: the client must report the lost step.
+kill also deletes the client's staging segment (its gradient pool or slots, and its
+weight slots) while no daemon runs, so the state cannot be resumed: the client must
+report the lost step. --grad-pool sets the client's gradient staging pool
+(docs/staging-pool.md; a small one makes backward wait for room, so kills land there).
 
   kill_loop.py                      20 daemon kills in a 200-step run
   kill_loop.py --short              what `make test` runs (tests/python/test_kill_loop.py)
