@@ -5,6 +5,8 @@ TRAINSTREAM_GRAD_POOL=0 keep slots; a daemon that stops answering while backward
 for room ends in DaemonError, not a hang."""
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -121,3 +123,50 @@ def test_a_daemon_that_stops_or_dies_ends_a_wait_for_room_in_daemon_error(daemon
     finally:
         if sig == signal.SIGSTOP:
             os.kill(d.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("pool", ["auto", 2 * LARGEST])
+def test_gradients_that_did_not_land_are_posted_again_from_their_extents(daemon_factory, pool):
+    # Note [Resuming after the daemon died]: the daemon is stopped before backward and
+    # SIGKILLed 0.5 s later, so the gradients of step 3 sit in the pool unprocessed (with
+    # the small pool, backward is waiting for room when the daemon dies: the wait's
+    # liveness probe finds it gone). The next daemon adopts the state, the client posts
+    # each one again from the extent it was copied to, and the run equals one with
+    # gradient slots that was never interrupted.
+    def run(d, grad_pool, kill):
+        model = _model()
+        opt = trainstream.OffloadAdamW(_groups(model), lr=3e-3, socket=d.socket,
+                                       grad_pool=grad_pool, timeout_s=30)
+        for i, (x, y) in enumerate(text_batches(TEXT, CFG, batch=4, steps=5)):
+            restarted = {}
+            if i == 2 and kill:
+                os.kill(d.proc.pid, signal.SIGSTOP)
+
+                def restart(old=d, restarted=restarted):
+                    time.sleep(0.5)
+                    old.proc.kill()
+                    old.proc.wait()
+                    restarted["d"] = daemon_factory(socket=old.socket, shm_dir=old.shm_dir,
+                                                    wait=False)
+                t = threading.Thread(target=restart)
+                t.start()
+            model(x, y).backward()
+            if i == 2 and kill:
+                t.join()
+                d = restarted["d"]
+            opt.step()
+            opt.zero_grad()
+        stats = opt.stats()
+        opt.detach()
+        return model, stats
+
+    want, _ = run(daemon_factory(), 0, False)
+    got, stats = run(daemon_factory(), pool, True)
+    _same(got, want)
+    assert stats["recoveries"] == 1 and stats["grad_pool_bytes"] > 0
+    assert stats["replayed_grads"] > 0
+    if pool == "auto":  # the pool holds the whole step: every gradient was posted
+        assert stats["replayed_grads"] == len(list(_model().parameters()))
+        assert stats["landed_grads"] == 0
+    else:
+        assert stats["pool_waits"] > 0
