@@ -370,6 +370,19 @@ def run_case(args) -> dict:
         attention=rep["attention"],
         events=[{k: v for k, v in e.items() if k != "time"} for e in rep["events"]
                 if e["kind"] in ("plan", "watchdog", "attention")])
+    # Issue 20's figure: the daemon's shared memory plus this process's private pages
+    # (not RSS, which counts the shared segments again) per trained parameter, and the
+    # gradient pool (docs/staging-pool.md) with the time backward waited for its room.
+    hpp, st = rep.get("host_per_param") or {}, opt.stats()
+    private = (hpp.get("bytes") or {}).get("process private memory", 0)
+    trained = result["trained_params"]
+    result.update(
+        host_private_gib=_gib(private),
+        host_bytes_per_trained_param=(round((status["budget"]["used"] + private) / trained, 3)
+                                      if trained else None),
+        grad_pool_gib=_gib(st.get("grad_pool_bytes", 0)), pool_waits=st.get("pool_waits", 0),
+        pool_wait_s=round(st.get("pool_wait_s", 0.0), 3),
+        staging_per_param=hpp.get("staging_per_param"))
     if profile is not None:
         result["profile"] = profile
     if case.startswith("14b"):

@@ -174,6 +174,8 @@ Status Client::Attach(const AttachOptions& options, std::unique_ptr<Session>* ou
       for (const auto& p : reg.params())
         out.params.push_back(
             ResumedParam{p.param_id(), p.applied_step(), p.skipped(), p.torch_step()});
+      out.grad_pool_offset = reg.grad_pool_offset();
+      out.grad_pool_bytes = reg.grad_pool_bytes();
       resumed->registrations.push_back(std::move(out));
     }
     impl->resumed = std::move(resumed);
@@ -289,6 +291,7 @@ Status Session::RegisterParameters(const RegisterOptions& options,
   req.set_max_grad_norm(options.max_grad_norm);
   req.set_seed(options.seed);
   req.set_threads(options.threads);
+  req.set_grad_pool_bytes(options.grad_pool_bytes);
   req.set_weights_checksum(options.weights_checksum);
   grpc::ClientContext ctx;
   // A group member's registration waits for the other local ranks (at most the
@@ -303,6 +306,8 @@ Status Session::RegisterParameters(const RegisterOptions& options,
     std::lock_guard<std::mutex> lock(impl_->mu);  // recovery_token() readers copy it
     impl_->recovery_token = resp.group_recovery_token();
   }
+  out->grad_pool_offset = resp.grad_pool_offset();
+  out->grad_pool_bytes = resp.grad_pool_bytes();
   out->slots.clear();
   for (const auto& sl : resp.slots()) {
     out->slots.push_back(ParameterSlots{sl.param_id(), sl.grad_offset(), sl.param_offset(),

@@ -38,7 +38,8 @@ struct AdamWEngine::Param {
   AdamWHyperParams hp;
   kernels::AdamWStepScalars scalars{};
   uint64_t new_state_step = 0;
-  bool busy = false;  // Guarded by mu_
+  const void* grad = nullptr;  // the submission's gradient: the slot, or its GradRef
+  bool busy = false;           // Guarded by mu_
 
   uint64_t state_step = 0;  // torch's state['step']; written only by the update phase's last chunk
 
@@ -142,7 +143,8 @@ Status AdamWEngine::AddParam(const ParamBinding& b) {
     return Status(StatusCode::kInvalidArgument,
                   "parameter " + std::to_string(b.param_id) + " has no elements");
   const bool split = b.master_lo != nullptr;
-  if ((!b.master && !split) || !b.exp_avg || !b.exp_avg_sq || !b.grad_slot || !b.param_slot) {
+  if ((!b.master && !split) || !b.exp_avg || !b.exp_avg_sq ||
+      (!b.grad_slot && !b.grad_per_submit) || !b.param_slot) {
     return Status(StatusCode::kInvalidArgument,
                   "parameter " + std::to_string(b.param_id) + ": null pointer in binding");
   }
@@ -179,6 +181,7 @@ Status AdamWEngine::AddParam(const ParamBinding& b) {
   }
   auto p = std::make_unique<Param>();
   p->binding = b;
+  p->grad = b.grad_slot;
   p->index = params_.size();
   for (size_t off = 0; off < b.numel; off += chunk) {
     const size_t count = std::min(chunk, b.numel - off);
@@ -274,7 +277,8 @@ Status AdamWEngine::CarryNorm(uint64_t step, uint64_t param_id, double sumsq, bo
   return Status::Ok();
 }
 
-Status AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp) {
+Status AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp,
+                               const GradRef* grad) {
   auto it = by_id_.find(param_id);
   if (it == by_id_.end())
     return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
@@ -283,6 +287,11 @@ Status AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHype
     return Status(StatusCode::kFailedPrecondition,
                   "parameter " + std::to_string(param_id) + " not initialised (Init)");
   if (Status st = CheckHyperParams(hp); !st.ok()) return st;
+  const bool per_submit = p->binding.grad_per_submit;
+  if (per_submit && (grad == nullptr || grad->data == nullptr))
+    return Status(StatusCode::kInvalidArgument,
+                  "parameter " + std::to_string(param_id) + " needs its gradient named (GradRef)");
+  wire::ParamRecord* record = p->binding.durable.record;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (p->busy) {
@@ -295,13 +304,22 @@ Status AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHype
     p->busy = true;
     p->submit_step = step;
     p->hp = hp;
+    if (per_submit) {
+      p->grad = grad->data;
+      // Before the mark: a restart rolls a marked update forward from the bytes
+      // the record names. !busy means the last update stored `applied`, so no
+      // record whose grad_offset changes here asks for a roll-forward.
+      if (record != nullptr) {
+        record->grad_offset = grad->record_offset;
+        record->rank_grad_offset = grad->record_offset;
+      }
+    }
     s->params.push_back(p);
     ++s->norms_pending;
     ++s->updates_pending;
     ++in_flight_;
   }
-  if (wire::ParamRecord* r = p->binding.durable.record; r != nullptr)
-    r->mark.store(step * 4 + wire::kMarkSubmitted, std::memory_order_release);
+  if (record != nullptr) record->mark.store(step * 4 + wire::kMarkSubmitted, std::memory_order_release);
   StartNormPhase(p);
   return Status::Ok();
 }
@@ -353,7 +371,7 @@ void AdamWEngine::NormChunk(Param* p, size_t chunk) {
   const Param::Chunk& c = p->chunks[chunk];
   const ParamBinding& b = p->binding;
   p->chunk_sumsq[chunk] = kernels::GradSumSquares(
-      static_cast<const char*>(b.grad_slot) + c.offset * kernels::DTypeSize(b.grad_dtype),
+      static_cast<const char*>(p->grad) + c.offset * kernels::DTypeSize(b.grad_dtype),
       b.grad_dtype, c.count, options_.isa);
   if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormDone(p);
 }
@@ -362,7 +380,7 @@ void AdamWEngine::CheckAndUpdateChunk(Param* p, size_t chunk) {
   const Param::Chunk& c = p->chunks[chunk];
   const ParamBinding& b = p->binding;
   const double sumsq = kernels::GradSumSquares(
-      static_cast<const char*>(b.grad_slot) + c.offset * kernels::DTypeSize(b.grad_dtype),
+      static_cast<const char*>(p->grad) + c.offset * kernels::DTypeSize(b.grad_dtype),
       b.grad_dtype, c.count, options_.isa);
   p->chunk_sumsq[chunk] = sumsq;
   if (std::isfinite(sumsq)) {
@@ -509,7 +527,7 @@ void AdamWEngine::UpdateChunk(Param* p, size_t chunk) {
   whole.master_lo = b.master_lo;
   whole.exp_avg = b.exp_avg;
   whole.exp_avg_sq = b.exp_avg_sq;
-  whole.grad = b.grad_slot;
+  whole.grad = p->grad;
   whole.param_out = b.param_slot;
   whole.numel = b.numel;
   whole.grad_dtype = b.grad_dtype;
@@ -535,7 +553,7 @@ void AdamWEngine::UpdateJournaled(Param* p, size_t chunk) {
   j.whole.master_lo = b.master_lo;
   j.whole.exp_avg = b.exp_avg;
   j.whole.exp_avg_sq = b.exp_avg_sq;
-  j.whole.grad = b.grad_slot;
+  j.whole.grad = p->grad;
   j.whole.param_out = b.param_slot;
   j.whole.numel = b.numel;
   j.whole.grad_dtype = b.grad_dtype;

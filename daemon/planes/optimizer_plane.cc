@@ -54,16 +54,19 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "log_limiter.h"
+#include "planes/grad_pool.h"
 #include "planes/plane_common.h"
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/optimizer/worker_pool.h"
+#include "trainstream/wire/grad_pool.h"
 #include "trainstream/wire/session_control.h"
 
 namespace trainstream::daemon {
@@ -238,8 +241,11 @@ struct OptimizerPlane::Impl {
 
   // ------------------------------------------------------------ parameters
   Status AddParameters(const SessionOptimizerOptions& o, std::vector<ParamBinding> params,
-                       bool adopted, std::vector<CarriedNorm> carried) {
+                       bool adopted, std::vector<CarriedNorm> carried,
+                       std::unique_ptr<GradientPool> pool) {
     std::lock_guard<std::mutex> lock(pending_mu);
+    if (pool != nullptr && options.group)
+      return Status(StatusCode::kInvalidArgument, "a data-parallel group has no gradient pool");
     if (have_options) {
       if (o.moment_dtype != engine_options.moment_dtype ||
           o.max_grad_norm != engine_options.max_grad_norm || o.seed != engine_options.seed) {
@@ -253,6 +259,7 @@ struct OptimizerPlane::Impl {
     }
     for (auto& p : params) pending.push_back({std::move(p), adopted});
     for (auto& c : carried) pending_carried.push_back(c);
+    if (pool != nullptr) pools.push_back(std::move(pool));
     return Status::Ok();
   }
 
@@ -282,14 +289,19 @@ struct OptimizerPlane::Impl {
         eb.grad_dtype = kernels::DType::kFloat32;  // the engine reads the fp32 sum slot
         eb.grad_slot = b.sum_slot;
       } else {
-        eb.grad_dtype = b.grad_dtype;  // the client's slot, read in place
+        eb.grad_dtype = b.grad_dtype;  // the client's slot (or pool extent), read in place
         eb.grad_slot = b.grad_slot;
+        eb.grad_per_submit = b.pool != nullptr;
       }
       if (Status st = engine->AddParam(eb); !st.ok()) {
         Refuse(0, 0, b.param_id, 0, "param " + std::to_string(b.param_id) + ": " + st.message());
         continue;
       }
       (was_adopted ? adopted : fresh) = true;
+      if (b.pool != nullptr) {
+        std::unique_lock<std::shared_mutex> lock(pooled_mu);
+        pooled[b.param_id] = PooledParam{b.pool, b.numel * wire::DTypeSize(b.grad_dtype)};
+      }
       if (options.group) {
         auto slot = std::make_unique<Slot>();
         slot->grad_dtype = b.grad_dtype;
@@ -339,9 +351,30 @@ struct OptimizerPlane::Impl {
   // ------------------------------------------------------------ gradients
   void OnGrad(int r, const CommandRecord& cmd) {
     if (!options.group) {
-      // A group of one whose slot the engine reads: nothing to gather or sum.
-      if (Status st = engine->SubmitGrad(cmd.param_id, cmd.step, HyperOf(cmd)); !st.ok())
+      // A group of one whose slot (or pool extent) the engine reads: nothing to
+      // gather or sum.
+      const PooledParam pp = PooledOf(cmd.param_id);
+      const bool names_extent = (cmd.flags & wire::kFlagPooledGrad) != 0;
+      if (names_extent != (pp.pool != nullptr) && engine->ParamNumel(cmd.param_id) != 0) {
+        return Reject(r, cmd.seq, cmd.param_id, cmd.step,
+                      "param " + std::to_string(cmd.param_id) +
+                          (pp.pool != nullptr ? " streams through a gradient pool: GRAD_READY "
+                                                "must name its extent"
+                                              : " has a gradient slot, not a pool extent"));
+      }
+      optimizer::GradRef ref;
+      if (pp.pool != nullptr) {
+        // Note [A pool extent a client names] (grad_pool.h).
+        if (Status st = pp.pool->Accept(cmd.param_id, cmd.region_offset, cmd.bytes, pp.bytes, &ref);
+            !st.ok())
+          return Reject(r, cmd.seq, cmd.param_id, cmd.step, st.message());
+      }
+      Status st =
+          engine->SubmitGrad(cmd.param_id, cmd.step, HyperOf(cmd), pp.pool ? &ref : nullptr);
+      if (!st.ok()) {
+        if (pp.pool != nullptr) pp.pool->Release(cmd.param_id);  // no update reads it
         Refuse(r, cmd.seq, cmd.param_id, cmd.step, st.message());
+      }
       return;
     }
     auto it = by_id.find(cmd.param_id);
@@ -512,6 +545,8 @@ struct OptimizerPlane::Impl {
   // ------------------------------------------------- engine callbacks (workers)
   // The engine has committed the update (Note [Optimizer state outlives the daemon]).
   void OnParamDone(uint64_t id, uint64_t step, bool updated, uint64_t /*param_step*/) {
+    // The extent is free once the update committed, before the client hears of it.
+    if (GradientPool* pool = PooledOf(id).pool; pool != nullptr) pool->Release(id);
     for (size_t r = 0; r < members.size(); ++r) {
       Post(static_cast<int>(r), Opcode::kParamReady,
            updated ? CompletionStatus::kOk : CompletionStatus::kSkippedNonFinite, 0, id, step, "");
@@ -638,9 +673,24 @@ struct OptimizerPlane::Impl {
     ParamBinding binding;
     bool adopted = false;
   };
+  // A parameter whose gradients stream through a pool, and its gradient's bytes.
+  struct PooledParam {
+    GradientPool* pool = nullptr;
+    uint64_t bytes = 0;
+  };
+  PooledParam PooledOf(uint64_t param_id) const {
+    std::shared_lock<std::shared_mutex> lock(pooled_mu);
+    auto it = pooled.find(param_id);
+    return it == pooled.end() ? PooledParam{} : it->second;
+  }
   std::mutex pending_mu;  // guards pending, pending_carried, engine_options, have_options
   std::vector<PendingParam> pending;
   std::vector<CarriedNorm> pending_carried;
+  // Guarded by pending_mu (appended); destroyed after the engine (StopThread).
+  std::vector<std::unique_ptr<GradientPool>> pools;
+  // Written by the plane thread as parameters are applied, read by workers.
+  mutable std::shared_mutex pooled_mu;  // guards pooled
+  std::unordered_map<uint64_t, PooledParam> pooled;
   SessionOptimizerOptions engine_options;
   bool have_options = false;
 
@@ -678,8 +728,10 @@ OptimizerPlane::~OptimizerPlane() { Stop("", -1); }
 
 Status OptimizerPlane::AddParameters(const SessionOptimizerOptions& options,
                                      std::vector<ParamBinding> params, bool adopted,
-                                     std::vector<CarriedNorm> carried) {
-  return impl_->AddParameters(options, std::move(params), adopted, std::move(carried));
+                                     std::vector<CarriedNorm> carried,
+                                     std::unique_ptr<GradientPool> pool) {
+  return impl_->AddParameters(options, std::move(params), adopted, std::move(carried),
+                              std::move(pool));
 }
 
 void OptimizerPlane::Stop(const std::string& why, int leaver) {

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "planes/client_rings.h"
+#include "planes/grad_pool.h"
 #include "trainstream/optimizer/adamw_engine.h"
 #include "trainstream/status.h"
 #include "trainstream/wire/dtype.h"
@@ -73,6 +74,9 @@ struct ParamBinding {
   void* exp_avg = nullptr;     // moment dtype[numel], state segment
   void* exp_avg_sq = nullptr;  // moment dtype[numel], state segment
   void* grad_slot = nullptr;   // grad dtype[numel], staging (solo planes only)
+  // Solo planes: the registration's gradient staging pool (grad_slot null); its
+  // GRAD_READYs name extents (Note [A pool extent a client names]).
+  GradientPool* pool = nullptr;
   void* param_slot = nullptr;  // param dtype[numel], staging segment
   // Where the engine keeps this parameter's commit records (Note [Optimizer
   // state outlives the daemon]); all null without recovery.
@@ -149,8 +153,11 @@ class OptimizerPlane {
   // kParamFromSlot), their torch steps come from their manifest entries.
   // `carried`: norms of updates that landed before the restart, counted in
   // their steps (AdamWEngine::CarryNorm).
+  // `pool`: the registration's gradient staging pool, which the bindings'
+  // `pool` point to (solo planes; null: slots); the plane owns it from here.
   Status AddParameters(const SessionOptimizerOptions& options, std::vector<ParamBinding> params,
-                       bool adopted = false, std::vector<CarriedNorm> carried = {});
+                       bool adopted = false, std::vector<CarriedNorm> carried = {},
+                       std::unique_ptr<GradientPool> pool = nullptr);
 
   // Stops the thread and waits for in-flight updates; afterwards no member's
   // memory is touched by the plane. Then, when `why` is not empty, posts

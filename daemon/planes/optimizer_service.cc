@@ -51,13 +51,15 @@ void OptimizerService::StartSession(uint64_t session_id, const ControlRings& rin
 
 Status OptimizerService::AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
                                        std::vector<ParamBinding> params, bool adopted,
-                                       std::vector<CarriedNorm> carried) {
+                                       std::vector<CarriedNorm> carried,
+                                       std::unique_ptr<GradientPool> pool) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sessions.find(session_id);
   if (it == impl_->sessions.end())
     return Status(StatusCode::kInvalidArgument,
                   "session " + std::to_string(session_id) + " has no data plane");
-  return it->second->AddParameters(options, std::move(params), adopted, std::move(carried));
+  return it->second->AddParameters(options, std::move(params), adopted, std::move(carried),
+                                   std::move(pool));
 }
 
 void OptimizerService::EndSession(uint64_t session_id) {

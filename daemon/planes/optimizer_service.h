@@ -43,7 +43,8 @@ class OptimizerService {
   // `adopted` and `carried`: state a restarted daemon adopted (see there).
   Status AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
                        std::vector<ParamBinding> params, bool adopted = false,
-                       std::vector<CarriedNorm> carried = {});
+                       std::vector<CarriedNorm> carried = {},
+                       std::unique_ptr<GradientPool> pool = nullptr);
 
   // Stops the session's plane and waits for in-flight work; afterwards no
   // pointer of the session is touched. Safe to call for unknown ids.

@@ -7,6 +7,7 @@
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/kernels/cpu_features.h"
 #include "trainstream/optimizer/journaled_update.h"
+#include "trainstream/wire/grad_pool.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -69,7 +70,8 @@ Status CheckStateSegment(char* base, uint64_t bytes, StateSegmentView* out) {
   if (ro % 64 != 0 || !Within(ro, sizeof(wire::RecoveryHeader), bytes))
     return Bad("recovery_offset out of range");
   auto* rh = reinterpret_cast<wire::RecoveryHeader*>(base + ro);
-  if (rh->magic != wire::kRecoveryMagic || rh->version != wire::kRecoveryVersion)
+  if (rh->magic != wire::kRecoveryMagic ||
+      (rh->version != wire::kRecoveryVersion && rh->version != wire::kRecoveryVersionPooled))
     return Bad("bad recovery header magic or version");
   if ((rh->flags.load(std::memory_order_acquire) & wire::kRecoveryInitialized) == 0)
     return Bad("not initialised (its registration never finished)");
@@ -118,6 +120,15 @@ Status CheckStateSegment(char* base, uint64_t bytes, StateSegmentView* out) {
   if (v.group_ranks > 64 || (v.group_ranks != 0 && (v.world_size < v.group_ranks || v.nnodes == 0 ||
                                                     v.world_size < v.nnodes)))
     return Bad("group geometry");
+  if (rh->version == wire::kRecoveryVersionPooled) {
+    // The pool lies where this daemon puts it (param_layout.h), inside the staging.
+    v.grad_pool_offset = rh->grad_pool_offset;
+    v.grad_pool_bytes = rh->grad_pool_bytes;
+    if (v.grad_pool_offset != wire::kGradPoolOffset || v.grad_pool_bytes == 0 ||
+        v.grad_pool_bytes % 4096 != 0 || v.group_ranks != 0 || v.max_grad_norm != 0 ||
+        !Within(v.grad_pool_offset, v.grad_pool_bytes, v.staging_bytes))
+      return Bad("gradient pool out of range");
+  }
 
   const auto* entries = reinterpret_cast<const wire::StateManifestEntry*>(base + entries_offset);
   uint64_t chunks_seen = 0;
@@ -158,6 +169,13 @@ Status CheckStateSegment(char* base, uint64_t bytes, StateSegmentView* out) {
         !Within(p.grad_offset, p.numel * wire::DTypeSize(p.grad_dtype), v.staging_bytes) ||
         !Within(p.param_offset, p.numel * wire::DTypeSize(p.dtype), v.staging_bytes))
       return Bad(what + ": staging slots out of range");
+    // A pooled parameter's last submission read a pool extent, which never wraps.
+    if (v.grad_pool_bytes != 0 &&
+        (p.grad_offset < v.grad_pool_offset ||
+         !Within(p.grad_offset - v.grad_pool_offset, p.numel * wire::DTypeSize(p.grad_dtype),
+                 v.grad_pool_bytes) ||
+         r.rank_grad_offset != p.grad_offset))
+      return Bad(what + ": gradient outside the pool");
     if (!KnownDType(r.rank_grad_dtype)) return Bad(what + ": rank gradient dtype");
     p.rank_grad_dtype = static_cast<wire::DType>(r.rank_grad_dtype);
     p.rank_grad_offset = r.rank_grad_offset;

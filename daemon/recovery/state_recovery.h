@@ -67,6 +67,9 @@ struct StateSegmentView {
   double max_grad_norm = 0;
   uint32_t threads = 0;
   uint32_t group_ranks = 0;  // a group's local ranks (0: a solo session)
+  // The staging segment's gradient pool (recovery version 3; 0 bytes: slots).
+  uint64_t grad_pool_offset = 0;
+  uint64_t grad_pool_bytes = 0;
   uint32_t world_size = 0;
   uint32_t nnodes = 0;
   std::vector<CheckedParam> params;

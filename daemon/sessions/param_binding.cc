@@ -55,6 +55,10 @@ PlaneRegistration BindRegistration(const v1::RegisterParametersRequest& req,
   out.options = OptimizerOptionsOf(req);
   wire::StateManifestEntry* entries = WriteStateManifest(state_base, layout, req, owner);
   const uint64_t recovery_offset = owner != nullptr ? layout.recovery_offset : 0;
+  if (layout.grad_pool_bytes != 0) {
+    out.pool = std::make_unique<GradientPool>(staging_base, layout.grad_pool_offset,
+                                              layout.grad_pool_bytes, /*fresh=*/true);
+  }
   for (int i = 0; i < req.params_size(); ++i) {
     const auto& p = req.params(i);
     const ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
@@ -78,6 +82,8 @@ PlaneRegistration BindRegistration(const v1::RegisterParametersRequest& req,
       for (uint32_t r = 0; r < layout.grad_slots; ++r)
         b.rank_grads.push_back(staging_base + pl.grad_offset + r * pl.grad_stride);
       b.sum_slot = reinterpret_cast<float*>(staging_base + pl.sum_offset);
+    } else if (out.pool != nullptr) {
+      b.pool = out.pool.get();
     } else {
       b.grad_slot = staging_base + pl.grad_offset;
     }

@@ -4,6 +4,9 @@
 // both call it, so every option of the request reaches both kinds of plane.
 #pragma once
 
+#include <memory>
+
+#include "planes/grad_pool.h"
 #include "planes/optimizer_plane.h"
 #include "sessions/param_layout.h"
 #include "trainstream/v1/control.pb.h"
@@ -12,7 +15,8 @@ namespace trainstream::daemon {
 
 struct PlaneRegistration {
   SessionOptimizerOptions options;
-  std::vector<ParamBinding> params;  // request order
+  std::vector<ParamBinding> params;    // request order
+  std::unique_ptr<GradientPool> pool;  // the layout's gradient pool (null: slots)
 };
 
 // The plane's options from a validated request (moment dtype, clipping, seed,
@@ -25,7 +29,8 @@ SessionOptimizerOptions OptimizerOptionsOf(const v1::RegisterParametersRequest& 
 // manifest (WriteStateManifest, with `owner` in its recovery header when the
 // layout has recovery records) and returns the plane's options and bindings.
 // A layout with a sum slot (a group's) binds each local rank's grad slot and
-// the sum slot; else the one grad slot. The pointers are into the two
+// the sum slot; one with a gradient pool binds every parameter to the pool
+// (written fresh, here); else the one grad slot. The pointers are into the two
 // mappings: they live as long as those do.
 PlaneRegistration BindRegistration(const v1::RegisterParametersRequest& req,
                                    const RegistrationLayout& layout, char* state_base,

@@ -1,5 +1,6 @@
 #include "sessions/param_layout.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -7,6 +8,7 @@
 #include <string>
 
 #include "trainstream/wire/dtype.h"
+#include "trainstream/wire/grad_pool.h"
 #include "trainstream/wire/segment_header.h"
 #include "trainstream/wire/state_record.h"
 
@@ -73,6 +75,15 @@ Status ValidateRegistration(const v1::RegisterParametersRequest& req,
   if (!std::isfinite(req.max_grad_norm()) || req.max_grad_norm() < 0) {
     return Invalid("max_grad_norm",
                    Num(req.max_grad_norm()) + " must be finite and >= 0 (0 disables clipping)");
+  }
+  if (req.grad_pool_bytes() > kMaxGradPoolBytes)
+    return Invalid("grad_pool_bytes", std::to_string(req.grad_pool_bytes()) + " (at most " +
+                                          std::to_string(kMaxGradPoolBytes) + ")");
+  if (req.grad_pool_bytes() != 0 && req.max_grad_norm() != 0) {
+    // Note [Clipping keeps gradient slots] (python/trainstream/optim/grad_pool.py).
+    return Invalid("grad_pool_bytes",
+                   "a gradient pool needs max_grad_norm 0: clipping holds every gradient of "
+                   "a step until its global norm is known");
   }
   if (req.params_size() == 0) return Invalid("params", "no parameters to register");
   if (static_cast<size_t>(req.params_size()) > kMaxParamsPerRequest) {
@@ -174,15 +185,29 @@ RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest
     records_end = layout.journal_offset + layout.journal_slots * layout.journal_slot_bytes;
   }
   uint64_t state = AlignUp(records_end, kPage);
+  const bool pooled = req.grad_pool_bytes() != 0 && grad_slots == 1 && !sum_slot;
+  if (pooled) {
+    uint64_t largest = 0;
+    for (int i = 0; i < req.params_size(); ++i) {
+      uint64_t numel = 1;
+      for (int64_t d : req.params(i).shape()) numel *= static_cast<uint64_t>(d);
+      largest = std::max(largest, AlignUp(numel * DTypeBytes(GradDType(req.params(i))), kSlotAlign));
+    }
+    layout.grad_pool_offset = wire::kGradPoolOffset;
+    layout.grad_pool_bytes = AlignUp(std::max(req.grad_pool_bytes(), largest), kPage);
+    staging = layout.grad_pool_offset + layout.grad_pool_bytes;
+  }
   for (int i = 0; i < req.params_size(); ++i) {
     const auto& p = req.params(i);
     ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
     pl.numel = 1;
     for (int64_t d : p.shape()) pl.numel *= static_cast<uint64_t>(d);
-    pl.grad_offset = AlignUp(staging, kSlotAlign);
-    pl.grad_stride = AlignUp(pl.numel * DTypeBytes(GradDType(p)), kSlotAlign);
-    staging =
-        pl.grad_offset + (grad_slots - 1) * pl.grad_stride + pl.numel * DTypeBytes(GradDType(p));
+    if (!pooled) {
+      pl.grad_offset = AlignUp(staging, kSlotAlign);
+      pl.grad_stride = AlignUp(pl.numel * DTypeBytes(GradDType(p)), kSlotAlign);
+      staging =
+          pl.grad_offset + (grad_slots - 1) * pl.grad_stride + pl.numel * DTypeBytes(GradDType(p));
+    }
     if (sum_slot) {
       pl.sum_offset = AlignUp(staging, kSlotAlign);
       staging = pl.sum_offset + pl.numel * 4;
@@ -237,7 +262,9 @@ wire::StateManifestEntry* WriteStateManifest(char* state_base, const Registratio
   manifest->recovery_offset = layout.recovery_offset;
   auto* rh = reinterpret_cast<wire::RecoveryHeader*>(state_base + layout.recovery_offset);
   rh->magic = wire::kRecoveryMagic;
-  rh->version = wire::kRecoveryVersion;
+  rh->version = layout.grad_pool_bytes != 0 ? wire::kRecoveryVersionPooled : wire::kRecoveryVersion;
+  rh->grad_pool_offset = layout.grad_pool_offset;
+  rh->grad_pool_bytes = layout.grad_pool_bytes;
   rh->registration = owner->registration;
   std::memcpy(rh->owner_proof, owner->proof, sizeof(rh->owner_proof));
   rh->owner_uid = static_cast<uint32_t>(owner->uid);
@@ -268,11 +295,13 @@ wire::StateManifestEntry* WriteStateManifest(char* state_base, const Registratio
     // The slot the engine reads: a group's fp32 sum slot, else the client's.
     r.grad_dtype = layout.sum_slot ? static_cast<uint32_t>(wire::DType::kFloat32)
                                    : static_cast<uint32_t>(GradDType(p));
-    r.grad_offset = layout.sum_slot ? pl.sum_offset : pl.grad_offset;
+    // A pooled parameter never submitted names the pool's first bytes.
+    const uint64_t grad = layout.grad_pool_bytes != 0 ? layout.grad_pool_offset : pl.grad_offset;
+    r.grad_offset = layout.sum_slot ? pl.sum_offset : grad;
     r.param_offset = pl.param_offset;
     r.chunk_first = pl.chunk_first;
     r.chunks = pl.chunks;
-    r.rank_grad_offset = pl.grad_offset;
+    r.rank_grad_offset = grad;
     r.rank_grad_stride = pl.grad_stride;
     r.rank_grad_dtype = static_cast<uint32_t>(GradDType(p));
   }

@@ -8,6 +8,9 @@
 //   per parameter: one grad slot per local rank (grad_offset + r * grad_stride),
 //   an fp32 sum slot, then the one param slot all ranks copy from.
 //   Slot offsets are from the start of the segment.
+//   With a gradient staging pool (a solo session without clipping that asked
+//   for one, trainstream/wire/grad_pool.h): [4096, 8192) its GradPoolHeader,
+//   then the pool at 8192, then only param slots (grad_offset 0).
 //
 // State segment (kind state, daemon only; re-adoptable after a restart):
 //   [0, 4096)  SegmentHeader (manifest_offset = 4096)
@@ -45,6 +48,7 @@ inline constexpr size_t kMaxParamsPerRequest = 1u << 20;
 // far below 2^64.
 inline constexpr uint64_t kMaxRequestNumel = 1ull << 40;
 inline constexpr size_t kMaxGroups = 4096;
+inline constexpr uint64_t kMaxGradPoolBytes = 1ull << 42;
 
 size_t DTypeBytes(int dtype);  // 0 for unknown / unspecified
 
@@ -75,6 +79,11 @@ struct RegistrationLayout {
   uint64_t manifest_bytes = 0;
   uint32_t grad_slots = 1;  // per parameter: a group's local world size, else 1
   bool sum_slot = false;    // per parameter: an fp32 sum slot (groups)
+  // A gradient staging pool instead of grad slots (0 bytes: none): the
+  // request's grad_pool_bytes rounded up to the largest 64-byte-aligned
+  // gradient and to a page.
+  uint64_t grad_pool_offset = 0;
+  uint64_t grad_pool_bytes = 0;
   // With recovery (RecoveryLayoutOptions::enabled), else all 0.
   uint64_t recovery_offset = 0;
   uint64_t records_offset = 0;
@@ -107,7 +116,9 @@ struct RecoveryOwner {
 };
 
 // Layout for a validated request. A group's staging has `grad_slots` (its
-// local world size) gradient slots and a sum slot per parameter.
+// local world size) gradient slots and a sum slot per parameter; a solo one
+// (grad_slots 1, no sum slot) has a gradient pool when the request asks for
+// one (ValidateRegistration refuses one with clipping; groups refuse it).
 RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest& req,
                                              uint32_t grad_slots = 1, bool sum_slot = false,
                                              const RecoveryLayoutOptions& recovery = {});

@@ -404,6 +404,14 @@ Status SessionRegistry::Resume(Session& s, std::unique_ptr<AdoptedState> state,
     auto* rr = out->add_registrations();
     char* state_base = reg.state->base();
     char* staging_base = reg.staging->base();
+    // Adopted: the header is the client's, which resumes where its replays are.
+    std::unique_ptr<GradientPool> pool;
+    if (v.grad_pool_bytes != 0) {
+      pool = std::make_unique<GradientPool>(staging_base, v.grad_pool_offset, v.grad_pool_bytes,
+                                            /*fresh=*/false);
+      rr->set_grad_pool_offset(v.grad_pool_offset);
+      rr->set_grad_pool_bytes(v.grad_pool_bytes);
+    }
     for (size_t i = 0; i < v.params.size(); ++i) {
       const CheckedParam& p = v.params[i];
       const ParamOutcome& o = reg.report.params[i];
@@ -414,7 +422,11 @@ Status SessionRegistry::Resume(Session& s, std::unique_ptr<AdoptedState> state,
       b.group = p.group;
       b.param_dtype = p.dtype;
       b.grad_dtype = p.grad_dtype;
-      b.grad_slot = staging_base + p.grad_offset;
+      if (pool != nullptr) {
+        b.pool = pool.get();
+      } else {
+        b.grad_slot = staging_base + p.grad_offset;
+      }
       b.param_slot = staging_base + p.param_offset;
       BindMaster(&b, p.master_layout, state_base, p.master_offset);
       b.exp_avg = state_base + p.exp_avg_offset;
@@ -428,7 +440,7 @@ Status SessionRegistry::Resume(Session& s, std::unique_ptr<AdoptedState> state,
         carried.push_back({o.applied_step, p.param_id, o.grad_sumsq, !o.skipped});
       auto* slot = rr->add_slots();
       slot->set_param_id(p.param_id);
-      slot->set_grad_offset(p.grad_offset);
+      slot->set_grad_offset(pool != nullptr ? 0 : p.grad_offset);
       slot->set_param_offset(p.param_offset);
       slot->set_numel(p.numel);
       auto* rp = rr->add_params();
@@ -438,7 +450,7 @@ Status SessionRegistry::Resume(Session& s, std::unique_ptr<AdoptedState> state,
       rp->set_torch_step(o.torch_step);
     }
     result = optimizer_->AddParameters(s.id, options, std::move(bindings), /*adopted=*/true,
-                                       std::move(carried));
+                                       std::move(carried), std::move(pool));
     if (!result.ok()) {
       DropSegment(std::move(reg.staging));
       DropSegment(std::move(reg.state));
@@ -610,7 +622,10 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
                      &state);
   if (!st.ok()) return st;
   st = CreateSegment(s, v1::SEGMENT_KIND_SESSION, layout.staging_bytes,
-                     "staging slots of " + std::to_string(req.params_size()) + " parameters",
+                     (layout.grad_pool_bytes != 0
+                          ? "gradient pool and weight slots of "
+                          : "staging slots of ") +
+                         std::to_string(req.params_size()) + " parameters",
                      &staging);
   if (!st.ok()) {
     DropSegment(std::move(state));
@@ -635,7 +650,12 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
   owner.staging_bytes = staging->size();
   PlaneRegistration plane =
       BindRegistration(req, layout, state->base(), staging->base(), recoverable ? &owner : nullptr);
-  if (Status added = optimizer_->AddParameters(s.id, plane.options, std::move(plane.params));
+  if (layout.grad_pool_bytes != 0) {
+    resp->set_grad_pool_offset(layout.grad_pool_offset);
+    resp->set_grad_pool_bytes(layout.grad_pool_bytes);
+  }
+  if (Status added = optimizer_->AddParameters(s.id, plane.options, std::move(plane.params),
+                                               /*adopted=*/false, {}, std::move(plane.pool));
       !added.ok()) {
     DropSegment(std::move(staging));
     DropSegment(std::move(state));

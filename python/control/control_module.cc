@@ -184,8 +184,9 @@ del _error_base
           "register_parameters",
           [](Session& s, const py::list& groups, const py::list& params,
              const std::string& moment_dtype, double max_grad_norm, uint64_t seed,
-             const std::string& weights_checksum, uint32_t threads) {
+             const std::string& weights_checksum, uint32_t threads, uint64_t grad_pool_bytes) {
             RegisterOptions options;
+            options.grad_pool_bytes = grad_pool_bytes;
             options.weights_checksum = weights_checksum;
             for (auto g : groups) {
               auto d = g.cast<py::dict>();
@@ -229,6 +230,8 @@ del _error_base
               d["param_offset"] = slot.param_offset;
               d["numel"] = slot.numel;
               d["sum_offset"] = slot.sum_offset;
+              d["grad_pool_offset"] = reg.grad_pool_offset;
+              d["grad_pool_bytes"] = reg.grad_pool_bytes;
               slots.append(d);
             }
             return py::make_tuple(PyRegion{std::shared_ptr<MappedRegion>(std::move(reg.staging))},
@@ -236,7 +239,7 @@ del _error_base
           },
           py::arg("groups"), py::arg("params"), py::arg("moment_dtype") = "float32",
           py::arg("max_grad_norm") = 0.0, py::arg("seed") = 0, py::arg("weights_checksum") = "",
-          py::arg("threads") = 0)
+          py::arg("threads") = 0, py::arg("grad_pool_bytes") = 0)
       .def(
           "allocate_region",
           [](Session& s, uint64_t bytes, const std::string& label) {
@@ -357,6 +360,8 @@ del _error_base
               py::dict rd;
               rd["segment_name"] = reg.staging.segment_name;
               rd["segment_size"] = reg.staging.segment_size;
+              rd["grad_pool_offset"] = reg.grad_pool_offset;
+              rd["grad_pool_bytes"] = reg.grad_pool_bytes;
               py::list params;
               for (size_t i = 0; i < reg.params.size(); ++i) {
                 py::dict p;

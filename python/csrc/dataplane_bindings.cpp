@@ -29,6 +29,8 @@
 #include <unordered_map>
 
 #include "check.h"
+#include "trainstream/wire/grad_pool.h"
+#include "trainstream/wire/ring.h"
 #include "trainstream/wire/session_control.h"
 
 #ifdef TRAINSTREAM_WITH_CUDA
@@ -103,11 +105,21 @@ class DataPlane {
 
   bool closing() const { return header_->closing.load(std::memory_order_acquire) != 0; }
 
+  // pool_pos >= 0: `slot` is the gradient pool extent at that position
+  // (trainstream/wire/grad_pool.h), named in the record; the caller posts
+  // extents in claim order, so a CPU copy first lets queued CUDA posts go.
+  // copy false: the slot already holds the gradient (a replay).
   uint64_t PostGrad(uint64_t param_id, const torch::Tensor& grad, torch::Tensor slot, uint64_t step,
-                    double lr, double beta1, double beta2, double eps, double weight_decay) {
+                    double lr, double beta1, double beta2, double eps, double weight_decay,
+                    int64_t pool_pos, bool copy) {
     TS_CHECK(grad.numel() == slot.numel(), "gradient of param ", param_id, " has ", grad.numel(),
              " elements but its staging slot holds ", slot.numel());
     CommandRecord rec = MakeRecord(Opcode::kGradReady);
+    if (pool_pos >= 0) {
+      rec.flags = wire::kFlagPooledGrad;
+      rec.region_offset = static_cast<uint64_t>(pool_pos);
+      rec.bytes = static_cast<uint64_t>(slot.nbytes());
+    }
     rec.param_id = param_id;
     rec.step = step;
     rec.lr = lr;
@@ -116,14 +128,15 @@ class DataPlane {
     rec.eps = eps;
     rec.weight_decay = weight_decay;
 #ifdef TRAINSTREAM_WITH_CUDA
-    if (grad.is_cuda()) {
+    if (grad.is_cuda() && copy) {
       PostAfterCopy(grad, slot, rec);
       return rec.seq;
     }
 #endif
     {
       py::gil_scoped_release release;
-      slot.view(grad.sizes()).copy_(grad.detach());
+      if (pool_pos >= 0) WaitPosterIdle();
+      if (copy) slot.view(grad.sizes()).copy_(grad.detach());
     }
     Push(rec);
     return rec.seq;
@@ -425,6 +438,26 @@ void UnregisterHost(uintptr_t address) {
 #endif
 }
 
+// A client waiting for room in a gradient staging pool (trainstream/wire/grad_pool.h):
+// sleeps until the daemon moves `released` (release_seq differs from `seen_seq`) or
+// `timeout_ms` passes, without the GIL. Returns the release_seq it last saw. The
+// store of `waiters` precedes the kernel's read of release_seq (futex_wait orders
+// them), and the daemon increments release_seq before it reads `waiters`, so a
+// release between the caller's check and the sleep is never missed.
+uint32_t GradPoolWait(uintptr_t header_address, uint32_t seen_seq, int64_t timeout_ms) {
+  auto* h = reinterpret_cast<wire::GradPoolHeader*>(header_address);
+  py::gil_scoped_release release;
+  h->waiters.store(1, std::memory_order_seq_cst);
+  uint32_t now = h->release_seq.load(std::memory_order_seq_cst);
+  if (now == seen_seq) {
+    timespec ts{static_cast<time_t>(timeout_ms / 1000), static_cast<long>(timeout_ms % 1000) * 1000000};
+    wire::FutexWait(&h->release_seq, seen_seq, &ts);
+    now = h->release_seq.load(std::memory_order_acquire);
+  }
+  h->waiters.store(0, std::memory_order_release);
+  return now;
+}
+
 }  // namespace
 
 void RegisterDataPlaneBindings(py::module_& m) {
@@ -435,12 +468,14 @@ void RegisterDataPlaneBindings(py::module_& m) {
   m.def("register_host", &RegisterHost, py::arg("address"), py::arg("bytes"),
         py::arg("read_only") = false);
   m.def("unregister_host", &UnregisterHost, py::arg("address"));
+  m.def("grad_pool_wait", &GradPoolWait, py::arg("header_address"), py::arg("seen_seq"),
+        py::arg("timeout_ms"));
   py::class_<DataPlane>(m, "DataPlane")
       .def(py::init<uintptr_t, uint64_t, int64_t>(), py::arg("control_address"),
            py::arg("control_bytes"), py::arg("timeout_ms") = 30000)
       .def("post_grad", &DataPlane::PostGrad, py::arg("param_id"), py::arg("grad"), py::arg("slot"),
            py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-           py::arg("weight_decay"))
+           py::arg("weight_decay"), py::arg("pool_pos") = -1, py::arg("copy") = true)
       .def("post_step_end", &DataPlane::PostStepEnd, py::arg("step"), py::arg("grads_posted"))
       .def("post_state", &DataPlane::PostState, py::arg("load"), py::arg("param_id"),
            py::arg("field"), py::arg("region_id"), py::arg("region_offset"), py::arg("bytes"),

@@ -10,6 +10,7 @@
 
 #include "trainstream/wire/base_manifest.h"
 #include "trainstream/wire/dtype.h"
+#include "trainstream/wire/grad_pool.h"
 #include "trainstream/wire/segment_header.h"
 #include "trainstream/wire/session_control.h"
 
@@ -59,6 +60,15 @@ void RegisterWireBindings(pybind11::module_& m) {
        u(wire::MasterStateBytes(wire::MasterLayoutFor(DType::kFloat16)))},
       {"BASE_MANIFEST_MAGIC", u(wire::kBaseManifestMagic)},
       {"BASE_MANIFEST_HEADER_BYTES", u(sizeof(wire::BaseManifestHeader))},
+      {"GRAD_POOL_MAGIC", u(wire::kGradPoolMagic)},
+      {"GRAD_POOL_HEADER_OFFSET", u(wire::kGradPoolHeaderOffset)},
+      {"GRAD_POOL_OFFSET", u(wire::kGradPoolOffset)},
+      {"GRAD_POOL_ALIGN", u(wire::kPoolAlign)},
+      {"GRAD_POOL_CAPACITY_FIELD", u(offsetof(wire::GradPoolHeader, capacity))},
+      {"GRAD_POOL_RELEASED_FIELD", u(offsetof(wire::GradPoolHeader, released))},
+      {"GRAD_POOL_RELEASE_SEQ_FIELD", u(offsetof(wire::GradPoolHeader, release_seq))},
+      {"GRAD_POOL_WAITERS_FIELD", u(offsetof(wire::GradPoolHeader, waiters))},
+      {"FLAG_POOLED_GRAD", u(wire::kFlagPooledGrad)},
   };
   for (const auto& [name, value] : constants) w.attr(name) = value;
 }

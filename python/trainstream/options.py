@@ -145,6 +145,14 @@ def _module_list_or_none(v):
                          and all(isinstance(m, nn.Module) for m in v))
 
 
+def _grad_pool(v):
+    if isinstance(v, bool):
+        return False
+    if v == "auto" or (isinstance(v, int) and v >= 0):
+        return True
+    return isinstance(v, str) and parse_bytes(v) is not None
+
+
 def _even_int_at_least_2(v):
     return isinstance(v, int) and not isinstance(v, bool) and v >= 2 and v % 2 == 0
 
@@ -158,6 +166,8 @@ OPTIONS: Dict[str, tuple] = {
     "accumulation_steps": (1, "an integer >= 1", _positive_int),
     "guard_params": (True, "True or False", _bool),
     "threads": (None, "None (the daemon's pool) or an integer >= 1", _positive_int_or_none),
+    "grad_pool": ("auto", "'auto', 0 (a gradient slot per parameter) or a size in bytes (an "
+                  "integer or a string such as '256MiB')", lambda v: _grad_pool(v)),
     "device": (None, "None (leave the model where it is) or a torch device such as 'cuda'", _device),
     "lr": (None, "None (keep the optimizer's) or a number >= 0", _lr),
     "check_memory": (True, "True or False", _bool),

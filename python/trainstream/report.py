@@ -92,20 +92,36 @@ def _host_per_param(opt, numel: int) -> Dict[str, Any]:
     and the process's private memory (everything else it holds: the Python heap, any
     host copy of a weight, pinned buffers). "daemon_state" splits the first: what the
     masters take beyond the weight slots (none for fp32 weights, whose slots are their
-    masters; 2 B a parameter for bf16) and the moments."""
+    masters; 2 B a parameter for bf16) and the moments; "staging" splits the staging
+    slots: the gradient pool the gradients stream through (docs/staging-pool.md), or,
+    without one, a gradient slot per parameter, and the weight slots (with the
+    segments' headers)."""
     state = opt.state_bytes_by_kind() if opt is not None else {"masters": 0, "moments": 0}
     bytes_ = {
         "daemon optimizer state": opt.state_bytes() if opt is not None else 0,
         "staging slots": pinned_stats(opt)["mapped_bytes"] if opt is not None else 0,
         "process private memory": _private_bytes() or 0,
     }
+    staging = _staging_split(opt, bytes_["staging slots"])
     per = {k: (v / numel if numel else None) for k, v in bytes_.items()}
     total = sum(bytes_.values())
     return {"trained_params": numel, "bytes": bytes_, "bytes_per_param": per,
             "total_bytes": total, "total_bytes_per_param": total / numel if numel else None,
             "daemon_state": state,
+            "staging": staging,
+            "staging_per_param": {k: (v / numel if numel else None) for k, v in staging.items()},
             "daemon_state_per_param": {k: (v / numel if numel else None)
                                        for k, v in state.items()}}
+
+
+def _staging_split(opt, mapped: int) -> Dict[str, int]:
+    if opt is None:
+        return {"gradient pool": 0, "gradient slots": 0, "weight slots": 0}
+    pool = opt.stats().get("grad_pool_bytes", 0)
+    trained = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
+    grads = 0 if pool else min(trained, mapped)
+    return {"gradient pool": pool, "gradient slots": grads,
+            "weight slots": max(0, mapped - pool - grads)}
 
 
 def _is_optimizer(obj) -> bool:

@@ -475,3 +475,58 @@ def test_garbage_in_its_weight_slots_changes_only_its_own_masters(daemon):
         assert r["alive"], r
         c.send("detach")
     under_attack(daemon, attack)
+
+
+# ------------------------------------------------------------------ gradient pool
+
+
+def test_hostile_pool_extents_are_refused_and_cost_only_their_session(daemon):
+    # Note [A pool extent a client names] (daemon/planes/grad_pool.h): every extent a
+    # pooled GRAD_READY names is checked against what the daemon holds. Extents past
+    # one lap of released, over bytes in flight, wrapping, near 2^64, misaligned or of
+    # the wrong length, a pool extent for a slot-less param without the flag, and a
+    # scribbled pool header: each is refused (ERROR), the daemon computes on, the
+    # attacker's session is not ended and the bystander is bit-identical.
+    numel = 1 << 18  # 1 MiB fp32 gradients; the pool holds two
+    spec = {"groups": [{"lr": 1e-3}], "grad_pool_bytes": 2 * 4 * numel,
+            "params": [{"id": i, "name": f"w{i}", "shape": [numel], "dtype": 1}
+                       for i in range(3)]}
+    big = 4 * numel
+
+    def attack():
+        c, _ = attach(daemon)
+        reg = c.send("register " + json.dumps(spec))
+        assert reg["ok"], reg
+        cap, off = reg["grad_pool_bytes"], reg["grad_pool_offset"]
+        assert cap == 2 * big and off == 8192, reg
+        for pid in range(3):
+            assert c.send(f'post {{"opcode": 3, "seq": {pid}, "param_id": {pid}, "field": 4}}')["ok"]
+        seq = 10
+
+        def grad(pid, step, pos, nbytes=big, flags=1):
+            nonlocal seq
+            seq += 1
+            cmd = {"opcode": 1, "flags": flags, "seq": seq, "param_id": pid, "step": step,
+                   "lr": 1e-3, "region_offset": pos, "bytes": nbytes}
+            assert c.send("post " + json.dumps(cmd))["ok"]
+
+        for step in range(1, 7):
+            base = step * 4 * cap
+            grad(0, step, base)                       # honest
+            grad(1, step, base)                       # the same bytes (in flight or behind)
+            grad(1, step, base + 5 * cap)             # many laps past released
+            grad(1, step, base + cap - 64)            # wraps
+            grad(1, step, (1 << 64) - 64)             # overflows
+            grad(1, step, base + 32)                  # misaligned
+            grad(1, step, base + big, nbytes=big - 4)  # the wrong length
+            grad(1, step, base + big, flags=0)        # no extent named
+            grad(2, step, base + big)                 # honest
+            grad(2, step, base + big)                 # twice while in flight
+            assert c.send(f"fill_staging 0 4096 256 {0xFF if step % 2 else 0}")["ok"]
+            assert c.send(f"fill_staging 0 {off} {cap} {0x7F}")["ok"]  # garbage gradients
+            assert c.send('post ' + json.dumps({"opcode": 2, "seq": seq + 1, "step": step}))["ok"]
+            seq += 1
+        r = c.send("wait_dead 2000", timeout=20)
+        assert r["alive"], r
+        c.send("detach")
+    under_attack(daemon, attack)

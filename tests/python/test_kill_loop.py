@@ -37,6 +37,17 @@ def test_short_loop_supervised_eager(build_dir):
     # the long loop and tests/python/test_recovery_resume.py check those paths.
 
 
+def test_short_loop_with_a_gradient_pool_of_one_embedding(build_dir):
+    # docs/staging-pool.md: a pool that holds only the largest gradient (the 96 x 64
+    # fp32 embedding), so backward waits for room at every step and kills land there
+    # too; each gradient that did not land is posted again from its extent.
+    f = run_loop(build_dir, "--short", "--grad-pool", str(96 * 64 * 4), "--kills", "4",
+                 "--seed", "15")
+    assert f["bit_identical"] and not f["failures"]
+    assert f["daemon_kills"] == 4
+    assert f["recoveries"] >= 2
+
+
 def test_short_loop_embedded_with_clipping(build_dir):
     # The client restarts the daemon itself; clipping defers every update to step().
     f = run_loop(build_dir, "--short", "--embedded", "--clip", "0.5", "--kills", "4",

@@ -14,8 +14,10 @@ the daemon's update (step()), state_dict() (checkpoints), a base load; the kill 
 0 to --jitter-ms after the announcement. A supervisor restarts the daemon after 0 to
 --restart-ms (as systemd's Restart=on-failure would); with --embedded there is no
 supervisor: the client restarts the daemon itself. With --lose-every K, every K-th
-kill also deletes the client's staging segment while no daemon runs, so the state
-cannot be resumed: the client must report the lost step.
+kill also deletes the client's staging segment (its gradient pool or slots, and its
+weight slots) while no daemon runs, so the state cannot be resumed: the client must
+report the lost step. --grad-pool sets the client's gradient staging pool
+(docs/staging-pool.md; a small one makes backward wait for room, so kills land there).
 
   kill_loop.py                      20 daemon kills in a 200-step run
   kill_loop.py --short              what `make test` runs (tests/python/test_kill_loop.py)
@@ -52,6 +54,9 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (0: eager updates)")
+    ap.add_argument("--grad-pool", default="auto",
+                    help="the client's gradient staging pool: 'auto', 0 (slots) or bytes (a "
+                         "small pool makes backward wait for room, so kills land there too)")
     ap.add_argument("--embedded", action="store_true", help="the client starts the daemon")
     ap.add_argument("--dp", type=int, default=1,
                     help="data-parallel ranks sharing one state (daemon kills only)")
@@ -210,6 +215,7 @@ class Worker:
             cmd += ["--clip", str(args.clip)]
         if args.device != "cpu":
             cmd += ["--device", args.device, "--optimizer-mode", args.optimizer_mode]
+        cmd += ["--grad-pool", str(args.grad_pool)]
         if resume:
             cmd.append("--resume")
         Worker.runs += 1

@@ -45,6 +45,8 @@ def parse(argv=None):
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--clip", type=float, default=0.0, help="max_grad_norm (0: none)")
+    ap.add_argument("--grad-pool", default="auto",
+                    help="wrap()'s grad_pool: 'auto', 0 (gradient slots) or bytes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt", required=True, help="checkpoint file (written every --ckpt-every)")
     ap.add_argument("--ckpt-every", type=int, default=10)
@@ -73,6 +75,7 @@ def build(args):
         opts["socket"] = args.socket
     if args.clip > 0:
         opts["max_grad_norm"] = args.clip
+    opts["grad_pool"] = args.grad_pool if args.grad_pool == "auto" else int(args.grad_pool)
     world, rank = 1, 0
     if args.dp:
         opts["distributed"] = True

@@ -125,6 +125,7 @@ struct RegisterOptions {
   uint64_t seed = 0;
   uint32_t threads = 0;          // daemon worker threads for this session's updates (0: all)
   std::string weights_checksum;  // group sessions: digest of the initial weights
+  uint64_t grad_pool_bytes = 0;  // a gradient staging pool of about this size (0: slots)
 };
 
 struct ParameterSlots {
@@ -138,6 +139,8 @@ struct ParameterSlots {
 struct Registration {
   std::unique_ptr<MappedRegion> staging;
   std::vector<ParameterSlots> slots;
+  uint64_t grad_pool_offset = 0;  // the gradient staging pool granted (0 bytes: slots)
+  uint64_t grad_pool_bytes = 0;
 };
 
 // A resumed session's state (proto ResumedState; docs/recovery.md).
@@ -151,6 +154,8 @@ struct ResumedRegistration {
   RegionInfo staging;  // the same segment as before: not mapped again here
   std::vector<ParameterSlots> slots;
   std::vector<ResumedParam> params;
+  uint64_t grad_pool_offset = 0;
+  uint64_t grad_pool_bytes = 0;
 };
 struct ResumedState {
   std::vector<ResumedRegistration> registrations;

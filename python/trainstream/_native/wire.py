@@ -48,3 +48,16 @@ BASE_MANIFEST_HEADER_BYTES = 64
 MASTER_STATE_BYTES_FLOAT32 = 0
 MASTER_STATE_BYTES_BFLOAT16 = 2
 MASTER_STATE_BYTES_FLOAT16 = 4
+
+# The gradient staging pool (grad_pool.h): where its header and first byte lie in a
+# pooled staging segment, the header's fields (offsets from the header), the
+# alignment of an extent, and GRAD_READY's flag for an extent.
+GRAD_POOL_MAGIC = 0x54534750
+GRAD_POOL_HEADER_OFFSET = 4096
+GRAD_POOL_OFFSET = 8192
+GRAD_POOL_ALIGN = 64
+GRAD_POOL_CAPACITY_FIELD = 8
+GRAD_POOL_RELEASED_FIELD = 64
+GRAD_POOL_RELEASE_SEQ_FIELD = 128
+GRAD_POOL_WAITERS_FIELD = 132
+FLAG_POOLED_GRAD = 1

@@ -26,9 +26,10 @@ Device memory model (bytes that are live at the peak of a step):
   copies and holds every paged block's activations at once.
 Host memory model: per trained element the daemon's two moments, what its master takes
 beyond the weight slot (``master_state_bytes``: nothing for an fp32 weight, whose slot is
-the master; 2 B for bf16, the low halves; 4 B for fp16), the staging slots (a gradient
-and a weight slot in the parameter's dtype), and the pinned copies of paged frozen
-tensors.
+the master; 2 B for bf16, the low halves; 4 B for fp16), a weight slot in the
+parameter's dtype, the gradients' staging (a gradient pool, ``optim/grad_pool.py``, or with
+clipping or data parallelism a gradient slot per parameter), and the pinned copies of paged
+frozen tensors.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from torch import nn
 
 from .._native.pinning import registered_host
 from ..optim.backend import master_state_bytes
+from ..optim.grad_pool import grad_pool_bytes
 from ..blocks import chosen_blocks
 from .capacity import Capacity, format_bytes as _fmt
 
@@ -80,6 +82,7 @@ class ModelSummary:
     trained_numel: int            # every trained element of the model
     trained_bytes: int            # ... in the parameters' dtype
     master_bytes: int             # the daemon's masters beyond the weight slots (master_state_bytes)
+    trained_extents: List[int] = field(default_factory=list)  # each trained tensor's bytes
 
 
 @dataclass
@@ -145,6 +148,7 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
                     b.frozen_registered_bytes += _nbytes(buf)
         out.append(b)
     outside = outside_grad = trained_numel = trained_bytes = master_bytes = 0
+    extents: List[int] = []
     seen = set()
     for p in model.parameters():
         if id(p) in seen:
@@ -153,6 +157,7 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
         if p.requires_grad:
             trained_numel += p.numel()
             trained_bytes += _nbytes(p)
+            extents.append(_nbytes(p))
             master_bytes += master_state_bytes(p)
         if id(p) not in in_blocks:
             outside += _nbytes(p)
@@ -161,7 +166,8 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
     for buf in model.buffers():
         if id(buf) not in in_blocks:
             outside += _nbytes(buf)
-    return ModelSummary(out, outside, outside_grad, trained_numel, trained_bytes, master_bytes)
+    return ModelSummary(out, outside, outside_grad, trained_numel, trained_bytes, master_bytes,
+                        extents)
 
 
 def _chosen(option, n: int) -> Optional[List[int]]:
@@ -186,6 +192,13 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
     depth = config["prefetch_depth"]
 
     # ---- host side: moments, slots, pinned frozen weights
+    pool = grad_pool_bytes(summary.trained_extents, config.get("grad_pool", "auto"),
+                           config.get("max_grad_norm"), config.get("distributed") is True)
+    grads = ("gradient pool", pool) if pool else (
+        "gradient slots" + (" (max_grad_norm holds a whole step)"
+                            if config.get("max_grad_norm") is not None else ""),
+        summary.trained_bytes)
+
     def host_need(moment_bytes: int, quantize: bool, paged: Sequence[int]) -> Dict[str, int]:
         # Frozen tensors already in registered host memory (a shared base) page from
         # there and need no new host memory, unless the plan quantizes them.
@@ -197,7 +210,8 @@ def plan(summary: ModelSummary, capacity: Capacity, config: Dict[str, Any]) -> P
         return {"daemon masters beyond the weight slots": summary.master_bytes,
                 f"daemon moments ({'bf16' if moment_bytes == 2 else 'fp32'})":
                     2 * moment_bytes * summary.trained_numel,
-                "staging slots (gradient + weight)": 2 * summary.trained_bytes,
+                "weight slots": summary.trained_bytes,
+                grads[0]: grads[1],
                 "pinned frozen weights of paged blocks": frozen}
 
     quant_opt = config["quantize"]

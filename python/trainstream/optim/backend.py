@@ -52,6 +52,10 @@ class ParamEntry:
     grad_slot: Optional[torch.Tensor] = None
     param_slot: Optional[torch.Tensor] = None
     sum_slot: Optional[torch.Tensor] = None  # data-parallel group: the fp32 machine sum
+    # A gradient staging pool (grad_pool.py): the registration's GradPool, and where the
+    # last posted gradient lies in it (grad_slot is then that extent).
+    pool: Any = None
+    pool_pos: int = 0
     backward_count: int = 0      # backward passes that reached this param since the last step
     posted_step: int = 0         # the step whose gradient was posted, 0 if none pending
     posted_seq: int = 0          # its GRAD_READY command's seq (the daemon's ERROR names it)

@@ -28,14 +28,15 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from .._native import C
-from .._native.wire import (FIELD_EXP_AVG, FIELD_EXP_AVG_SQ, FIELD_MASTER,
-                            FIELD_PARAM_FROM_SLOT, FIELD_STEP, OP_PARAM_READY, OP_STATE_DONE,
-                            OP_STEP_DONE, STATUS_OK, STATUS_SKIPPED_NONFINITE)
+from .._native.wire import (FIELD_PARAM_FROM_SLOT, OP_PARAM_READY, OP_STEP_DONE, STATUS_OK,
+                            STATUS_SKIPPED_NONFINITE)
 from ..errors import NonFiniteGradientError, TrainStreamError
 from . import data_parallel
-from .backend import DTYPE_NAMES, ParamEntry, ParamTable, begin_step, pack_groups, unpack_state
+from .backend import DTYPE_NAMES, ParamEntry, ParamTable, begin_step
 from .daemon_recovery import RecoveryMixin
-from .daemon_session import STEP_REPLIES, DaemonSession, SessionLost
+from .daemon_session import DaemonSession, SessionLost
+from .daemon_state import StateDictMixin
+from .grad_pool import GradPool, grad_pool_bytes
 
 
 @dataclass
@@ -50,7 +51,7 @@ class _StepReplies:
     end_sent: bool = False
 
 
-class DaemonBackend(RecoveryMixin):
+class DaemonBackend(RecoveryMixin, StateDictMixin):
     """The daemon's AdamW for one ``OffloadAdamW`` (see the module docstring).
 
     Exported as ``trainstream.GradientOffloader``: it is what posts each gradient to
@@ -72,7 +73,8 @@ class DaemonBackend(RecoveryMixin):
         # across machines, the all-reduce of a step in flight is not replayed.
         session.resumable = bool(table.options["reconnect"]) and not (
             table.dp is not None and table.dp.nnodes > 1)
-        table.stats.update(recoveries=0, replayed_grads=0, landed_grads=0, resume_s=0.0)
+        table.stats.update(recoveries=0, replayed_grads=0, landed_grads=0, resume_s=0.0,
+                           grad_pool_bytes=0, pool_waits=0, pool_wait_s=0.0)
 
     # ------------------------------------------------------------------ setup
     def register(self, entries: List[ParamEntry]) -> None:
@@ -88,7 +90,7 @@ class DaemonBackend(RecoveryMixin):
                 # have no optimizer state yet); the ones before it are resumed.
                 self._session.forget_regions_after(done)
                 for e in entries:
-                    e.grad_slot = e.param_slot = e.sum_slot = None
+                    e.grad_slot = e.param_slot = e.sum_slot = e.pool = None
                 self._recover_until_resumed()
         self._registrations += 1
 
@@ -106,16 +108,23 @@ class DaemonBackend(RecoveryMixin):
             if t.dp is not None else ""
         if t.dp is not None:
             t.dp.check_same_weights(checksum)
+        pool_ask = grad_pool_bytes((e.param.numel() * e.param.element_size() for e in entries),
+                                   opts["grad_pool"], opts["max_grad_norm"], t.dp is not None)
         staging, slots = session.register_parameters(
             groups, specs, moment, float(opts["max_grad_norm"] or 0.0), int(opts["seed"]),
-            checksum, int(opts["threads"] or 0))
+            checksum, int(opts["threads"] or 0), pool_ask)
         session.map_staging(staging, any(e.param.is_cuda for e in entries))
         c = C()
+        granted = slots[0]["grad_pool_bytes"] if slots else 0
+        pool = GradPool(staging.base_address, slots[0]["grad_pool_offset"], granted) \
+            if granted else None  # an old daemon (or a group) answers 0: gradient slots
+        t.stats["grad_pool_bytes"] += granted
         for s in slots:
             e = t.by_id[s["param_id"]]
             name = DTYPE_NAMES[e.param.dtype]
-            e.grad_slot = c.tensor_from_address(staging.base_address + s["grad_offset"],
-                                                [s["numel"]], name)
+            e.pool = pool
+            e.grad_slot = pool.view(0, s["numel"], name) if pool else c.tensor_from_address(
+                staging.base_address + s["grad_offset"], [s["numel"]], name)
             e.param_slot = c.tensor_from_address(staging.base_address + s["param_offset"],
                                                  [s["numel"]], name)
             if t.in_group():
@@ -139,7 +148,7 @@ class DaemonBackend(RecoveryMixin):
 
     def close(self) -> None:
         for e in self._table.entries.values():
-            e.grad_slot = e.param_slot = None
+            e.grad_slot = e.param_slot = e.pool = None
             e.posted_step = 0
         self._replies = None
 
@@ -184,10 +193,13 @@ class DaemonBackend(RecoveryMixin):
         if grad.dtype != e.grad_slot.dtype:
             grad = grad.to(e.grad_slot.dtype)
         step = t.step_id + 1
-        e.posted_seq = self._session.data_plane(
-            self._session.plane.post_grad, e.param_id, grad, e.grad_slot, step, float(g["lr"]),
-            float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-            float(g["weight_decay"]))
+        hp = (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+              float(g["weight_decay"]))
+        if e.pool is not None:
+            e.posted_seq = self._post_pooled(e, grad, step, hp)
+        else:
+            e.posted_seq = self._session.data_plane(
+                self._session.plane.post_grad, e.param_id, grad, e.grad_slot, step, *hp)
         e.posted_step = step
         if replay and p_grad is e.grad_slot:
             return  # a paged weight's: nothing of it is kept (accept_grad)
@@ -197,6 +209,25 @@ class DaemonBackend(RecoveryMixin):
             return
         t.stats["grads_posted"] += 1
         t.stats["bytes_d2h"] += grad.numel() * grad.element_size()
+
+    def _post_pooled(self, e: ParamEntry, grad: torch.Tensor, step: int, hp) -> int:
+        """Copies ``grad`` into a free extent of its pool (waiting for room) and posts it;
+        extents leave in claim order (the pool's lock)."""
+        pool, session, t = e.pool, self._session, self._table
+        nbytes = grad.numel() * grad.element_size()
+        waits, wait_s = pool.waits, pool.wait_s
+        with pool.lock:
+            try:
+                pos = pool.place(nbytes, session.ensure_alive, float(t.options["timeout_s"]))
+            finally:
+                t.stats["pool_waits"] += pool.waits - waits
+                t.stats["pool_wait_s"] += pool.wait_s - wait_s
+            slot = pool.view(pos, grad.numel(), DTYPE_NAMES[grad.dtype])
+            seq = session.data_plane(session.plane.post_grad, e.param_id, grad, slot, step, *hp,
+                                     pos, True)
+            pool.taken(pos, nbytes)
+        e.grad_slot, e.pool_pos = slot, pos
+        return seq
 
     def lands_early(self) -> bool:
         """Whether the daemon can update a weight whose gradient backward posted before
@@ -426,57 +457,6 @@ class DaemonBackend(RecoveryMixin):
 
     def last_grad_norm(self) -> Optional[float]:
         return self._last_grad_norm
-
-    # ------------------------------------------------------------- state dict
-    def _export_step(self, e: ParamEntry) -> int:
-        seq_box = {}
-        self._session.plane.post_state(False, e.param_id, FIELD_STEP, 0, 0, 0, 0)
-
-        def want(c):
-            if c["opcode"] == OP_STATE_DONE and c["param_id"] == e.param_id:
-                if c["status"] != STATUS_OK:
-                    raise TrainStreamError(f"exporting the step of {e.name}: {c['message']}")
-                seq_box["step"] = c["step"]
-                return True
-            return False
-        self._session.wait(want, keep=STEP_REPLIES)
-        return int(seq_box["step"])
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self._resumable(self._state_dict)
-
-    def _state_dict(self) -> Dict[str, Any]:
-        self._session.require_attached()
-        groups, order = pack_groups(self._table.param_groups)
-        state = {}
-        for e in self._table.entries.values():
-            step = self._export_step(e)
-            if step == 0:
-                continue
-            dtype = e.param.dtype
-            m, v, w = self._session.move_fields(False, e, [FIELD_EXP_AVG, FIELD_EXP_AVG_SQ,
-                                                           FIELD_MASTER])
-            state[order[id(e.param)]] = {
-                "step": torch.tensor(float(step), dtype=torch.float32),
-                "exp_avg": m.to(dtype),
-                "exp_avg_sq": v.to(dtype),
-                "master_weight": w,
-            }
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self._resumable(self._load_state_dict, state_dict)
-
-    def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self._session.require_attached()
-        for e, s in unpack_state(self._table, state_dict):
-            master = s.get("master_weight", e.param.detach())
-            self._session.move_fields(True, e, [FIELD_MASTER, FIELD_EXP_AVG, FIELD_EXP_AVG_SQ],
-                                      [master, s["exp_avg"], s["exp_avg_sq"]])
-            step = s["step"]
-            step = int(step.item() if torch.is_tensor(step) else step)
-            self._session.plane.post_state(True, e.param_id, FIELD_STEP, 0, 0, 0, step)
-        self._session.sync()
 
     # ------------------------------------------------------------------ report
     def regions(self) -> List[Dict[str, Any]]:

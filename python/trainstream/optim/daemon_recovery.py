@@ -57,9 +57,11 @@ class RecoveryMixin:
                               f"{len(missing)} parameter(s) ({', '.join(missing[:3])}): step "
                               f"{step} and the state after step {step - 1} are lost; "
                               "load_state_dict() of your last checkpoint is the way on")
+        self._check_pools(info)
         r = self._replies_for(step)
         replayed = landed = 0
         plane = session.plane
+        pooled = []
         for e in t.entries.values():
             if e.posted_step != step:
                 continue
@@ -72,6 +74,9 @@ class RecoveryMixin:
                 # No PARAM_READY comes for it: taken, as land() or _finish_step would.
                 r.ready.add(e.param_id)
                 t.in_flight.pop(id(e.param), None)
+            elif a["applied_step"] < step and e.pool is not None:
+                replayed += 1
+                pooled.append(e)  # reposted below, in position order
             elif a["applied_step"] < step:
                 replayed += 1
                 # A paged weight's gradient lives on only in its slot (accept_grad).
@@ -80,6 +85,7 @@ class RecoveryMixin:
             else:
                 raise DaemonError(f"the TrainStream daemon came back with {e.name} at step "
                                   f"{a['applied_step']}, past this optimizer's step {step}")
+        self._repost_pooled(pooled, step)
         if info["completed_step"] == step:  # its STEP_DONE went out and was lost
             r.result.update(opcode=OP_STEP_DONE, step=step, seq=0, param_id=0,
                             status=info["completed_status"],
@@ -95,3 +101,38 @@ class RecoveryMixin:
         t.event("resumed after the daemon died", step=step, replayed=replayed, landed=landed,
                 rolled_forward=info["rolled_forward"], seconds=round(info["seconds"], 3))
 
+    def _check_pools(self, info) -> None:
+        """Every pool is where it was: the adopting daemon answers its registration's."""
+        by_segment = {}
+        for e in self._table.entries.values():
+            if e.pool is not None:
+                by_segment[e.pool.base] = e.pool
+        granted = {(reg["grad_pool_offset"], reg["grad_pool_bytes"])
+                   for reg in info["registrations"] if reg["grad_pool_bytes"]}
+        for pool in by_segment.values():
+            if (pool.offset, pool.capacity) not in granted:
+                raise DaemonError("the TrainStream daemon came back without this optimizer's "
+                                  "gradient pool; load_state_dict() of your last checkpoint is "
+                                  "the way on")
+
+    def _repost_pooled(self, entries, step: int) -> None:
+        """Posts again the pooled gradients that did not land, each from the extent it was
+        posted in (its bytes are still there: nothing past it was released), in position
+        order, after telling each pool where its window starts (GradPool.resume)."""
+        pools = {}
+        for e in self._table.entries.values():
+            if e.pool is not None:
+                pools.setdefault(id(e.pool), (e.pool, []))
+        for e in entries:
+            pools[id(e.pool)][1].append(e.pool_pos)
+        session = self._session
+        for pool, positions in pools.values():
+            with pool.lock:
+                pool.resume(positions)
+                for e in sorted((e for e in entries if e.pool is pool), key=lambda e: e.pool_pos):
+                    g = self._table.param_groups[e.group]
+                    e.posted_seq = session.data_plane(
+                        session.plane.post_grad, e.param_id, e.grad_slot, e.grad_slot, step,
+                        float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),
+                        float(g["eps"]), float(g["weight_decay"]), e.pool_pos, False)
+                    e.posted_step = step

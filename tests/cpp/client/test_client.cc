@@ -201,6 +201,7 @@ json Run(State& st, const std::string& line) {
       o.groups.push_back(h);
     }
     o.moment_dtype = static_cast<trainstream::DType>(spec.value("moment_dtype", 1));
+    o.grad_pool_bytes = spec.value("grad_pool_bytes", 0ull);
     std::vector<trainstream::ParameterSpec> params;
     for (const auto& p : spec.value("params", json::array())) {
       trainstream::ParameterSpec ps;
@@ -225,6 +226,8 @@ json Run(State& st, const std::string& line) {
     json out = {{"ok", true},
                 {"staging", reg.staging->info().segment_name},
                 {"staging_size", reg.staging->info().segment_size},
+                {"grad_pool_offset", reg.grad_pool_offset},
+                {"grad_pool_bytes", reg.grad_pool_bytes},
                 {"slots", slots}};
     st.registrations.push_back(std::move(reg));
     return out;
@@ -294,6 +297,7 @@ json Run(State& st, const std::string& line) {
       std::getline(in, rest);
       json j = json::parse(rest);
       rec.opcode = static_cast<trainstream::wire::Opcode>(j.value("opcode", 0u));
+      rec.flags = j.value("flags", 0u);
       rec.seq = j.value("seq", 0ull);
       rec.param_id = j.value("param_id", 0ull);
       rec.step = j.value("step", 0ull);

@@ -331,3 +331,76 @@ TEST_CASE("SumRankGradients: small and pool-split sums are the mean of every ran
     CHECK(wrong == 0);
   }
 }
+
+TEST_CASE("a solo plane streams gradients through its pool and refuses bad extents",
+          "[plane][grad_pool]") {
+  // Note [A pool extent a client names]: pooled GRAD_READYs name (pos, len); the
+  // plane updates from those bytes, frees them before PARAM_READY, and answers a
+  // bad extent with ERROR while the session goes on.
+  optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
+  FakeRank client;
+  constexpr uint64_t kCap = 4096;
+  std::vector<char> staging(wire::kGradPoolOffset + kCap);
+  auto gp = std::make_unique<GradientPool>(staging.data(), wire::kGradPoolOffset, kCap, true);
+  std::vector<float> master(kNumel), m(kNumel), v(kNumel), slot(kNumel, 1.0f);
+  uint64_t torch_step = 0;
+  ParamBinding b;
+  b.param_id = 0;
+  b.name = "w";
+  b.numel = kNumel;
+  b.master = master.data();
+  b.exp_avg = m.data();
+  b.exp_avg_sq = v.data();
+  b.param_slot = slot.data();
+  b.durable.torch_step = &torch_step;
+  b.pool = gp.get();
+  std::vector<PlaneMember> members;
+  members.push_back({0, 1, client.rings(), nullptr});
+  PlaneOptions o;
+  o.name = "session 1";
+  OptimizerPlane plane(o, std::move(members), &pool);
+  std::vector<ParamBinding> params;
+  params.push_back(std::move(b));
+  REQUIRE(plane.AddParameters({}, std::move(params), false, {}, std::move(gp)).ok());
+  client.Post(Opcode::kLoadState, 0, 0, wire::StateField::kParamFromSlot);
+  REQUIRE(client.Next().opcode == Opcode::kStateDone);
+  auto* header = reinterpret_cast<wire::GradPoolHeader*>(staging.data() + wire::kGradPoolHeaderOffset);
+  auto grad = [&](uint64_t step, uint64_t pos, uint64_t len, uint32_t flags) {
+    CommandRecord c{};
+    c.opcode = Opcode::kGradReady;
+    c.flags = flags;
+    c.seq = step;
+    c.step = step;
+    c.lr = 0.1;
+    c.beta1 = 0.9;
+    c.beta2 = 0.999;
+    c.eps = 1e-8;
+    c.region_offset = pos;
+    c.bytes = len;
+    REQUIRE(client.commands.TryPush(&c));
+  };
+  const uint64_t len = kNumel * 4;
+  for (uint64_t step = 1; step <= 3; ++step) {
+    const uint64_t pos = (step - 1) * 1000 * 64;  // a new place every step
+    float* g = reinterpret_cast<float*>(staging.data() + wire::kGradPoolOffset + pos % kCap);
+    for (size_t i = 0; i < kNumel; ++i) g[i] = 1.0f;
+    grad(step, pos, len, wire::kFlagPooledGrad);
+    CompletionRecord r = client.Next();
+    REQUIRE(r.opcode == Opcode::kParamReady);
+    CHECK(header->released.load() == pos + len);  // freed before PARAM_READY
+    client.Post(Opcode::kStepEnd, step);
+    REQUIRE(client.Next().opcode == Opcode::kStepDone);
+  }
+  CHECK(slot[0] < 1.0f);  // three updates with positive gradients
+  grad(4, 64, len + 4, wire::kFlagPooledGrad);  // the wrong length
+  CompletionRecord r = client.Next();
+  CHECK(r.opcode == Opcode::kError);
+  CHECK(std::string(r.message).find("its gradient has") != std::string::npos);
+  grad(4, 64, len, 0);  // no extent named for a pooled param
+  r = client.Next();
+  CHECK(r.opcode == Opcode::kError);
+  CHECK(std::string(r.message).find("gradient pool") != std::string::npos);
+  grad(4, 128, len, wire::kFlagPooledGrad);  // still served
+  CHECK(client.Next().opcode == Opcode::kParamReady);
+  plane.Stop("", -1);
+}

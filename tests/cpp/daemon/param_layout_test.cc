@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "catch_compat.h"
+#include "trainstream/wire/grad_pool.h"
 #include "trainstream/wire/segment_header.h"
 #include "trainstream/wire/state_record.h"
 
@@ -215,4 +216,43 @@ TEST_CASE("A request's parameters may not add up past 2^40 elements", "[params]"
   CHECK(st.message().find("params[16]") != std::string::npos);
   r.mutable_params()->RemoveLast();  // 16 * 2^36 = 2^40: at the cap
   CHECK(ValidateRegistration(r, {}).ok());
+}
+
+TEST_CASE("Pooled layout: header, pool, then only param slots; refused with clipping",
+          "[params]") {
+  v1::RegisterParametersRequest req = Request();
+  req.set_grad_pool_bytes(100);  // below the largest gradient (15 fp32 = 60 -> 64 B): a page
+  REQUIRE(ValidateRegistration(req, {}).ok());
+  RecoveryLayoutOptions rec{true, 64, 2};
+  const RegistrationLayout l = ComputeRegistrationLayout(req, 1, false, rec);
+  CHECK(l.grad_pool_offset == wire::kGradPoolOffset);
+  CHECK(l.grad_pool_bytes == 4096);
+  for (const ParamPlacement& pl : l.params) {
+    CHECK(pl.grad_offset == 0);
+    CHECK(pl.param_offset >= l.grad_pool_offset + l.grad_pool_bytes);
+  }
+  CHECK(l.params[1].param_offset >= l.params[0].param_offset + 15 * 2);
+  // A group's staging ignores the request's pool (its daemon answers slots).
+  const RegistrationLayout g = ComputeRegistrationLayout(req, 2, true, rec);
+  CHECK(g.grad_pool_bytes == 0);
+  CHECK(g.params[0].grad_offset >= wire::kSegmentHeaderBytes);
+
+  std::vector<char> state(l.state_bytes);
+  RecoveryOwner owner;
+  owner.staging_name = "trainstream-test";
+  owner.staging_bytes = l.staging_bytes;
+  WriteStateManifest(state.data(), l, req, &owner);
+  const auto* rh = reinterpret_cast<const wire::RecoveryHeader*>(state.data() + l.recovery_offset);
+  CHECK(rh->version == wire::kRecoveryVersionPooled);
+  CHECK(rh->grad_pool_offset == wire::kGradPoolOffset);
+  CHECK(rh->grad_pool_bytes == 4096);
+  const auto* r = reinterpret_cast<const wire::ParamRecord*>(state.data() + l.records_offset);
+  CHECK(r[0].grad_offset == wire::kGradPoolOffset);
+  CHECK(r[1].rank_grad_offset == wire::kGradPoolOffset);
+
+  req.set_max_grad_norm(1.0);
+  CHECK(Field(ValidateRegistration(req, {})) == "grad_pool_bytes");
+  req.set_max_grad_norm(0);
+  req.set_grad_pool_bytes(kMaxGradPoolBytes + 1);
+  CHECK(Field(ValidateRegistration(req, {})) == "grad_pool_bytes");
 }

@@ -402,3 +402,61 @@ TEST_CASE("A manifest entry whose master layout does not fit its dtype is refuse
   st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
   CHECK(st.message().find("entry 0: state arrays out of range") != std::string::npos);
 }
+
+TEST_CASE("A pooled state (version 3) is adopted only with its gradients inside its pool",
+          "[recovery][grad_pool]") {
+  // docs/staging-pool.md, "Recovery": each record names the pool extent its last
+  // submission read; the pool lies where this daemon puts it, inside the staging.
+  const Case c;
+  v1::RegisterParametersRequest req = Request(c);
+  req.set_grad_pool_bytes(1 << 16);
+  Memory mem(req, 2);
+  const uint64_t cap = mem.layout.grad_pool_bytes;  // rounded up to the largest gradient
+  REQUIRE(cap == AlignUp(kSizes[0] * 4, 4096));
+  RecoveryOwner owner;
+  owner.staging_name = "trainstream-test";
+  owner.staging_bytes = mem.layout.staging_bytes;
+  PlaneRegistration reg = BindRegistration(req, mem.layout, mem.state, mem.staging, &owner);
+  REQUIRE(reg.pool != nullptr);
+  optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
+  {
+    optimizer::AdamWEngine engine(&pool, Options(c));
+    for (size_t p = 0; p < kSizes.size(); ++p) {
+      WriteWeights(mem.ParamSlot(p), p);
+      optimizer::ParamBinding eb = EngineBinding(reg.params[p]);
+      eb.grad_per_submit = true;
+      REQUIRE(engine.AddParam(eb).ok());
+    }
+    REQUIRE(engine.Init().ok());
+    // One update at a moving pool position: the record names it.
+    optimizer::GradRef ref;
+    REQUIRE(reg.pool->Accept(10, cap, kSizes[0] * 4, kSizes[0] * 4, &ref).ok());
+    REQUIRE(engine.SubmitGrad(10, 1, kHp, &ref).ok());
+    REQUIRE(engine.StepEnd(1).ok());
+    engine.WaitIdle();
+  }
+  StateSegmentView view;
+  REQUIRE(CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
+  CHECK(view.grad_pool_offset == wire::kGradPoolOffset);
+  CHECK(view.grad_pool_bytes == cap);
+  CHECK(view.params[0].grad_offset == wire::kGradPoolOffset);  // position C: the next lap
+  CHECK(view.params[1].grad_offset == wire::kGradPoolOffset);
+  auto* rh = reinterpret_cast<wire::RecoveryHeader*>(mem.state + mem.layout.recovery_offset);
+  CHECK(rh->version == wire::kRecoveryVersionPooled);
+  auto* records = reinterpret_cast<wire::ParamRecord*>(mem.state + mem.layout.records_offset);
+  const uint64_t good = records[0].grad_offset;
+  records[0].grad_offset = records[0].rank_grad_offset =
+      wire::kGradPoolOffset + 4096;  // runs past the pool's end
+  trainstream::Status st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  CHECK(st.message().find("entry 0: gradient outside the pool") != std::string::npos);
+  records[0].grad_offset = records[0].rank_grad_offset = good;
+  rh->grad_pool_offset = 4096;  // not where this daemon puts a pool
+  st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  CHECK(st.message().find("gradient pool out of range") != std::string::npos);
+  rh->grad_pool_offset = wire::kGradPoolOffset;
+  rh->grad_pool_bytes = mem.layout.staging_bytes;  // past the staging's end
+  CHECK(!CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
+  rh->grad_pool_bytes = cap;
+  rh->version = 4;
+  CHECK(!CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
+}

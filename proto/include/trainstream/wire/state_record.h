@@ -39,6 +39,10 @@ namespace trainstream::wire {
 
 inline constexpr uint32_t kRecoveryMagic = 0x54535243;  // "TSRC"
 inline constexpr uint32_t kRecoveryVersion = 2;         // 2: ParamRecord holds the ranks' slots
+// A state whose gradients stream through a staging pool (grad_pool.h): each
+// record's grad_offset names the pool extent its last submission read, so a
+// daemon that knows only slots must not adopt it.
+inline constexpr uint32_t kRecoveryVersionPooled = 3;
 // Elements a worker updates between two progress records (the journal's unit).
 inline constexpr uint64_t kSubChunkElems = 4096;
 
@@ -89,7 +93,10 @@ struct RecoveryHeader {
   uint32_t group_ranks;
   uint32_t world_size;
   uint32_t nnodes;
-  uint64_t reserved[4];
+  // Version kRecoveryVersionPooled: the staging segment's gradient pool (else 0).
+  uint64_t grad_pool_offset;
+  uint64_t grad_pool_bytes;
+  uint64_t reserved[2];
   StepRecord step_records[2];
 };
 static_assert(sizeof(RecoveryHeader) == 384, "wire format");
@@ -103,7 +110,7 @@ struct alignas(64) ParamRecord {
   float grad_scale;                            // mark updating: clip coefficient
   uint32_t grad_dtype;                         // DType of the slot the engine reads
   double grad_sumsq;                           // of the marked step's gradient, once known
-  uint64_t grad_offset;                        // staging segment: the slot the engine reads
+  uint64_t grad_offset;                        // staging segment: the slot (or pool extent) the engine reads
   uint64_t param_offset;                       // staging segment: the weights it writes
   uint64_t chunk_first;                        // its ChunkProgress entries
   uint64_t chunks;

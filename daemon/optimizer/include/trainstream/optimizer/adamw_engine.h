@@ -61,6 +61,16 @@ struct DurableRecords {
   wire::RecoveryHeader* header = nullptr;  // its segment's (flags, step records)
 };
 
+// One submission's gradient when the parameter has no fixed slot
+// (ParamBinding::grad_per_submit): numel elements of its grad dtype at `data`,
+// which must not change until the parameter's ParamDone callback. With durable
+// records, `record_offset` is what the record says the update reads (the
+// gradient's offset in its staging segment), for a restart's roll-forward.
+struct GradRef {
+  const void* data = nullptr;
+  uint64_t record_offset = 0;
+};
+
 // One parameter's memory, all owned by the caller and valid for the engine's
 // lifetime. exp_avg/exp_avg_sq hold numel elements of the engine's moment dtype.
 // param_slot may equal master when param_dtype is fp32 (then there is no
@@ -73,7 +83,7 @@ struct ParamBinding {
   float* master = nullptr;
   void* exp_avg = nullptr;
   void* exp_avg_sq = nullptr;
-  const void* grad_slot = nullptr;
+  const void* grad_slot = nullptr;  // null with grad_per_submit
   void* param_slot = nullptr;
   // A split master (Note [Split master] in kernels/bf16.h): bf16 parameters only, with
   // master null. The fp32 master is the bf16 param_slot plus these numel low halves, so
@@ -85,6 +95,9 @@ struct ParamBinding {
   // back with the old low half (a zero with a low half above 0x8000 decodes to NaN).
   uint16_t* master_lo = nullptr;
   DurableRecords durable;  // not with eager_check_per_chunk
+  // true: no fixed gradient slot; each SubmitGrad names its gradient (GradRef),
+  // as a gradient staging pool's extents move from step to step.
+  bool grad_per_submit = false;
 };
 
 struct EngineOptions {
@@ -159,11 +172,14 @@ class AdamWEngine {
   // as if submitted now, so StepDone reports the whole step's norm.
   Status CarryNorm(uint64_t step, uint64_t param_id, double sumsq, bool updated);
 
-  // The gradient of `param_id` for step `step` is complete in its slot. The slot
-  // must not change until the parameter's ParamDone callback. Returns OK or an
-  // error: NOT_FOUND (unknown id), FAILED_PRECONDITION (not initialised, busy,
-  // step already ended), INVALID_ARGUMENT (bad hyper-parameters).
-  Status SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp);
+  // The gradient of `param_id` for step `step` is complete in its slot, or, for
+  // a parameter bound with grad_per_submit, at `grad` (required then, ignored
+  // otherwise). The gradient must not change until the parameter's ParamDone
+  // callback. Returns OK or an error: NOT_FOUND (unknown id),
+  // FAILED_PRECONDITION (not initialised, busy, step already ended),
+  // INVALID_ARGUMENT (bad hyper-parameters, a missing GradRef).
+  Status SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHyperParams& hp,
+                    const GradRef* grad = nullptr);
 
   // All gradients of `step` are submitted. StepDone fires once every update of
   // the step is done (possibly before this returns).
