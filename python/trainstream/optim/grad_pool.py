@@ -46,12 +46,22 @@ def _align(n: int, a: int) -> int:
 # another's. Both keep one gradient slot per parameter (the daemon refuses a pool
 # with clipping; a group's layout answers slots), and so do TRAINSTREAM_GRAD_POOL=0
 # and grad_pool=0 (A/B runs: the results are bit-identical either way).
+#
+# Note [The pool waits for the GPU host]
+# The pool's copies from a CUDA device into its extents (and backward waiting for room
+# on the device's stream) were built and tested on the CPU machine only: until a GPU
+# host has measured them (bench_paging's 7b-full with and without the pool, issue 20),
+# grad_pool="auto" keeps gradient slots on a machine with a CUDA device (the planner and
+# the optimizer ask the same question, so they agree). An explicit size uses the pool
+# there too.
 def grad_pool_bytes(extents: Iterable[int], option, max_grad_norm, in_group: bool) -> int:
     """Bytes of gradient pool to ask the daemon for, for gradients of ``extents`` bytes
-    each; 0 for gradient slots (Note [Clipping keeps gradient slots])."""
+    each; 0 for gradient slots (Notes [Clipping keeps gradient slots], [The pool waits
+    for the GPU host])."""
     sizes = [_align(int(n), GRAD_POOL_ALIGN) for n in extents]
     if not sizes or option == 0 or max_grad_norm is not None or in_group \
-            or os.environ.get("TRAINSTREAM_GRAD_POOL", "") == "0":
+            or os.environ.get("TRAINSTREAM_GRAD_POOL", "") == "0" \
+            or (option == "auto" and torch.cuda.is_available()):
         return 0
     largest, total = max(sizes), sum(sizes)
     if option == "auto":
