@@ -68,7 +68,9 @@ StartupReport CheckStartup(const StartupFacts& f) {
       r.warnings.push_back("shm directory " + f.shm_dir + " has only " + HumanBytes(free_bytes) +
                            " free of " + HumanBytes(total_bytes) + " (budget " +
                            HumanBytes(f.budget) +
-                           "): other files use it; remove stale ones or lower --budget");
+                           "): other files use it (after a crash or a restart these include the "
+                           "optimizer state this daemon adopts next: leave its socket's "
+                           "trainstream-* files alone); remove stale ones or lower --budget");
     }
   }
   if (f.ram_bytes != 0 && f.budget > f.ram_bytes) {
