@@ -319,7 +319,8 @@ Status AdamWEngine::SubmitGrad(uint64_t param_id, uint64_t step, const AdamWHype
     ++s->updates_pending;
     ++in_flight_;
   }
-  if (record != nullptr) record->mark.store(step * 4 + wire::kMarkSubmitted, std::memory_order_release);
+  if (record != nullptr)
+    record->mark.store(step * 4 + wire::kMarkSubmitted, std::memory_order_release);
   StartNormPhase(p);
   return Status::Ok();
 }
@@ -371,8 +372,8 @@ void AdamWEngine::NormChunk(Param* p, size_t chunk) {
   const Param::Chunk& c = p->chunks[chunk];
   const ParamBinding& b = p->binding;
   p->chunk_sumsq[chunk] = kernels::GradSumSquares(
-      static_cast<const char*>(p->grad) + c.offset * kernels::DTypeSize(b.grad_dtype),
-      b.grad_dtype, c.count, options_.isa);
+      static_cast<const char*>(p->grad) + c.offset * kernels::DTypeSize(b.grad_dtype), b.grad_dtype,
+      c.count, options_.isa);
   if (p->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormDone(p);
 }
 
@@ -380,8 +381,8 @@ void AdamWEngine::CheckAndUpdateChunk(Param* p, size_t chunk) {
   const Param::Chunk& c = p->chunks[chunk];
   const ParamBinding& b = p->binding;
   const double sumsq = kernels::GradSumSquares(
-      static_cast<const char*>(p->grad) + c.offset * kernels::DTypeSize(b.grad_dtype),
-      b.grad_dtype, c.count, options_.isa);
+      static_cast<const char*>(p->grad) + c.offset * kernels::DTypeSize(b.grad_dtype), b.grad_dtype,
+      c.count, options_.isa);
   p->chunk_sumsq[chunk] = sumsq;
   if (std::isfinite(sumsq)) {
     p->remaining.fetch_add(1, std::memory_order_relaxed);  // UpdateChunk counts it down

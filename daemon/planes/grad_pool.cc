@@ -47,7 +47,8 @@ Status GradientPool::Accept(uint64_t param_id, uint64_t pos, uint64_t len, uint6
     return Refused(param_id, "posted while its last gradient is still in flight");
   if (!in_flight_.empty()) {
     if (pos < expect_)
-      return Refused(param_id, "at " + std::to_string(pos) + " starts before the end of the last (" +
+      return Refused(param_id, "at " + std::to_string(pos) +
+                                   " starts before the end of the last (" +
                                    std::to_string(expect_) + ")");
     if (pos + len - released_ > capacity_)
       return Refused(param_id, "at " + std::to_string(pos) +
@@ -81,7 +82,8 @@ void GradientPool::Release(uint64_t param_id) {
     // Under mu_, so that stores of `released` never go backwards.
     header_->released.store(released, std::memory_order_release);
     header_->release_seq.fetch_add(1, std::memory_order_seq_cst);
-    if (header_->waiters.load(std::memory_order_seq_cst) != 0) wire::FutexWake(&header_->release_seq);
+    if (header_->waiters.load(std::memory_order_seq_cst) != 0)
+      wire::FutexWake(&header_->release_seq);
   }
 }
 

@@ -80,7 +80,7 @@ class GradientPool {
   const uint64_t capacity_;
 
   mutable std::mutex mu_;
-  std::map<uint64_t, Extent> in_flight_;          // Guarded by mu_: by position
+  std::map<uint64_t, Extent> in_flight_;           // Guarded by mu_: by position
   std::unordered_map<uint64_t, uint64_t> pos_of_;  // Guarded by mu_: param_id -> position
   uint64_t expect_ = 0;                            // Guarded by mu_: end of the last accepted
   uint64_t released_ = 0;                          // Guarded by mu_

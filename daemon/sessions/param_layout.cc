@@ -191,7 +191,8 @@ RegistrationLayout ComputeRegistrationLayout(const v1::RegisterParametersRequest
     for (int i = 0; i < req.params_size(); ++i) {
       uint64_t numel = 1;
       for (int64_t d : req.params(i).shape()) numel *= static_cast<uint64_t>(d);
-      largest = std::max(largest, AlignUp(numel * DTypeBytes(GradDType(req.params(i))), kSlotAlign));
+      largest =
+          std::max(largest, AlignUp(numel * DTypeBytes(GradDType(req.params(i))), kSlotAlign));
     }
     layout.grad_pool_offset = wire::kGradPoolOffset;
     layout.grad_pool_bytes = AlignUp(std::max(req.grad_pool_bytes(), largest), kPage);

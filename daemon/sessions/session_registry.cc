@@ -621,12 +621,11 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
                      "optimizer state of " + std::to_string(req.params_size()) + " parameters",
                      &state);
   if (!st.ok()) return st;
-  st = CreateSegment(s, v1::SEGMENT_KIND_SESSION, layout.staging_bytes,
-                     (layout.grad_pool_bytes != 0
-                          ? "gradient pool and weight slots of "
-                          : "staging slots of ") +
-                         std::to_string(req.params_size()) + " parameters",
-                     &staging);
+  st = CreateSegment(
+      s, v1::SEGMENT_KIND_SESSION, layout.staging_bytes,
+      (layout.grad_pool_bytes != 0 ? "gradient pool and weight slots of " : "staging slots of ") +
+          std::to_string(req.params_size()) + " parameters",
+      &staging);
   if (!st.ok()) {
     DropSegment(std::move(state));
     return st;

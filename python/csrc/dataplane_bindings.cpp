@@ -450,7 +450,8 @@ uint32_t GradPoolWait(uintptr_t header_address, uint32_t seen_seq, int64_t timeo
   h->waiters.store(1, std::memory_order_seq_cst);
   uint32_t now = h->release_seq.load(std::memory_order_seq_cst);
   if (now == seen_seq) {
-    timespec ts{static_cast<time_t>(timeout_ms / 1000), static_cast<long>(timeout_ms % 1000) * 1000000};
+    timespec ts{static_cast<time_t>(timeout_ms / 1000),
+                static_cast<long>(timeout_ms % 1000) * 1000000};
     wire::FutexWait(&h->release_seq, seen_seq, &ts);
     now = h->release_seq.load(std::memory_order_acquire);
   }

@@ -364,7 +364,8 @@ TEST_CASE("a solo plane streams gradients through its pool and refuses bad exten
   REQUIRE(plane.AddParameters({}, std::move(params), false, {}, std::move(gp)).ok());
   client.Post(Opcode::kLoadState, 0, 0, wire::StateField::kParamFromSlot);
   REQUIRE(client.Next().opcode == Opcode::kStateDone);
-  auto* header = reinterpret_cast<wire::GradPoolHeader*>(staging.data() + wire::kGradPoolHeaderOffset);
+  auto* header =
+      reinterpret_cast<wire::GradPoolHeader*>(staging.data() + wire::kGradPoolHeaderOffset);
   auto grad = [&](uint64_t step, uint64_t pos, uint64_t len, uint32_t flags) {
     CommandRecord c{};
     c.opcode = Opcode::kGradReady;
@@ -391,7 +392,7 @@ TEST_CASE("a solo plane streams gradients through its pool and refuses bad exten
     client.Post(Opcode::kStepEnd, step);
     REQUIRE(client.Next().opcode == Opcode::kStepDone);
   }
-  CHECK(slot[0] < 1.0f);  // three updates with positive gradients
+  CHECK(slot[0] < 1.0f);                        // three updates with positive gradients
   grad(4, 64, len + 4, wire::kFlagPooledGrad);  // the wrong length
   CompletionRecord r = client.Next();
   CHECK(r.opcode == Opcode::kError);

@@ -218,8 +218,7 @@ TEST_CASE("A request's parameters may not add up past 2^40 elements", "[params]"
   CHECK(ValidateRegistration(r, {}).ok());
 }
 
-TEST_CASE("Pooled layout: header, pool, then only param slots; refused with clipping",
-          "[params]") {
+TEST_CASE("Pooled layout: header, pool, then only param slots; refused with clipping", "[params]") {
   v1::RegisterParametersRequest req = Request();
   req.set_grad_pool_bytes(100);  // below the largest gradient (15 fp32 = 60 -> 64 B): a page
   REQUIRE(ValidateRegistration(req, {}).ok());

@@ -3,8 +3,8 @@
 // deferred modes, and must leave state untouched for non-finite gradients.
 #include "trainstream/optimizer/adamw_engine.h"
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>

@@ -110,9 +110,9 @@ struct alignas(64) ParamRecord {
   float grad_scale;                            // mark updating: clip coefficient
   uint32_t grad_dtype;                         // DType of the slot the engine reads
   double grad_sumsq;                           // of the marked step's gradient, once known
-  uint64_t grad_offset;                        // staging segment: the slot (or pool extent) the engine reads
-  uint64_t param_offset;                       // staging segment: the weights it writes
-  uint64_t chunk_first;                        // its ChunkProgress entries
+  uint64_t grad_offset;   // staging segment: the slot (or pool extent) the engine reads
+  uint64_t param_offset;  // staging segment: the weights it writes
+  uint64_t chunk_first;   // its ChunkProgress entries
   uint64_t chunks;
   // The client's gradient slots: local rank r's at rank_grad_offset + r *
   // rank_grad_stride (a solo session has one, the slot the engine reads).
