@@ -119,9 +119,10 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
 // regions, bases) are unlinked by that daemon's startup sweep. With recovery_grace 0
 // nothing could be adopted, and SIGUSR2 is a clean stop like SIGTERM.
 [[noreturn]] void ExitForRestart(size_t sessions, uint64_t grace_s) {
-  spdlog::info("SIGUSR2 (restart): exiting with {} sessions attached and their optimizer state "
-               "left for the next daemon on this socket to adopt (recovery_grace {} s)",
-               sessions, grace_s);
+  spdlog::info(
+      "SIGUSR2 (restart): exiting with {} sessions attached and their optimizer state "
+      "left for the next daemon on this socket to adopt (recovery_grace {} s)",
+      sessions, grace_s);
   spdlog::default_logger()->flush();
   _exit(0);
 }
@@ -236,8 +237,9 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
           ExitForRestart(registry->size(), config.recovery_grace_s);
         }
         if (si.ssi_signo == SIGUSR2) {
-          spdlog::info("SIGUSR2 (restart) with recovery_grace 0: nothing can be kept for the "
-                       "next daemon, so this is a clean stop");
+          spdlog::info(
+              "SIGUSR2 (restart) with recovery_grace 0: nothing can be kept for the "
+              "next daemon, so this is a clean stop");
         }
         why = std::string("signal ") + strsignal(static_cast<int>(si.ssi_signo));
         break;

@@ -1,13 +1,12 @@
 // PlaceExtent and ExtentFree (trainstream/wire/grad_pool.h): extents never
 // wrap, never overlap an unreleased byte, and the arithmetic holds near 2^64.
-#include "trainstream/wire/grad_pool.h"
-
 #include <cstdint>
 #include <deque>
 #include <random>
 #include <utility>
 
 #include "catch_compat.h"
+#include "trainstream/wire/grad_pool.h"
 
 using trainstream::wire::ExtentFree;
 using trainstream::wire::PlaceExtent;
