@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "catch_compat.h"
+#include "fp32_binding.h"
 #include "planes/plane_common.h"
 #include "sessions/param_binding.h"
 #include "trainstream/optimizer/worker_pool.h"
@@ -89,15 +90,7 @@ struct Fixture {
   // `init`: local rank 0 initialises the masters from the slots, as a client's
   // registration does (DaemonBackend.register).
   void Start(const SessionOptimizerOptions& optimizer = {}, bool init = true) {
-    ParamBinding b;
-    b.param_id = 0;
-    b.name = "w";
-    b.numel = kNumel;
-    b.master = master.data();
-    b.exp_avg = m.data();
-    b.exp_avg_sq = v.data();
-    b.param_slot = param_slot.data();
-    b.durable.torch_step = &step_counter;
+    ParamBinding b = testing::Fp32Binding(master, m, v, param_slot, &step_counter);
     b.rank_grads = {g0.data(), g1.data()};
     b.sum_slot = sum.data();
     std::vector<PlaneMember> members;
@@ -344,15 +337,7 @@ TEST_CASE("a solo plane streams gradients through its pool and refuses bad exten
   auto gp = std::make_unique<GradientPool>(staging.data(), wire::kGradPoolOffset, kCap, true);
   std::vector<float> master(kNumel), m(kNumel), v(kNumel), slot(kNumel, 1.0f);
   uint64_t torch_step = 0;
-  ParamBinding b;
-  b.param_id = 0;
-  b.name = "w";
-  b.numel = kNumel;
-  b.master = master.data();
-  b.exp_avg = m.data();
-  b.exp_avg_sq = v.data();
-  b.param_slot = slot.data();
-  b.durable.torch_step = &torch_step;
+  ParamBinding b = testing::Fp32Binding(master, m, v, slot, &torch_step);
   b.pool = gp.get();
   std::vector<PlaneMember> members;
   members.push_back({0, 1, client.rings(), nullptr});

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "catch_compat.h"
+#include "fp32_binding.h"
 #include "trainstream/wire/session_control.h"
 
 using namespace trainstream;
@@ -57,16 +58,8 @@ struct Client {
   Client& operator=(const Client&) = delete;
 
   void Register() {
-    ParamBinding b;
-    b.param_id = 0;
-    b.name = "w";
-    b.numel = kNumel;
-    b.master = master.data();
-    b.exp_avg = m.data();
-    b.exp_avg_sq = v.data();
+    ParamBinding b = testing::Fp32Binding(master, m, v, param, &step_counter);
     b.grad_slot = grad.data();
-    b.param_slot = param.data();
-    b.durable.torch_step = &step_counter;
     std::vector<ParamBinding> params;
     params.push_back(std::move(b));
     REQUIRE(service.AddParameters(kSession, SessionOptimizerOptions{}, std::move(params)).ok());
