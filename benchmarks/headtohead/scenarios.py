@@ -126,6 +126,9 @@ def ensure_checkpoint(scenario: Scenario, tiny: bool, root: str, log=print) -> s
             have = json.load(f)
         if all(have.get(k) == shape[s] for k, s in _HF_TO_SHORT.items() if s in shape):
             log(f"checkpoint {folder}: reused")
+            with open(os.path.join(folder, "tokenizer.json")) as f:
+                if "<|fim_pad|>" not in f.read():  # written before the pad token
+                    write_tokenizer(folder, shape["vocab"])
             return folder
     with contextlib.redirect_stdout(sys.stderr):  # stdout may be --live's JSON lines
         write_checkpoint(argparse.Namespace(shard_gb=4.0, **shape), folder)
@@ -134,17 +137,20 @@ def ensure_checkpoint(scenario: Scenario, tiny: bool, root: str, log=print) -> s
 
 
 def write_tokenizer(folder: str, vocab: int) -> None:
-    """A word-level tokenizer with one entry per token id ("t0" ... and an end-of-text
-    token last), so ``len(tokenizer)`` equals the model's vocabulary: engines that load
-    a tokenizer with the model (Unsloth) find one and resize nothing."""
+    """A word-level tokenizer with one entry per token id ("t0" ..., then Qwen2.5's
+    end-of-text token and its `<|fim_pad|>`), so ``len(tokenizer)`` equals the model's
+    vocabulary: engines that load a tokenizer with the model (Unsloth) find one and
+    resize nothing. The pad token is a pad-named special token distinct from the end of
+    text, as in Qwen2.5's own tokenizer: Unsloth refuses a pad equal to the eos when no
+    reserved pad token exists (its ``fix_pad_token``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    eos = "<|endoftext|>"
-    table = {f"t{i}": i for i in range(vocab - 1)}
-    table[eos] = vocab - 1
+    eos, pad = "<|endoftext|>", "<|fim_pad|>"
+    table = {f"t{i}": i for i in range(vocab - 2)}
+    table[eos], table[pad] = vocab - 2, vocab - 1
     tok = Tokenizer(models.WordLevel(table, unk_token=eos))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos,
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
                             unk_token=eos).save_pretrained(folder)
 
 

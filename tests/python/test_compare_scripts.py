@@ -160,6 +160,22 @@ def test_merge_keeps_the_later_result_of_a_run():
         report.merge([])
 
 
+def test_checkpoint_tokenizer_has_a_pad_token_of_its_own(tmp_path):
+    # Unsloth's fix_pad_token refuses a tokenizer whose pad is its end of text and
+    # which has no pad-named special token (seen on the H200: "Could not find a valid
+    # pad token"). Qwen2.5's own tokenizer has <|fim_pad|>; ours has it too, and
+    # len(tokenizer) stays the model's vocabulary (nothing to resize).
+    sys.path.insert(0, str(BENCH))
+    from headtohead.scenarios import write_tokenizer
+    from transformers import AutoTokenizer
+    write_tokenizer(str(tmp_path), 1000)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(tok) == 1000
+    assert tok.pad_token == "<|fim_pad|>" and tok.pad_token_id == 999
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 998
+    assert {str(t) for t in tok.added_tokens_decoder.values()} >= {"<|fim_pad|>", "<|endoftext|>"}
+
+
 def test_quality_measures_every_format_before_and_after_lora(tmp_path):
     out = tmp_path / "quality.json"
     proc = subprocess.run([sys.executable, str(BENCH / "quality.py"), "--tiny", "--out", str(out)],
