@@ -78,9 +78,18 @@ def _outcome(r: dict, fastest: Optional[float]) -> str:
         if r.get("within_cap") is False:
             text += " (torch's peak above the cap)"
         return text
-    reason = r.get("reason", "")
+    reason = _short_reason(r.get("reason", ""))
     return reason if reason.startswith(STATUS_SHORT.get(r["status"], "\0")) else \
         f"{STATUS_SHORT.get(r['status'], r['status'])}: {reason}"
+
+
+def _short_reason(reason: str) -> str:
+    """torch's out-of-memory message without its boilerplate (what was asked is kept;
+    the whole message stays in the results file)."""
+    for cut in (" GPU 0 has a total capacity", " Including non-PyTorch memory"):
+        if cut in reason:
+            reason = reason[:reason.index(cut)]
+    return reason
 
 
 def _cap_text(doc: dict, capped: bool, results: List[dict]) -> str:
@@ -96,17 +105,20 @@ def table(doc: dict, sc: str, capped: bool, results: List[dict]) -> str:
     rest = [r for r in results if r["status"] != "ok"]
     fastest = ok[0]["step_s"] if ok else None
     what = "full fine-tune" if info.get("kind") == "full" else "LoRA r=16"
+    # TrainStream warms up until it stops adapting, so runs differ in steps: the loss
+    # is compared at the step every run of the table reached.
+    common = min((len(r["losses"]) for r in ok if r.get("losses")), default=0)
     lines = [f"**{sc}**: {what}, {_count(info.get('params', 0))} parameters, batch "
              f"{info.get('batch')}x{info.get('seq')}, {_cap_text(doc, capped, results)}", "",
              "| engine | step time | peak VRAM GiB (torch / NVML) | host GiB (B per trained param) | "
-             "loss first -> last | outcome |", "|---|---|---|---|---|---|"]
+             f"loss, step 1 -> {common} | outcome |", "|---|---|---|---|---|---|"]
     for r in ok + rest:
         if r["status"] == "ok":
             per = r.get("host_bytes_per_trained_param")
             host = _gib(r.get("host_bytes")) + (f" ({per:.1f})" if per is not None else "")
             lines.append(f"| {r['label']} | {r['step_s']:.3f} s | {_gib(r.get('peak_vram_bytes'))} / "
                          f"{_gib(r.get('peak_nvml_bytes'))} | {host} | {r['losses'][0]} -> "
-                         f"{r['losses'][-1]} | {_outcome(r, fastest)} |")
+                         f"{r['losses'][common - 1]} | {_outcome(r, fastest)} |")
         else:
             lines.append(f"| {r.get('label', r['engine'])} | - | {_gib(r.get('peak_vram_bytes'))} / "
                          f"{_gib(r.get('peak_nvml_bytes'))} | - | - | "

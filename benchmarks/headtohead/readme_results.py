@@ -1,0 +1,67 @@
+"""README.md's head-to-head section from the H200 results files that
+docs/benchmarks/sources.json names (issue 22): merges them (a later result replaces an
+earlier one of the same scenario, engine and cap), leaves out the results that file
+names with its reasons, writes docs/benchmarks/results.json, results.md and the charts,
+and prints the README section on stdout.
+
+    PYTHONPATH=/tmp/mpl python benchmarks/headtohead/readme_results.py [--quality q.json]
+"""
+import argparse
+import json
+import os
+import sys
+from typing import List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))
+from headtohead import report  # noqa: E402
+
+
+def _left_out(name: str, engine: str, rules: List[dict]) -> str:
+    for rule in rules:
+        if rule["file"] not in name:
+            continue
+        if engine.endswith(rule.get("engine_suffix", "\0")) or \
+                engine.startswith(rule.get("engine_prefix", "\0")):
+            return rule["why"]
+    return ""
+
+
+def select(sources: dict, root: str = REPO) -> dict:
+    """The merged document: every named file's results less the rules' left-outs
+    (each result keeps its file's name under ``source``)."""
+    docs = []
+    for rel in sources["files"]:
+        doc = report.load(os.path.join(root, rel))
+        name = os.path.basename(rel)
+        kept = []
+        for r in doc["results"]:
+            wanted = r["scenario"] in sources.get("scenarios", [r["scenario"]])
+            if wanted and not _left_out(name, r["engine"], sources.get("left_out", [])):
+                kept.append(dict(r, source=name))
+        docs.append(dict(doc, results=kept))
+    return report.merge(docs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sources", default=os.path.join(REPO, "docs", "benchmarks", "sources.json"))
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"))
+    ap.add_argument("--quality", default=None, help="quality.py's JSON, as a table too")
+    ap.add_argument("--charts-prefix", default="docs/benchmarks/")
+    args = ap.parse_args()
+    with open(args.sources) as f:
+        doc = select(json.load(f))
+    os.makedirs(args.out, exist_ok=True)
+    doc["charts"] = report.charts(doc, args.out)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(report.markdown(doc))
+    quality = report.load(args.quality) if args.quality else None
+    print(report.readme(doc, quality, args.charts_prefix))
+
+
+if __name__ == "__main__":
+    main()
