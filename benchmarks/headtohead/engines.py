@@ -328,7 +328,17 @@ def _trainstream(quantize: Optional[str] = None, checkpointing: bool = False,
         def report() -> Dict[str, Any]:
             rep = trainstream.memory_report(model)
             plan = rep.get("plan") or {}
+            # Where the daemon's shared memory went (the host column counts all of it):
+            # the regions this optimizer maps, by purpose (staging, gpu-optimizer-state,
+            # activations, ...), and memory_report's categories.
+            regions: Dict[str, int] = {}
+            for r in opt.regions():
+                regions[r.get("purpose", "?")] = regions.get(r.get("purpose", "?"), 0) + int(r.get("bytes", 0))
+            acts = rep.get("activations") or {}
             return {"optimizer_mode": opt.optimizer_mode,
+                    "regions_by_purpose": regions,
+                    "host_by_category": (rep.get("host_per_param") or {}).get("bytes"),
+                    "activation_host_capacity": acts.get("host_capacity_bytes"),
                     "plan": {k: plan.get(k) for k in ("quantize", "moment_dtype", "paged_blocks",
                                                       "usable_vram")},
                     "activation_policy": (rep.get("activations") or {}).get("policy"),
