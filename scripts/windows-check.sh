@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/windows-check.sh: runs the Windows C++ tests that
 # scripts/windows-cross.sh built, under wine64 (issue 23; docs/windows.md).
-# This first stage runs the CPU kernels' tests (build-windows/bin/*_test.exe).
+# These are the tests of the CPU kernels, the daemon's AdamW engine and the
+# platform seam's threads side (build-windows/bin/*_test.exe).
 # Each test picks the instruction sets the CPU has (cpu_features.h), as on
 # Linux; a path the CPU lacks is reported by the test itself.
 #
