@@ -53,23 +53,19 @@ bool CoreOfCpu(int cpu, CpuCore* out) {
   // logical processors, so its ordinal among entries of its kind is its id.
   const DWORD_PTR bit = DWORD_PTR{1} << cpu;
   int cores = 0, packages = 0;
-  bool have_core = false, have_package = false;
+  CpuCore found{-1, -1};
   for (const SYSTEM_LOGICAL_PROCESSOR_INFORMATION& entry : info) {
     if (entry.Relationship == RelationProcessorCore) {
-      if (entry.ProcessorMask & bit) {
-        out->core = cores;
-        have_core = true;
-      }
+      if (entry.ProcessorMask & bit) found.core = cores;
       ++cores;
     } else if (entry.Relationship == RelationProcessorPackage) {
-      if (entry.ProcessorMask & bit) {
-        out->package = packages;
-        have_package = true;
-      }
+      if (entry.ProcessorMask & bit) found.package = packages;
       ++packages;
     }
   }
-  return have_core && have_package;
+  if (found.core < 0 || found.package < 0) return false;
+  *out = found;
+  return true;
 }
 
 bool PinCurrentThread(int cpu) {
