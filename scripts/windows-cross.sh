@@ -279,8 +279,12 @@ if has_step kernels; then
   t0=$(date +%s)
   launcher=()
   command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  # proto/ and its tests too once the deps step has installed gRPC.
+  with_grpc=OFF
+  [[ -f $prefix/lib/cmake/grpc/gRPCConfig.cmake ]] && with_grpc=ON
   cmake -S "$root/cmake/windows" -B "$build" -G Ninja \
     -DCMAKE_TOOLCHAIN_FILE="$toolchain" -DTRAINSTREAM_WINDOWS_PREFIX="$prefix" \
+    -DTRAINSTREAM_WINDOWS_WITH_GRPC="$with_grpc" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}"
   cmake --build "$build" -j "$jobs"
   log "kernels: built in $(($(date +%s) - t0)) s; the tests are in $build/bin:"
