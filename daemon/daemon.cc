@@ -33,9 +33,9 @@
 #include "log_limiter.h"
 #include "memory/budget.h"
 #include "planes/optimizer_service.h"
-#include "sessions/pid_watcher.h"
 #include "sessions/session_registry.h"
 #include "startup_checks.h"
+#include "trainstream/platform/process_watcher.h"
 #include "transport/control_server.h"
 #include "transport/peer_credentials.h"
 #include "transport/unix_listener.h"
@@ -172,12 +172,12 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
 
   auto registry = std::make_unique<SessionRegistry>(config, &budget, optimizer.get());
   SessionRegistry* reg = registry.get();
-  auto watcher = std::make_unique<PidWatcher>([reg, &state](uint64_t id) {
+  auto watcher = std::make_unique<platform::ProcessWatcher>([reg, &state](uint64_t id) {
     reg->End(id, "client process exited", true);
     state.Touch();
     state.WakeMainLoop();
   });
-  PidWatcher* w = watcher.get();
+  platform::ProcessWatcher* w = watcher.get();
   registry->SetPidHooks([w](uint64_t id, pid_t pid) { return w->Watch(id, pid); },
                         [w](uint64_t id) { w->Unwatch(id); });
   // Before the first connection, with the budget in place.

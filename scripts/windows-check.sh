@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/windows-check.sh: runs the Windows C++ tests that
 # scripts/windows-cross.sh built, under wine64 (issue 23; docs/windows.md).
-# This first stage runs the CPU kernels' tests (build-windows/bin/*_test.exe).
+# These are the tests of the CPU kernels, the daemon's AdamW engine and the
+# platform seam's threads side (build-windows/bin/*_test.exe).
 # Each test picks the instruction sets the CPU has (cpu_features.h), as on
 # Linux; a path the CPU lacks is reported by the test itself.
 #
@@ -12,7 +13,8 @@
 #   TRAINSTREAM_WINDOWS_CACHE  as for windows-cross.sh; the wine prefix is its
 #                              wineprefix/ (created on the first run)
 #   TRAINSTREAM_WINDOWS_BUILD  the build folder (default build-windows in the repo)
-#   TESTS                      test names to run (default: every *_test.exe)
+#   TESTS                      test names to run (default: every *_test.exe
+#                              but the excluded ones below)
 # A test's whole output is in <build>/wine-logs/<test>.log.
 set -uo pipefail
 
@@ -42,13 +44,26 @@ if [[ ! -f $WINEPREFIX/system.reg ]]; then
   "$wine" wineboot --init > "$logs/wineboot.log" 2>&1 || true
 fi
 
+# Tests that check what Wine does not do, each with the reason; they are built
+# for a Windows machine, and TESTS can still name them.
+declare -A excluded=(
+  [platform_shm_windows_test]="Wine 8.0 keeps no file DACL: it reports one made from the Unix mode, whatever CreateFileW or SetSecurityInfo set"
+)
 if [[ -n ${TESTS:-} ]]; then
   tests=()
   for t in $TESTS; do tests+=("$build/bin/${t%.exe}.exe"); done
 else
-  tests=("$build"/bin/*_test.exe)
+  tests=()
+  for exe in "$build"/bin/*_test.exe; do
+    name=$(basename "$exe" .exe)
+    if [[ -n ${excluded[$name]:-} ]]; then
+      echo "SKIP  $name: not run under Wine: ${excluded[$name]}"
+    else
+      tests+=("$exe")
+    fi
+  done
 fi
-[[ -e ${tests[0]} ]] || { echo "windows-check: no tests in $build/bin (run scripts/windows-cross.sh)" >&2; exit 1; }
+[[ ${#tests[@]} -gt 0 && -e ${tests[0]} ]] || { echo "windows-check: no tests in $build/bin (run scripts/windows-cross.sh)" >&2; exit 1; }
 
 passed=0
 failed=()
@@ -71,7 +86,10 @@ for exe in "${tests[@]}"; do
   grep -aho 'TS_SKIPPED: .*' "$logs/$name.log" | sort -u | sed 's/^/      /'
 done
 
-echo "windows-check: ${passed} of ${#tests[@]} test binaries passed under $("$wine" --version)"
+n_excluded=0
+[[ -n ${TESTS:-} ]] || n_excluded=${#excluded[@]}
+echo "windows-check: ${passed} of ${#tests[@]} test binaries passed under $("$wine" --version)" \
+  "(${n_excluded} excluded)"
 if [[ ${#failed[@]} -gt 0 ]]; then
   echo "windows-check: failed: ${failed[*]}"
   exit 1

@@ -1,51 +1,29 @@
 #include "trainstream/optimizer/worker_pool.h"
 
-#include <pthread.h>
-#include <sched.h>
-
 #include <cstdio>
 #include <set>
-#include <string>
 #include <utility>
+
+#include "trainstream/platform/threads.h"
 
 namespace trainstream::optimizer {
 namespace {
 
 thread_local int current_worker = -1;
 
-// stdio, not std::ifstream: this file is also linked into trainstream._C, where
-// iostreams crash (Note [No iostreams in _C], python/csrc/check.h).
-bool ReadInt(const std::string& path, int* out) {
-  FILE* f = std::fopen(path.c_str(), "r");
-  if (f == nullptr) return false;
-  const bool ok = std::fscanf(f, "%d", out) == 1;
-  std::fclose(f);
-  return ok;
-}
-
 }  // namespace
 
 std::vector<int> PhysicalCoreCpus() {
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  std::vector<int> all, cores;
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-      if (CPU_ISSET(cpu, &allowed)) all.push_back(cpu);
-    }
-  }
+  std::vector<int> all = platform::AllowedCpus(), cores;
   if (all.empty()) {
     const unsigned n = std::thread::hardware_concurrency();
     for (unsigned cpu = 0; cpu < (n ? n : 1); ++cpu) all.push_back(static_cast<int>(cpu));
   }
   std::set<std::pair<int, int>> seen;  // (package, core)
   for (int cpu : all) {
-    const std::string base = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
-    int package = 0, core = 0;
-    if (!ReadInt(base + "physical_package_id", &package) || !ReadInt(base + "core_id", &core)) {
-      return all;
-    }
-    if (seen.insert({package, core}).second) cores.push_back(cpu);
+    platform::CpuCore core;
+    if (!platform::CoreOfCpu(cpu, &core)) return all;
+    if (seen.insert({core.package, core.core}).second) cores.push_back(cpu);
   }
   return cores;
 }
@@ -90,13 +68,8 @@ void WorkerPool::Run(unsigned index, int cpu) {
   // which workers a session's updates ran on by it).
   char name[16];
   std::snprintf(name, sizeof(name), "ts-adamw-%u", index);
-  pthread_setname_np(pthread_self(), name);
-  if (cpu >= 0) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
-  }
+  platform::NameCurrentThread(name);
+  if (cpu >= 0) platform::PinCurrentThread(cpu);  // best effort
   Worker& w = *workers_[index];
   std::deque<Task> batch;
   for (;;) {

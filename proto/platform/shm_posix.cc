@@ -1,6 +1,5 @@
 // The POSIX side of the shm seam (Note [Segments through Boost.Interprocess],
-// trainstream/platform/shm.h). A Windows build would put windows_shared_memory
-// behind the same header in its own file.
+// trainstream/platform/shm.h). The Windows side is shm_windows.cc.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

@@ -11,12 +11,14 @@
 #include <mutex>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "catch_compat.h"
 #include "trainstream/kernels/adamw.h"
 #include "trainstream/kernels/bf16.h"
 #include "trainstream/optimizer/worker_pool.h"
+#include "trainstream/platform/threads.h"
 
 using namespace trainstream::optimizer;
 using trainstream::kernels::FloatBits;
@@ -44,6 +46,26 @@ TEST_CASE("worker pool runs each task on its worker, in order", "[pool]") {
   }
   CHECK(WorkerPool::CurrentWorker() == -1);
   CHECK(!PhysicalCoreCpus().empty());
+}
+
+TEST_CASE("pinned workers run on one physical core each, named ts-adamw-<i>", "[pool]") {
+  const std::vector<int> cores = PhysicalCoreCpus();
+  std::vector<int> ran_on(cores.size(), -2);
+  std::vector<std::string> names(cores.size());
+  {
+    WorkerPool pool(WorkerPoolOptions{0, true});
+    REQUIRE(pool.size() == cores.size());
+    for (unsigned w = 0; w < pool.size(); ++w) {
+      pool.Submit(w, [&, w] {
+        ran_on[w] = trainstream::platform::CurrentCpu();
+        names[w] = trainstream::platform::CurrentThreadName();
+      });
+    }
+  }
+  for (size_t w = 0; w < cores.size(); ++w) {
+    CHECK(ran_on[w] == cores[w]);
+    CHECK(names[w] == "ts-adamw-" + std::to_string(w));
+  }
 }
 
 namespace {

@@ -15,7 +15,8 @@ namespace trainstream::optimizer {
 
 // Logical CPU ids, one per physical core this process may run on (the first
 // hyper-thread sibling of each core in the affinity mask). Falls back to every
-// allowed CPU when sysfs topology is unreadable.
+// allowed CPU when the core topology is unknown (trainstream/platform/threads.h:
+// sysfs on Linux).
 std::vector<int> PhysicalCoreCpus();
 
 struct WorkerPoolOptions {

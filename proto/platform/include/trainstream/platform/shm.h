@@ -1,7 +1,9 @@
 // The platform seam for shared-memory segments: how a segment file is created,
 // opened, removed and mapped. The daemon (daemon/memory/shm_segment.cc) and the
-// client (client/src/mapped_region.cc) both go through it and nothing else; a
-// Windows service build would swap this one file pair.
+// client (client/src/mapped_region.cc) both go through it and nothing else.
+// Two sides, picked by proto/platform/CMakeLists.txt: shm_posix.cc (below) and
+// shm_windows.cc (Note [Segments on Windows are files with an owner-only
+// DACL]; the daemon and the client do not use it yet, docs/windows.md).
 //
 // Note [Segments through Boost.Interprocess]. Boost.Interprocess does what it
 // has a portable call for; the steps it has none for stay POSIX, made on the
@@ -27,7 +29,9 @@
 //   /dev/shm   shared_memory_object, the portable named shared memory (glibc's
 //              shm_open is open(2) in /dev/shm with O_NOFOLLOW | O_CLOEXEC, so the
 //              file and its rules are the same as before). This is the default
-//              and production directory; windows_shared_memory is its swap.
+//              and production directory. (Not windows_shared_memory on
+//              Windows: it dies with its last handle, and segments must outlive
+//              the daemon; shm_windows.cc.)
 //   any other  (a test's subdirectory, a hugetlbfs mount; --shm-dir) shm_open
 //              takes no directory, and Boost's file_mapping (1.74) cannot create a file
 //              and opens without O_NOFOLLOW or O_CLOEXEC. So the file is opened
@@ -88,7 +92,8 @@ class ShmFile {
   int GetSize(uint64_t* bytes) const;
 
   // The file descriptor, for the POSIX steps Boost has no call for (fchown).
-  // -1 when nothing is open. Owned by this object.
+  // -1 when nothing is open, and always on Windows (no descriptor there; the
+  // owner is set by the DACL at creation). Owned by this object.
   int native_handle() const;
 
  private:

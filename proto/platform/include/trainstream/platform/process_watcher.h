@@ -1,0 +1,41 @@
+// The platform seam for client liveness: ProcessWatcher calls back when a
+// watched process exits, so a killed client's memory is reclaimed within
+// milliseconds even when gRPC is slow to notice the closed connection. One
+// watcher serves every session. Two sides, picked by
+// proto/platform/CMakeLists.txt (issue 23, docs/windows.md):
+//   process_watcher_linux.cc    pidfd_open + poll, woken by an eventfd
+//   process_watcher_windows.cc  a process handle (SYNCHRONIZE) per watch, waited
+//                               on by the system thread pool
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace trainstream::platform {
+
+class ProcessWatcher {
+ public:
+  // `on_exit(key)` runs on the watcher's own thread, with no lock of the
+  // watcher held (it may call Unwatch), once per Watch whose process exited.
+  explicit ProcessWatcher(std::function<void(uint64_t key)> on_exit);
+  // Stops the thread; no on_exit runs after it returns.
+  ~ProcessWatcher();
+  ProcessWatcher(const ProcessWatcher&) = delete;
+  ProcessWatcher& operator=(const ProcessWatcher&) = delete;
+
+  // Watches process `pid` under `key`, replacing an earlier watch of `key`.
+  // A process that already exited but is not yet reaped counts as exited
+  // (on_exit follows at once). False when no such process exists or it cannot
+  // be watched (errno on Linux, GetLastError() on Windows, says which).
+  bool Watch(uint64_t key, int64_t pid);
+  // Ends the watch of `key`, if any. After it returns, on_exit(key) does not
+  // run for that watch unless it was already running.
+  void Unwatch(uint64_t key);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace trainstream::platform
