@@ -232,7 +232,8 @@ class AdamWEngine {
   //     master already; a split master cannot tell a written element from an
   //     unchanged one (the old high half is gone), so every low half is zeroed and
   //     the master is the slot's value exactly.
-  // Moments and step are kept. Call only while idle. NOT_FOUND for an unknown id,
+  // Moments and step are kept. Call only while `param_id` has no update in flight
+  // (before its SubmitGrad, or with the engine idle). NOT_FOUND for an unknown id,
   // INVALID_ARGUMENT for a size that is not the parameter's.
   Status AdoptWeights(uint64_t param_id, const void* weights, size_t bytes);
   Status GetStep(uint64_t param_id, uint64_t* step) const;
