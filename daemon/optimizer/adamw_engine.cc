@@ -80,6 +80,25 @@ Status CheckHyperParams(const AdamWHyperParams& hp) {
   return Status::Ok();
 }
 
+// Whether element i of a separate master's param slot is what the engine writes there
+// (the master rounded to the slot's dtype).
+bool SlotIsMastersRounding(const ParamBinding& b, size_t i) {
+  const char* s = static_cast<const char*>(b.param_slot) + i * kernels::DTypeSize(b.param_dtype);
+  const float m = b.master[i];
+  uint16_t rounded = 0;
+  switch (b.param_dtype) {
+    case DType::kFloat32:
+      return std::memcmp(s, &m, sizeof(float)) == 0;
+    case DType::kBFloat16:
+      rounded = kernels::FloatToBf16Rne(m);
+      break;
+    case DType::kFloat16:
+      rounded = kernels::FloatToFp16Rne(m);
+      break;
+  }
+  return std::memcmp(s, &rounded, sizeof(rounded)) == 0;
+}
+
 double OrderedSum(std::vector<double> parts) {
   double total = 0;
   for (double x : parts) total += x;
@@ -743,6 +762,50 @@ Status AdamWEngine::ImportArray(uint64_t param_id, StateArray which, const float
       static_cast<uint16_t*>(dst)[i] = kernels::FloatToBf16Rne(in[i]);
   } else {
     std::memmove(dst, in, b.numel * sizeof(float));
+  }
+  return Status::Ok();
+}
+
+// Note [Weights written from outside the engine] (adamw_engine.h).
+Status AdamWEngine::AdoptWeights(uint64_t param_id, const void* weights, size_t bytes) {
+  auto it = by_id_.find(param_id);
+  if (it == by_id_.end())
+    return Status(StatusCode::kNotFound, "unknown parameter " + std::to_string(param_id));
+  const ParamBinding& b = it->second->binding;
+  const size_t es = kernels::DTypeSize(b.param_dtype);
+  if (weights != nullptr ? bytes != b.numel * es : bytes != 0) {
+    return Status(StatusCode::kInvalidArgument,
+                  "weights of parameter " + std::to_string(param_id) + " are " +
+                      std::to_string(bytes) + " bytes; it needs " + std::to_string(b.numel * es) +
+                      " (or 0: its slot holds them)");
+  }
+  const auto* in = static_cast<const char*>(weights);  // the client's: read with memcpy
+  auto* slot = static_cast<char*>(b.param_slot);
+  if (b.master_lo != nullptr) {
+    auto* hi = static_cast<uint16_t*>(b.param_slot);
+    for (size_t i = 0; i < b.numel; ++i) {
+      uint16_t w = hi[i];
+      if (in != nullptr) std::memcpy(&w, in + i * 2, 2);
+      if (in == nullptr || w != hi[i]) {
+        hi[i] = w;
+        b.master_lo[i] = 0;
+      }
+    }
+    return Status::Ok();
+  }
+  if (b.param_slot == static_cast<void*>(b.master)) {  // an fp32 slot is its own master
+    if (in != nullptr) std::memmove(slot, in, bytes);
+    return Status::Ok();
+  }
+  for (size_t i = 0; i < b.numel; ++i) {
+    char* s = slot + i * es;
+    if (in != nullptr) {
+      if (std::memcmp(in + i * es, s, es) == 0) continue;
+      std::memmove(s, in + i * es, es);
+    } else if (SlotIsMastersRounding(b, i)) {
+      continue;
+    }
+    kernels::ConvertToFloat(s, b.param_dtype, &b.master[i], 1);
   }
   return Status::Ok();
 }

@@ -122,6 +122,12 @@ struct OptimizerPlane::Impl {
     uint32_t arrived = 0;
     kernels::AdamWHyperParams hp{};
     bool awaiting_reduce = false;  // REDUCE_READY posted, GRAD_REDUCED not yet
+    // Note [A group takes written weights with its next gradient]: a kWeights held
+    // until this parameter's next summed gradient (`weights` empty with
+    // weights_in_place: the slot itself was written).
+    bool weights_pending = false;
+    bool weights_in_place = false;
+    std::vector<unsigned char> weights;
   };
 
   Impl(PlaneOptions o, std::vector<PlaneMember> m, optimizer::WorkerPool* p)
@@ -439,8 +445,58 @@ struct OptimizerPlane::Impl {
   }
 
   void Submit(Slot& s) {
+    if (s.weights_pending) {
+      s.weights_pending = false;
+      Status st = engine->AdoptWeights(
+          s.binding.param_id, s.weights_in_place ? nullptr : s.weights.data(), s.weights.size());
+      std::vector<unsigned char>().swap(s.weights);
+      if (!st.ok()) return Fail(st.message());
+    }
     Status st = engine->SubmitGrad(s.binding.param_id, s.step, s.hp);
     if (!st.ok()) Fail(st.message());
+  }
+
+  // Note [A group takes written weights with its next gradient]
+  // A group's param slots are shared by its members, and each member copies its new
+  // weights from them after the step's PARAM_READY, when it gets to it. Local rank
+  // 0 hands weights written after wrap() over (kWeights, Note [Weights written from
+  // outside the engine]) before its first gradient of the next step, which can be
+  // before a slower member has copied the last step's weights: applied then, the
+  // slot would change under that copy (the member took the written weights for the
+  // update's and wrote them again: a halving applied twice, seen under load). So a
+  // group keeps the weights (a copy in daemon memory, at most one per parameter,
+  // replaced by a later one) and applies them just before the parameter's next
+  // summed gradient is submitted: every member has posted its gradient of that step
+  // then, after copying the last step's weights, and has no read of the slot left
+  // before the update. A master loaded in between (kMaster) drops them.
+  Status HoldWeights(const CommandRecord& cmd, const RegionResolver& resolver) {
+    auto it = by_id.find(cmd.param_id);
+    if (it == by_id.end())
+      return Status(StatusCode::kNotFound, "unknown param_id " + std::to_string(cmd.param_id));
+    Slot& s = *it->second;
+    const uint64_t bytes = s.binding.numel * wire::DTypeSize(s.binding.param_dtype);
+    if (cmd.bytes != 0 && cmd.bytes != bytes) {
+      return Status(StatusCode::kInvalidArgument,
+                    "weights of parameter " + std::to_string(cmd.param_id) + " are " +
+                        std::to_string(cmd.bytes) + " bytes; it needs " + std::to_string(bytes) +
+                        " (or 0: its slot holds them)");
+    }
+    std::vector<unsigned char> copy;
+    if (cmd.bytes != 0) {
+      const void* payload = resolver(cmd.region_id, cmd.region_offset, cmd.bytes);
+      if (payload == nullptr) {
+        return Status(StatusCode::kInvalidArgument, "region " + std::to_string(cmd.region_id) +
+                                                        " [" + std::to_string(cmd.region_offset) +
+                                                        ", +" + std::to_string(cmd.bytes) +
+                                                        ") is not a region of this session");
+      }
+      copy.assign(static_cast<const unsigned char*>(payload),
+                  static_cast<const unsigned char*>(payload) + cmd.bytes);
+    }
+    s.weights_pending = true;
+    s.weights_in_place = cmd.bytes == 0;
+    s.weights.swap(copy);
+    return Status::Ok();
   }
 
   void OnStepEnd(int r, const CommandRecord& cmd) {
@@ -509,11 +565,18 @@ struct OptimizerPlane::Impl {
         st = engine->Init();
         ReleaseHeldSyncs();
       }
+    } else if (options.group && load && cmd.field == StateField::kWeights) {
+      st = HoldWeights(cmd, members[static_cast<size_t>(r)]->info.resolver);
     } else {
       bool imported = false;
       uint64_t imported_step = 0;
       st = MoveOptimizerState(*engine, cmd, members[static_cast<size_t>(r)]->info.resolver,
                               &rec.step, &imported, &imported_step);
+      if (auto it = by_id.find(cmd.param_id);
+          st.ok() && load && cmd.field == StateField::kMaster && it != by_id.end()) {
+        it->second->weights_pending = false;  // the loaded master supersedes them
+        std::vector<unsigned char>().swap(it->second->weights);
+      }
     }
     if (!st.ok()) {
       rec.status = CompletionStatus::kInvalid;

@@ -88,6 +88,18 @@ Status MoveOptimizerState(optimizer::AdamWEngine& engine, const wire::CommandRec
     }
     return st;
   }
+  if (cmd.field == StateField::kWeights) {
+    if (!load) return Status(StatusCode::kInvalidArgument, "kWeights can only be loaded");
+    if (cmd.bytes == 0) return engine.AdoptWeights(cmd.param_id, nullptr, 0);
+    const void* weights = resolver(cmd.region_id, cmd.region_offset, cmd.bytes);
+    if (weights == nullptr) {
+      return Status(StatusCode::kInvalidArgument, "region " + std::to_string(cmd.region_id) + " [" +
+                                                      std::to_string(cmd.region_offset) + ", +" +
+                                                      std::to_string(cmd.bytes) +
+                                                      ") is not a region of this session");
+    }
+    return engine.AdoptWeights(cmd.param_id, weights, cmd.bytes);
+  }
   using Array = optimizer::AdamWEngine::StateArray;
   Array which;
   switch (cmd.field) {
@@ -104,7 +116,7 @@ Status MoveOptimizerState(optimizer::AdamWEngine& engine, const wire::CommandRec
       return Status(StatusCode::kInvalidArgument,
                     "unknown state field " + std::to_string(static_cast<uint32_t>(cmd.field)) +
                         "; accepted: 0 (master), 1 (exp_avg), 2 (exp_avg_sq), 3 (step), 4 (param "
-                        "from slot)");
+                        "from slot), 5 (weights)");
   }
   if (cmd.bytes != n * sizeof(float)) {
     return Status(StatusCode::kInvalidArgument,

@@ -26,7 +26,8 @@ void SetCompletionMessage(wire::CompletionRecord* rec, const std::string& messag
 // kParamFromSlot is not handled by MoveOptimizerState: initialisation is the
 // plane's (local rank 0 triggers it).
 
-// Applies `cmd` (field kMaster, kExpAvg, kExpAvgSq or kStep; load or export)
+// Applies `cmd` (field kMaster, kExpAvg, kExpAvgSq or kStep, load or export; kWeights,
+// load only)
 // to `engine`, which must be idle. `resolver` maps the command's region of the
 // issuing session. On export of kStep, *step_out receives the step. When state
 // was imported, *imported is set and *imported_step holds the parameter's new

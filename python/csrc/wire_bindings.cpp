@@ -46,6 +46,7 @@ void RegisterWireBindings(pybind11::module_& m) {
       {"FIELD_EXP_AVG_SQ", u(StateField::kExpAvgSq)},
       {"FIELD_STEP", u(StateField::kStep)},
       {"FIELD_PARAM_FROM_SLOT", u(StateField::kParamFromSlot)},
+      {"FIELD_WEIGHTS", u(StateField::kWeights)},
       {"DTYPE_FLOAT32", u(DType::kFloat32)},
       {"DTYPE_BFLOAT16", u(DType::kBFloat16)},
       {"DTYPE_FLOAT16", u(DType::kFloat16)},

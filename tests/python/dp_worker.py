@@ -43,6 +43,22 @@ def _late_slot_writes(delay_s: float) -> None:
     DaemonSession.map_staging = late
 
 
+def _late_copy(step: int, delay_s: float) -> None:
+    """Delays this rank's first copy of new weights after ``step`` (its PARAM_READYs), so
+    the other ranks go on to the next step first."""
+    from trainstream._native.wire import OP_PARAM_READY  # noqa: PLC0415
+    from trainstream.optim.daemon_backend import DaemonBackend  # noqa: PLC0415
+    take = DaemonBackend._take
+    late = {"done": False}
+
+    def slow(self, c, r):
+        if c["opcode"] == OP_PARAM_READY and c["step"] == step and not late["done"]:
+            late["done"] = True
+            time.sleep(delay_s)
+        return take(self, c, r)
+    DaemonBackend._take = slow
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -59,6 +75,10 @@ def main() -> int:
     ap.add_argument("--cuda", action="store_true", help="the model on cuda:<LOCAL_RANK>")
     ap.add_argument("--param-offload", action="store_true",
                     help="page every block's weights (their gradients bypass p.grad)")
+    ap.add_argument("--halve-after", type=int, default=0,
+                    help="every rank halves its weights in place after this step")
+    ap.add_argument("--late-copy", type=float, default=0.0,
+                    help="local rank 1 copies the new weights of step --halve-after this late")
     ap.add_argument("--leader-late-slots", type=float, default=0.0,
                     help="local rank 0 waits this long between its registration's answer and "
                          "writing the group's initial weights into the param slots")
@@ -92,6 +112,8 @@ def main() -> int:
             options.update(param_offload=True, min_offload_bytes=0)
         if args.leader_late_slots and local_rank == 0:
             _late_slot_writes(args.leader_late_slots)
+        if args.late_copy and local_rank == 1:
+            _late_copy(args.halve_after, args.late_copy)
         model, opt = trainstream.wrap(model, opt, **options)
         batches = text_batches(corpus(), cfg, batch=args.batch * world, steps=args.steps)
         for step, (x, y) in enumerate(batches, start=1):
@@ -105,6 +127,10 @@ def main() -> int:
             opt.step()
             opt.zero_grad()
             result["losses"].append(loss.item())
+            if step == args.halve_after:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
         result["stats"] = opt.stats()
         if local_rank == 0:  # the group's one state, read through this rank
             result["opt_state"] = opt.state_dict()

@@ -74,8 +74,9 @@ def _results(out: Path, ranks: int) -> list:
     return res
 
 
-def _reference(world: int, device: str = "cpu", max_grad_norm=None):
-    """One process, plain torch.optim.AdamW, on the concatenated batch of `world` ranks."""
+def _reference(world: int, device: str = "cpu", max_grad_norm=None, halve_after=0):
+    """One process, plain torch.optim.AdamW, on the concatenated batch of `world` ranks
+    (halving the weights after step ``halve_after``, as dp_worker's --halve-after)."""
     torch.manual_seed(0)
     cfg = GPTConfig()
     model = TinyGPT(cfg).to(device)
@@ -83,12 +84,17 @@ def _reference(world: int, device: str = "cpu", max_grad_norm=None):
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}], lr=LR, foreach=False)
-    for x, y in text_batches(corpus(), cfg, batch=BATCH * world, steps=STEPS):
+    batches = text_batches(corpus(), cfg, batch=BATCH * world, steps=STEPS)
+    for step, (x, y) in enumerate(batches, start=1):
         model(x.to(device), y.to(device)).backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad()
+        if step == halve_after:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
     model.reference_optimizer = opt
     return model
 
@@ -176,6 +182,24 @@ def test_paged_weights_match_one_process(daemon, tmp_path, shm):
     proc = _torchrun(daemon, tmp_path, 2, "--param-offload", env_extra={"TRAINSTREAM_SHM": shm})
     ref = _reference(2)
     _finish(proc, f"torchrun --nproc-per-node 2 --param-offload, TRAINSTREAM_SHM={shm}")
+    r0, r1 = _results(tmp_path, 2)
+    assert r0["stats"]["data_parallel"]["mode"] == ("group" if shm == "1" else "replicated")
+    _assert_equal_to_reference(ref, r0["params"], "rank 0")
+    _assert_equal_to_reference(ref, r1["params"], "rank 1")
+
+
+@pytest.mark.parametrize("shm,late", [("1", 0), ("1", 2), ("0", 0)],
+                         ids=["group", "group, rank 1 copies late", "replicated"])
+def test_weights_written_on_every_rank_are_taken(daemon, tmp_path, shm, late):
+    """Every rank halves its weights in place after step 4 (Note [Weights written from
+    outside the engine]): the group's one master takes local rank 0's, per-rank copies
+    their own, and training goes on as one process's torch.optim.AdamW does. In a group
+    the weights wait for the next gradients (Note [A group takes written weights with
+    its next gradient]): a rank that copies step 4's weights late still copies step 4's."""
+    proc = _torchrun(daemon, tmp_path, 2, "--halve-after", "4", "--late-copy", str(late),
+                     env_extra={"TRAINSTREAM_SHM": shm})
+    ref = _reference(2, halve_after=4)
+    _finish(proc, f"torchrun --nproc-per-node 2 --halve-after 4, TRAINSTREAM_SHM={shm}")
     r0, r1 = _results(tmp_path, 2)
     assert r0["stats"]["data_parallel"]["mode"] == ("group" if shm == "1" else "replicated")
     _assert_equal_to_reference(ref, r0["params"], "rank 0")

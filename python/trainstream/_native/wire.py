@@ -27,6 +27,7 @@ FIELD_EXP_AVG = 1
 FIELD_EXP_AVG_SQ = 2
 FIELD_STEP = 3
 FIELD_PARAM_FROM_SLOT = 4
+FIELD_WEIGHTS = 5
 
 # Element types (dtype.h, DType): state manifests and trainstream.v1.DType carry
 # these numbers (Note [DType numbers are the wire's]).

@@ -66,6 +66,20 @@ class ParamEntry:
     # never in p.grad; with accumulation it is summed here until it is final.
     external: bool = False
     external_grad: Optional[torch.Tensor] = None
+    # Note [Weights written from outside the engine] (weight_writes.py): the parameter's
+    # version counter when the optimizer last wrote it or took it as its master's value,
+    # and whether it was written while its update was in flight.
+    weight_version: int = -1
+    weight_written_in_flight: bool = False
+
+    def mark_weight(self) -> None:
+        """The weight is what the optimizer holds as its value (after writing it)."""
+        self.weight_version = self.param._version
+
+    def weight_written(self) -> bool:
+        """Whether an in-place write (``copy_``, ``load_state_dict``, ``torch.nn.init``,
+        ``mul_`` under ``no_grad``) changed the weight since ``mark_weight``."""
+        return self.param._version != self.weight_version
 
 
 class ParamTable:
@@ -124,6 +138,7 @@ class ParamTable:
             e.posted_grad = None
             e.external = False
             e.external_grad = None
+            e.weight_written_in_flight = False
 
     def check_groups(self, force: bool = False) -> None:
         """Every group's hyperparameters, before the first gradient of a step leaves (and
@@ -154,6 +169,27 @@ class ParamTable:
                 f"optimizer.step(), but accumulation_steps={n}; call step() after every {n} "
                 f"backward pass(es) or pass accumulation_steps=<micro-batches> to wrap()")
         return leaves
+
+    def entries_of(self, params, what: str) -> List[ParamEntry]:
+        """The entries of ``params`` (None: every one); ValueError naming ``what`` for a
+        tensor that is not one of this optimizer's parameters."""
+        if params is None:
+            return list(self.entries.values())
+        out = []
+        for p in params:
+            e = self.entries.get(id(p))
+            if e is None:
+                raise ValueError(f"{what}: a tensor of shape {tuple(p.shape)} is not a "
+                                 "parameter of this optimizer")
+            out.append(e)
+        return out
+
+    def require_between_steps(self, what: str) -> None:
+        """Raises unless no backward has run since the last step(): ``what`` would take
+        weights whose updates may be in flight."""
+        if not self.between_steps():
+            raise RuntimeError(f"trainstream: {what} was called between backward and step(); "
+                               "call it after step() and before the next backward")
 
     def check_unchanged(self, e: ParamEntry) -> None:
         """Raises when ``e``'s gradient, handed over in backward (posted to the daemon,
@@ -210,6 +246,9 @@ class Backend(Protocol):
     def land(self, entries: List[ParamEntry]) -> None:
         """Returns once the in-flight update of each of ``entries`` has landed in the
         weight that the next read sees (taking them off ``ParamTable.in_flight``)."""
+
+    def sync_weights_from_model(self, params: Optional[List[torch.Tensor]]) -> None:
+        """Takes the weights of ``params`` (None: all) as their masters' values."""
 
     def state_dict(self) -> Dict[str, Any]:
         """``torch.optim.AdamW``'s format (plus ``master_weight`` where kept)."""

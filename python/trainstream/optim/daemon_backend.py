@@ -12,7 +12,9 @@ The flow for one step (DESIGN.md, "Optimizer flow"):
 3. The new weights are copied from the param slots back into the parameters.
 
 Hyper-parameters travel with every GRAD_READY, so LR schedulers and edits of
-``param_groups`` take effect on the next step, as with torch's optimizers.
+``param_groups`` take effect on the next step, as with torch's optimizers. Weights
+written in place since the last step become their masters' values before the first
+gradient of a step leaves (weight_writes.py).
 
 When the daemon dies, every entry point (backward's hooks, ``step()``,
 ``zero_grad()``, ``synchronize()``, ``state_dict()``, ``load_state_dict()``)
@@ -37,6 +39,7 @@ from .daemon_recovery import RecoveryMixin
 from .daemon_session import DaemonSession, SessionLost
 from .daemon_state import StateDictMixin
 from .grad_pool import GradPool, grad_pool_bytes
+from .weight_writes import WeightWritesMixin
 
 
 @dataclass
@@ -51,7 +54,7 @@ class _StepReplies:
     end_sent: bool = False
 
 
-class DaemonBackend(RecoveryMixin, StateDictMixin):
+class DaemonBackend(RecoveryMixin, StateDictMixin, WeightWritesMixin):
     """The daemon's AdamW for one ``OffloadAdamW`` (see the module docstring).
 
     Exported as ``trainstream.GradientOffloader``: it is what posts each gradient to
@@ -74,7 +77,7 @@ class DaemonBackend(RecoveryMixin, StateDictMixin):
         session.resumable = bool(table.options["reconnect"]) and not (
             table.dp is not None and table.dp.nnodes > 1)
         table.stats.update(recoveries=0, replayed_grads=0, landed_grads=0, resume_s=0.0,
-                           grad_pool_bytes=0, pool_waits=0, pool_wait_s=0.0)
+                           grad_pool_bytes=0, pool_waits=0, pool_wait_s=0.0, weights_adopted=0)
 
     # ------------------------------------------------------------------ setup
     def register(self, entries: List[ParamEntry]) -> None:
@@ -145,6 +148,8 @@ class DaemonBackend(RecoveryMixin, StateDictMixin):
             for s in slots:
                 session.plane.post_state(True, s["param_id"], FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
         session.sync()
+        for s in slots:  # the masters are these weights
+            t.by_id[s["param_id"]].mark_weight()
 
     def close(self) -> None:
         for e in self._table.entries.values():
@@ -186,6 +191,8 @@ class DaemonBackend(RecoveryMixin, StateDictMixin):
     def _post_grad(self, e: ParamEntry, grad: Optional[torch.Tensor] = None,
                    replay: bool = False) -> None:
         t = self._table
+        if not replay:
+            self._adopt_written()  # Note [A written weight is found by its version counter]
         g = t.param_groups[e.group]
         grad = p_grad = e.param.grad if grad is None else grad
         if grad.is_sparse:
@@ -266,6 +273,7 @@ class DaemonBackend(RecoveryMixin, StateDictMixin):
         for e in t.entries.values():
             if e.posted_step == step and not e.external:
                 t.check_unchanged(e)
+        self._weights_before_step(step)
         posted = self._resumable(self._post_rest, step)
         t0 = time.monotonic()
         result = self._resumable(self._finish_step, step, posted, t0)
@@ -350,8 +358,10 @@ class DaemonBackend(RecoveryMixin, StateDictMixin):
         t = self._table
         e = t.by_id[c["param_id"]]
         if e.param_id not in r.ready:
+            self._took_weight(e)
             if e.param.data_ptr() != e.param_slot.data_ptr():
                 self._session.plane.copy_param(e.param, e.param_slot)
+                e.mark_weight()
                 t.stats["bytes_h2d"] += e.param_slot.numel() * e.param_slot.element_size()
             r.ready.add(e.param_id)
         t.in_flight.pop(id(e.param), None)

@@ -71,6 +71,7 @@ class RecoveryMixin:
                 if e.param_id not in r.ready and not a["skipped"] \
                         and e.param.data_ptr() != e.param_slot.data_ptr():
                     plane.copy_param(e.param, e.param_slot)
+                    e.mark_weight()
                 # No PARAM_READY comes for it: taken, as land() or _finish_step would.
                 r.ready.add(e.param_id)
                 t.in_flight.pop(id(e.param), None)

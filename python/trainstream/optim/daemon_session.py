@@ -20,9 +20,9 @@ from .._native import daemon as _daemon
 from .._native.host_memory import track
 from .._native.pinning import register_fresh
 from .._native.wire import OP_ERROR, OP_GROUP_BROKEN, OP_PARAM_READY, OP_STATE_DONE
-from .._native.wire import OP_STEP_DONE, OP_SYNC_DONE, STATUS_OK
+from .._native.wire import FIELD_WEIGHTS, OP_STEP_DONE, OP_SYNC_DONE, STATUS_OK
 from ..errors import DaemonError, TrainStreamError
-from .backend import ParamEntry, ParamTable
+from .backend import DTYPE_NAMES, ParamEntry, ParamTable
 
 STEP_REPLIES = (OP_PARAM_READY, OP_STEP_DONE)  # what a step() waits for
 
@@ -420,3 +420,29 @@ class DaemonSession:
             self.plane.post_state(load, e.param_id, field_id, region.region_id, 4 * n * i, 4 * n, 0)
         self.sync()
         return None if load else [view[i].clone().view(e.param.shape) for i in range(len(fields))]
+
+    def adopt_weights(self, entries: List[ParamEntry]) -> None:
+        """Hands the weights of ``entries`` to the daemon as their masters' values (Note
+        [Weights written from outside the engine]), in one round trip: a resident
+        weight's values through the scratch region, a paged weight's in its slot, its
+        home, where they were written."""
+        resident = [e for e in entries if e.param.data_ptr() != e.param_slot.data_ptr()]
+        offsets, total = {}, 0
+        for e in resident:
+            offsets[e.param_id] = total
+            total += -(-e.param.numel() * e.param.element_size() // 64) * 64
+        region = self.scratch_region(-(-total // 4)) if resident else None
+        c = C()
+        with torch.no_grad():
+            for e in resident:
+                view = c.tensor_from_address(region.address + offsets[e.param_id],
+                                             [e.param.numel()], DTYPE_NAMES[e.param.dtype])
+                view.copy_(e.param.detach().reshape(-1))
+        for e in entries:
+            if e.param_id in offsets:
+                self.plane.post_state(True, e.param_id, FIELD_WEIGHTS, region.region_id,
+                                      offsets[e.param_id],
+                                      e.param.numel() * e.param.element_size(), 0)
+            else:
+                self.plane.post_state(True, e.param_id, FIELD_WEIGHTS, 0, 0, 0, 0)
+        self.sync()

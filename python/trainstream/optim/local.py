@@ -82,6 +82,9 @@ class LocalBackend:
     def last_grad_norm(self) -> Any:
         return self._last_grad_norm
 
+    def sync_weights_from_model(self, params) -> None:
+        pass  # (torch's AdamW updates the weights themselves: a written one is its value)
+
     def state_dict(self) -> Dict[str, Any]:
         return self._local.state_dict()
 

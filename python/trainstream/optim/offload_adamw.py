@@ -344,6 +344,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         optimizer_mode="gpu" the side stream's)."""
         self._require_backend().synchronize()
 
+    def sync_weights_from_model(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
+        """Takes the current values of ``params`` (default: every parameter) as their fp32
+        masters' values, element by element where the weight differs from what the
+        optimizer last wrote (docs/adamw.md, "Writing weights after wrap()"). In-place
+        writes through a parameter are taken without it at the next step; call it after
+        writes through ``.data`` (``p.data.copy_(...)``), which leave no trace. Call it
+        between step() and the next backward."""
+        self._require_backend().sync_weights_from_model(params)
+
     @property
     def last_grad_norm(self) -> Optional[float]:
         """Global L2 norm of the gradients of the last step, before clipping."""

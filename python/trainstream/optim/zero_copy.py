@@ -74,6 +74,8 @@ class ZeroCopyBackend:
         self._flags: Optional[torch.Tensor] = None
         self._norms: Optional[torch.Tensor] = None
         self._launched: Dict[int, int] = {}  # param_id -> step it was launched for
+        self._weights_checked = 0  # the step whose weights were checked before its first launch
+        table.stats.update(weights_adopted=0)
         self._last_grad_norm: Optional[float] = None
         self.bytes_pcie = 0
 
@@ -127,6 +129,7 @@ class ZeroCopyBackend:
                 s.dev_master = dev_base + off_w
             s.index = len(self._state)
             self._state[e.param_id] = s
+            e.mark_weight()
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         self._flags = torch.zeros(len(self._state), dtype=torch.int32, device=device)
@@ -147,6 +150,10 @@ class ZeroCopyBackend:
 
     # ---------------------------------------------------------------- update
     def _launch(self, e, grad: torch.Tensor, grad_scale: float, eager: bool) -> None:
+        step = self._table.step_id + 1
+        if self._weights_checked != step:  # Note [The gpu mode takes written weights]
+            self._adopt_weights(list(self._table.entries.values()))
+            self._weights_checked = step
         s = self._state[e.param_id]
         g = self._table.param_groups[e.group]
         param = e.param
@@ -247,8 +254,15 @@ class ZeroCopyBackend:
         for e in entries:
             if e.param_id in self._launched and e.posted_grad is not None:
                 self._table.check_unchanged(e)
+            if e.param_id in self._launched and e.weight_written():
+                raise RuntimeError(
+                    f"trainstream: the weight of {e.name} was written after backward had "
+                    "handed its gradient over, so its update started from the weight as it "
+                    "was. Write weights between step() and the next backward, or pass "
+                    "grad_post='step' to wrap() (zero_grad() ends this step)")
         pending = [e for e in entries if e.param_id not in self._launched
                    and e.param.grad is not None]
+        self._adopt_weights(pending)  # (written after the step's first launch, if any)
         result: Dict[str, Any] = {"grad_norm": None, "skipped": []}
         max_norm = self._table.options["max_grad_norm"]
         if max_norm is not None:
@@ -330,9 +344,44 @@ class ZeroCopyBackend:
     def last_grad_norm(self) -> Optional[float]:
         return self._last_grad_norm
 
+    # Note [The gpu mode takes written weights]
+    # The kernel reads a non-fp32 parameter's fp32 master from the daemon's memory and
+    # writes the parameter from it, so a weight written in place since (the version
+    # counter says so: Note [A written weight is found by its version counter],
+    # weight_writes.py) would be overwritten by its old master's update. Before the
+    # first launch of a step, and before a state dict is taken, each written weight
+    # becomes its master's value element by element: an element that is no longer its
+    # master's rounding takes its value (on the host, after the side stream's work; a
+    # write is rare). An fp32 parameter is its own master. sync_weights_from_model()
+    # does it for weights written through .data, which bump no counter.
+    def sync_weights_from_model(self, params) -> None:
+        t = self._table
+        t.require_between_steps("sync_weights_from_model()")
+        self._session.require_attached()
+        self._adopt_weights(t.entries_of(params, "sync_weights_from_model()"), every=True)
+
+    def _adopt_weights(self, entries: List[ParamEntry], every: bool = False) -> None:
+        todo = [e for e in entries if every or e.weight_written()]
+        if not todo:
+            return
+        if self._stream is not None:
+            self._stream.synchronize()
+        with torch.no_grad():
+            for e in todo:
+                master = self._state[e.param_id].master
+                if master is not None:
+                    w = e.param.detach().reshape(-1).to("cpu")
+                    changed = w != master.to(w.dtype)
+                    master[changed] = w[changed].float()
+                e.mark_weight()
+        self._table.stats["weights_adopted"] += len(todo)
+        self._table.event("weights adopted", params=len(todo), first=todo[0].name)
+
     # ------------------------------------------------------------ state dict
     def state_dict(self) -> Dict[str, Any]:
         self._session.require_attached()
+        if self._table.between_steps():
+            self._adopt_weights(list(self._table.entries.values()))
         groups, order = pack_groups(self._table.param_groups)
         state = {}
         for e in self._table.entries.values():
@@ -344,7 +393,10 @@ class ZeroCopyBackend:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         # (Nothing of the state is in the daemon's engine: no sync after.)
         self._session.require_attached()
-        for e, s in unpack_state(self._table, state_dict):
+        loaded = list(unpack_state(self._table, state_dict))
+        saved = {id(e) for e, _ in loaded}  # the others keep what was written to them
+        self._adopt_weights([e for e in self._table.entries.values() if id(e) not in saved])
+        for e, s in loaded:
             self._load(e, s)
 
     def _export(self, e) -> Optional[Dict[str, torch.Tensor]]:
@@ -375,6 +427,7 @@ class ZeroCopyBackend:
                 e.param.copy_(master.view(e.param.shape).to(e.param.device, e.param.dtype))
         elif s.master is not None:
             s.master.copy_(e.param.detach().reshape(-1).float())
+        e.mark_weight()
         step = state["step"]
         s.step = int(step.item() if torch.is_tensor(step) else step)
 

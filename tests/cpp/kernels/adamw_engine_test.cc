@@ -21,6 +21,8 @@
 #include "trainstream/platform/threads.h"
 
 using namespace trainstream::optimizer;
+using trainstream::StatusCode;
+using trainstream::kernels::Bf16ToFloat;
 using trainstream::kernels::FloatBits;
 using trainstream::kernels::FloatToBf16Rne;
 using trainstream::kernels::Isa;
@@ -527,5 +529,108 @@ TEST_CASE("gradients named per submission at moving addresses equal a bound slot
       CHECK(std::memcmp(a.t[i].m.data(), b.t[i].m.data(), a.t[i].m.size() * 4) == 0);
       CHECK(std::memcmp(a.t[i].v.data(), b.t[i].v.data(), a.t[i].v.size() * 4) == 0);
     }
+  }
+}
+
+// Note [Weights written from outside the engine]: weights handed over become the
+// master's value where they differ from the slot and leave the rest alone; a slot
+// written in place is taken whole by a split master (its old high half is gone) and
+// element by element by a separate one.
+TEST_CASE("weights written from outside the engine become the masters", "[engine]") {
+  using Array = AdamWEngine::StateArray;
+  const size_t n = 5003;
+  WorkerPool pool(WorkerPoolOptions{2, false});
+  EngineOptions opt;
+  opt.chunk_elems = 1024;
+  AdamWEngine engine(&pool, opt);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  // 0: bf16, split master; 1: bf16, separate fp32 master; 2: fp32, the slot is the master.
+  std::vector<uint16_t> slot0(n), slot1(n), lo(n), grad16(n);
+  std::vector<float> master1(n), slot2(n), grad32(n);
+  std::vector<std::vector<float>> m(3, std::vector<float>(n)), v(3, std::vector<float>(n));
+  for (size_t i = 0; i < n; ++i) {
+    slot0[i] = slot1[i] = FloatToBf16Rne(normal(rng));
+    slot2[i] = normal(rng);
+  }
+  ParamBinding b0{0,           n,           DType::kBFloat16, DType::kBFloat16, nullptr,
+                  m[0].data(), v[0].data(), grad16.data(),    slot0.data()};
+  b0.master_lo = lo.data();
+  ParamBinding b1{1,           n,           DType::kBFloat16, DType::kBFloat16, master1.data(),
+                  m[1].data(), v[1].data(), grad16.data(),    slot1.data()};
+  ParamBinding b2{2,           n,           DType::kFloat32, DType::kFloat32, slot2.data(),
+                  m[2].data(), v[2].data(), grad32.data(),   slot2.data()};
+  for (const ParamBinding& b : {b0, b1, b2}) REQUIRE(engine.AddParam(b).ok());
+  REQUIRE(engine.Init().ok());
+  auto train = [&](uint64_t first, uint64_t last) {
+    for (uint64_t step = first; step <= last; ++step) {
+      for (size_t i = 0; i < n; ++i) {
+        grad16[i] = FloatToBf16Rne(normal(rng));
+        grad32[i] = normal(rng);
+      }
+      for (uint64_t id = 0; id < 3; ++id) REQUIRE(engine.SubmitGrad(id, step, Hp(0)).ok());
+      REQUIRE(engine.StepEnd(step).ok());
+      engine.WaitIdle();
+    }
+  };
+  auto masters = [&](uint64_t id) {
+    std::vector<float> out(n);
+    REQUIRE(engine.ExportArray(id, Array::kMaster, out.data()).ok());
+    return out;
+  };
+  train(1, 3);
+  std::vector<std::vector<float>> before{masters(0), masters(1), masters(2)};
+  std::vector<float> m_before = m[0];
+  // Every third element zeroed, every third halved (exact in bf16), the rest as they are.
+  std::vector<uint16_t> w16 = slot0;
+  std::vector<float> w32 = slot2;
+  for (size_t i = 0; i < n; ++i) {
+    if (i % 3 == 0) {
+      w16[i] = 0;
+      w32[i] = 0;
+    } else if (i % 3 == 1) {
+      w16[i] = FloatToBf16Rne(0.5f * Bf16ToFloat(w16[i]));
+      w32[i] *= 0.5f;
+    }
+  }
+  REQUIRE(engine.AdoptWeights(0, w16.data(), n * 2).ok());
+  REQUIRE(engine.AdoptWeights(1, w16.data(), n * 2).ok());
+  REQUIRE(engine.AdoptWeights(2, w32.data(), n * 4).ok());
+  CHECK(engine.AdoptWeights(0, w16.data(), n * 4).code() == StatusCode::kInvalidArgument);
+  CHECK(engine.AdoptWeights(7, w16.data(), n * 2).code() == StatusCode::kNotFound);
+  CHECK(slot0 == w16);
+  CHECK(slot1 == w16);
+  CHECK(m[0] == m_before);  // moments (and step) are kept
+  for (uint64_t id = 0; id < 3; ++id) {
+    const std::vector<float> got = masters(id);
+    for (size_t i = 0; i < n; ++i) {
+      const float want = id == 2 ? w32[i] : i % 3 == 2 ? before[id][i] : Bf16ToFloat(w16[i]);
+      INFO("param " << id << " element " << i);
+      REQUIRE(FloatBits(got[i]) == FloatBits(want));
+    }
+  }
+  uint64_t step = 0;
+  REQUIRE(engine.GetStep(0, &step).ok());
+  CHECK(step == 3);
+  // The split and the separate master took the same weights: they train on alike.
+  train(4, 5);
+  CHECK(slot0 == slot1);
+
+  // A slot written in place (a paged weight's home): zeros, whose old low halves would
+  // decode to NaN. The split master takes the whole slot; the separate one the
+  // elements that changed.
+  before = {masters(0), masters(1), masters(2)};
+  for (size_t i = 0; i < n; i += 2) {
+    slot0[i] = slot1[i] = 0;
+    slot2[i] = 0;
+  }
+  for (uint64_t id = 0; id < 3; ++id) REQUIRE(engine.AdoptWeights(id, nullptr, 0).ok());
+  CHECK(engine.AdoptWeights(0, nullptr, 2).code() == StatusCode::kInvalidArgument);
+  const std::vector<float> got0 = masters(0), got1 = masters(1), got2 = masters(2);
+  for (size_t i = 0; i < n; ++i) {
+    INFO("element " << i);
+    REQUIRE(FloatBits(got0[i]) == FloatBits(Bf16ToFloat(slot0[i])));
+    REQUIRE(FloatBits(got1[i]) == FloatBits(i % 2 ? before[1][i] : 0.0f));
+    REQUIRE(FloatBits(got2[i]) == FloatBits(slot2[i]));
   }
 }

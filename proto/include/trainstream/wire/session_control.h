@@ -66,6 +66,10 @@ enum class StateField : uint32_t {
   kExpAvgSq = 2,       // second moment, as fp32 on the wire
   kStep = 3,           // the step count (in `step`, no payload)
   kParamFromSlot = 4,  // master := the param slot's contents (initialisation)
+  // Load only: weights written from outside the engine become the master's value
+  // (AdamWEngine::AdoptWeights, Note [Weights written from outside the engine]). The
+  // payload is numel elements of the parameter's dtype; bytes 0: its slot holds them.
+  kWeights = 5,
 };
 
 // Flags on kGradReady / kStepEnd.

@@ -91,8 +91,10 @@ struct ParamBinding {
   // bf16 gradients and moments). The master equals an fp32 master's bits except that a
   // value exactly halfway between two bf16 values that rounded up sits one ulp further
   // from zero. The slot is then half of the master: after Init only the engine writes
-  // it (ImportArray to set weights); a bf16 value written there by anyone else is read
-  // back with the old low half (a zero with a low half above 0x8000 decodes to NaN).
+  // it (ImportArray to set a master, AdoptWeights to set weights: Note [Weights written
+  // from outside the engine]); a bf16 value written there by anyone else is read back
+  // with the old low half (a zero with a low half above 0x8000 decodes to NaN) until
+  // AdoptWeights takes it.
   uint16_t* master_lo = nullptr;
   DurableRecords durable;  // not with eager_check_per_chunk
   // true: no fixed gradient slot; each SubmitGrad names its gradient (GradRef),
@@ -211,6 +213,29 @@ class AdamWEngine {
   Status ExportArray(uint64_t param_id, StateArray which, float* out) const;
   // Importing kMaster also rewrites the param slot from it.
   Status ImportArray(uint64_t param_id, StateArray which, const float* in);
+
+  // Note [Weights written from outside the engine]
+  // A weight changed after Init by anyone but the engine (a model's load_state_dict,
+  // an in-place init or scale of the parameter) must become its master's value, as it
+  // does for torch.optim.AdamW over fp32 masters. Otherwise the next update starts
+  // from the old master (a resident weight's write is lost) or, where the write went
+  // into a split master's slot (a paged weight's home is its slot), from the new high
+  // half with the old low half: a value that is neither (a written zero can decode to
+  // NaN). So a client hands such weights over before the parameter's next gradient,
+  // and the master takes them element by element:
+  //   `weights` given (numel elements of the parameter's dtype, `bytes` their size):
+  //     each element whose bits differ from the slot's (what the engine last wrote)
+  //     is written to the slot and becomes its master exactly (a split master's low
+  //     half is zeroed); the others keep their master, low half and all.
+  //   `weights` null (`bytes` 0): the slot itself was written. A separate master
+  //     takes each slot element that is not its rounding; an fp32 slot is its own
+  //     master already; a split master cannot tell a written element from an
+  //     unchanged one (the old high half is gone), so every low half is zeroed and
+  //     the master is the slot's value exactly.
+  // Moments and step are kept. Call only while `param_id` has no update in flight
+  // (before its SubmitGrad, or with the engine idle). NOT_FOUND for an unknown id,
+  // INVALID_ARGUMENT for a size that is not the parameter's.
+  Status AdoptWeights(uint64_t param_id, const void* weights, size_t bytes);
   Status GetStep(uint64_t param_id, uint64_t* step) const;
   Status SetStep(uint64_t param_id, uint64_t step);
 
