@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from paging_helpers import _config
-from trainstream.frozen import quantization
+from trainstream.frozen import fp8_matmul, quantization
 from trainstream.memory import planner
 from trainstream.memory.capacity import Capacity
 from trainstream.streaming.weights import BlockPager
@@ -24,8 +24,10 @@ def _blocks(n=4):
 
 
 def _force_tensor_cores(monkeypatch):
-    monkeypatch.setattr(quantization, "_fp8_rowwise_supported",
-                        lambda device: (device.type == "cuda", "forced by the test"))
+    def probe(device):
+        return device.type == "cuda", "forced by the test"
+    monkeypatch.setattr(quantization, "_fp8_rowwise_supported", probe)
+    monkeypatch.setattr(fp8_matmul, "_fp8_rowwise_supported", probe)
 
 
 def _copy_bytes_per_block():
@@ -48,6 +50,23 @@ def test_planner_counts_the_tensor_core_copy_of_resident_fp8_blocks(monkeypatch)
     # On the CPU (or where the path is refused) nothing is derived.
     cpu = planner.summarize(model, blocks, 1 << 10, "fp8", 64, device=torch.device("cpu"))
     assert all(b.derived_bytes == 0 for b in cpu.blocks)
+
+
+def test_planner_counts_the_copy_when_wrap_quantizes_to_fp8(monkeypatch):
+    _force_tensor_cores(monkeypatch)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(IN, OUT, bias=False), nn.ReLU(),
+                                         nn.Linear(OUT, IN, bias=False)) for _ in range(4))
+    blocks.requires_grad_(False)
+    s = planner.summarize(nn.Sequential(blocks), blocks, 1 << 10, "fp8", 64,
+                          device=torch.device("cuda"))
+    b = s.blocks[0]
+    assert b.quantized_derived_bytes == _copy_bytes_per_block() and b.derived_bytes == 0
+    assert b.weight_bytes(True) == b.quantized_bytes + _copy_bytes_per_block()
+    assert b.paged_bytes(True) == b.quantized_bytes
+    assert b.weight_bytes(False) == b.frozen_bytes  # not quantized: no copy
+    nf4 = planner.summarize(nn.Sequential(blocks), blocks, 1 << 10, "nf4", 64,
+                            device=torch.device("cuda"))
+    assert nf4.blocks[0].quantized_derived_bytes == 0
 
 
 def _linears(block):

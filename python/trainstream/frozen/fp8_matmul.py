@@ -59,3 +59,21 @@ def _quantize_rows_e4m3_eager(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     e4m3's round-to-nearest keeps at 448."""
     x_scale = (x2.abs().amax(dim=1, keepdim=True).float() * (1.0 / 448.0)).clamp_min(1e-30)
     return (x2.float() / x_scale).to(torch.float8_e4m3fn), x_scale
+
+
+def _fp8_allowed(out_features: int, in_features: int, device: torch.device,
+                 probe=None) -> Tuple[bool, str]:
+    """Whether the tensor-core path runs for a layer of this shape on ``device``."""
+    if device.type != "cuda":
+        return False, "fp8 on CPU dequantizes"
+    ok, why = (probe or _fp8_rowwise_supported)(device)
+    if ok and (in_features % 16 or out_features % 16):
+        ok, why = False, "torch._scaled_mm needs in/out features that are multiples of 16"
+    return ok, why
+
+
+def fp8_copy_bytes(out_features: int, in_features: int, device: torch.device,
+                   probe=None) -> int:
+    """Device bytes of a resident fp8 layer's tensor-core copy on ``device`` (0: none)."""
+    ok = _fp8_allowed(out_features, in_features, device, probe)[0]
+    return out_features * in_features + 4 * out_features if ok else 0

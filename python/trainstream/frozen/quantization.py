@@ -20,7 +20,8 @@ from torch import nn
 from .._native import C
 from ..blocks import find_block_stack
 from .fp8_matmul import (_FP8_BUILD_CHUNK, _ROW_KERNEL_DTYPES, _fp8_rowwise_supported,  # noqa: F401
-                         _pow2_at_least, _quantize_rows_e4m3_eager)
+                         _fp8_allowed, _pow2_at_least, _quantize_rows_e4m3_eager,
+                         fp8_copy_bytes)
 
 try:  # The package stays importable without the extension (docs, CPU-less tooling).
     _ext = C()
@@ -302,18 +303,13 @@ class QuantLinear(nn.Module):
         """Device bytes of the fp8 tensor-core copy this module builds when resident on
         ``device`` (0 where that path is not taken): what the planner adds to a resident
         block (Note [The fp8 tensor-core copy lives only with resident weights])."""
-        device = torch.device(device)
-        if not self._fp8_path_allowed(device)[0]:
+        if self.format != "fp8":
             return 0
-        return self.out_features * self.in_features + 4 * self.out_features
+        return fp8_copy_bytes(self.out_features, self.in_features, torch.device(device),
+                              _fp8_rowwise_supported)
 
     def _fp8_path_allowed(self, device: torch.device) -> Tuple[bool, str]:
-        if self.format != "fp8" or device.type != "cuda":
-            return False, "fp8 on CPU dequantizes"
-        ok, why = _fp8_rowwise_supported(device)
-        if ok and (self.in_features % 16 or self.out_features % 16):
-            ok, why = False, "torch._scaled_mm needs in/out features that are multiples of 16"
-        return ok, why
+        return _fp8_allowed(self.out_features, self.in_features, device, _fp8_rowwise_supported)
 
     def _use_fp8(self, x: torch.Tensor) -> bool:
         if self.format != "fp8" or not x.is_cuda:
