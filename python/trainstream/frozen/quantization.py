@@ -19,6 +19,9 @@ from torch import nn
 
 from .._native import C
 from ..blocks import find_block_stack
+from .fp8_matmul import (_FP8_BUILD_CHUNK, _ROW_KERNEL_DTYPES, _fp8_rowwise_supported,  # noqa: F401
+                         _fp8_allowed, _pow2_at_least, _quantize_rows_e4m3_eager,
+                         fp8_copy_bytes)
 
 try:  # The package stays importable without the extension (docs, CPU-less tooling).
     _ext = C()
@@ -165,56 +168,6 @@ def quantize_tensor(t: torch.Tensor, fmt: str, block_size: int = 64) -> Quantize
 
 # ---- QuantLinear ------------------------------------------------------------------------
 
-def _fp8_rowwise_supported(device: torch.device) -> Tuple[bool, str]:
-    """Whether torch._scaled_mm with row-wise scales runs here (probed once per device)."""
-    key = (device.type, device.index)
-    if key in _FP8_PROBE:
-        return _FP8_PROBE[key]
-    result: Tuple[bool, str]
-    if device.type != "cuda":
-        result = (False, "fp8 tensor cores need a CUDA device")
-    elif torch.cuda.get_device_capability(device) < (8, 9):
-        result = (False, "fp8 tensor cores need sm_89 or newer")
-    elif not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
-        result = (False, "this torch has no torch._scaled_mm")
-    else:
-        try:
-            a = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
-            b = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
-            sa = torch.ones(16, 1, device=device)
-            sb = torch.ones(1, 16, device=device)
-            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-            ok = bool((out.float() == 32.0).all())
-            result = (ok, "row-wise torch._scaled_mm" if ok else "torch._scaled_mm gave wrong "
-                      "values in the probe")
-        except Exception as e:  # noqa: BLE001 - any refusal means "not here"
-            result = (False, f"torch._scaled_mm with row-wise scales refused: {e}".strip())
-    _FP8_PROBE[key] = result
-    return result
-
-
-_FP8_PROBE: Dict[Tuple[str, Optional[int]], Tuple[bool, str]] = {}
-
-
-def _pow2_at_least(r: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= r (elementwise, r > 0), exactly (no log2 rounding)."""
-    mantissa, exponent = torch.frexp(r)  # r = m * 2^e, m in [0.5, 1)
-    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
-    return torch.ldexp(torch.ones_like(r), exponent)
-
-
-_ROW_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _quantize_rows_e4m3_eager(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 activations in plain PyTorch: the fallback of, and the same values
-    as, the fused kernel ``_C.quant.quantize_rows_e4m3``. Scale amax * fp32(1/448) per
-    row (what ``/ 448.0`` computes on CUDA), so |x / scale| <= 448 up to roundings, which
-    e4m3's round-to-nearest keeps at 448."""
-    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() * (1.0 / 448.0)).clamp_min(1e-30)
-    return (x2.float() / x_scale).to(torch.float8_e4m3fn), x_scale
-
-
 class _QuantLinearFunction(torch.autograd.Function):
     """y = x W^T + b with W dequantized on the fly in forward and again in backward (only the
     quantized bytes are kept between the two). W is frozen: no weight gradient."""
@@ -273,6 +226,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad) \
             if bias is not None else None
         self._fp8_cache: Optional[Tuple[torch.device, torch.Tensor, torch.Tensor]] = None
+        self._paged = False  # set_paged: the block's weights are paged (no tensor-core copy)
         # Set by _prepare at the first forward on a device (the hot path reads only these).
         self._plan_device: Optional[torch.device] = None
         self._plan_fp8 = False
@@ -301,14 +255,61 @@ class QuantLinear(nn.Module):
         w = self.qweight.dequantize(torch.bfloat16)
         return w.to(device=device, dtype=dtype)
 
+    # Note [The fp8 tensor-core copy lives only with resident weights]
+    # torch._scaled_mm on sm_90 refuses per-32 block scales, so the tensor-core path
+    # needs a second device copy of the weight, row-scaled e4m3 (1 B per element plus
+    # 4 B per row). Rules: (1) it is built only for a weight the module keeps on the
+    # device (a resident block); a paged block (BlockPager calls set_paged) dequantizes,
+    # since rebuilding the copy every residency costs more passes over the weight than
+    # the fp8 matmul saves, and a copy kept past the residency would leak its size in
+    # VRAM for every paged block; (2) the planner counts it (tensor_core_bytes, in
+    # "resident blocks"); (3) it is built in row chunks, so the transient is bounded by
+    # _FP8_BUILD_CHUNK elements of fp32, not the whole weight.
     def _fp8_weight(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         if self._fp8_cache is None or self._fp8_cache[0] != device:
-            w = self.qweight.dequantize(torch.float32).to(device)
-            amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-            row_scale = _pow2_at_least(amax / 448.0)  # every |w / scale| <= 448
-            w_fp8 = (w / row_scale[:, None]).to(torch.float8_e4m3fn)
+            rows = max(1, _FP8_BUILD_CHUNK // max(1, self.in_features))
+            w_fp8 = torch.empty(self.out_features, self.in_features, device=device,
+                                dtype=torch.float8_e4m3fn)
+            row_scale = torch.empty(self.out_features, device=device, dtype=torch.float32)
+            for r0 in range(0, self.out_features, rows):
+                w = self._rows_fp32(r0, min(self.out_features, r0 + rows)).to(device)
+                amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+                scale = _pow2_at_least(amax / 448.0)  # every |w / scale| <= 448
+                w_fp8[r0:r0 + w.shape[0]] = (w / scale[:, None]).to(torch.float8_e4m3fn)
+                row_scale[r0:r0 + w.shape[0]] = scale
             self._fp8_cache = (device, w_fp8, row_scale[None, :].contiguous())
         return self._fp8_cache[1], self._fp8_cache[2]
+
+    def _rows_fp32(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0:r1 of the weight in fp32 (whole-weight dequantize if blocks straddle rows)."""
+        if self.in_features % self.block_size:
+            return self.qweight.dequantize(torch.float32)[r0:r1]
+        k, b = self.in_features, self.block_size
+        part = QuantizedTensor(self.qdata[r0 * k:r1 * k], self.qscales[r0 * k // b:r1 * k // b],
+                               self.qtensor_scale, (r1 - r0, k), self.format, b, 0,
+                               self.weight_dtype)
+        return part.dequantize(torch.float32)
+
+    def set_paged(self, paged: bool) -> None:
+        """The weight pager's call as this module's block starts (True) or stops being
+        paged: a paged weight dequantizes, and its tensor-core copy is freed now."""
+        self._paged = bool(paged)
+        self._fp8_cache = None
+        self._fp8_wt = self._fp8_w_scale = self._rows_e4m3 = None
+        self._plan_device = None  # the next forward chooses the path again
+        self._plan_fp8 = False
+
+    def tensor_core_bytes(self, device) -> int:
+        """Device bytes of the fp8 tensor-core copy this module builds when resident on
+        ``device`` (0 where that path is not taken): what the planner adds to a resident
+        block (Note [The fp8 tensor-core copy lives only with resident weights])."""
+        if self.format != "fp8":
+            return 0
+        return fp8_copy_bytes(self.out_features, self.in_features, torch.device(device),
+                              _fp8_rowwise_supported)
+
+    def _fp8_path_allowed(self, device: torch.device) -> Tuple[bool, str]:
+        return _fp8_allowed(self.out_features, self.in_features, device, _fp8_rowwise_supported)
 
     def _use_fp8(self, x: torch.Tensor) -> bool:
         if self.format != "fp8" or not x.is_cuda:
@@ -319,9 +320,11 @@ class QuantLinear(nn.Module):
             else:
                 self.matmul_note = "fp8 on CPU dequantizes"
             return False
-        ok, why = _fp8_rowwise_supported(x.device)
-        if ok and (self.in_features % 16 or self.out_features % 16):
-            ok, why = False, "torch._scaled_mm needs in/out features that are multiples of 16"
+        if self._paged:
+            self.matmul_note = ("fp8 of a paged block dequantizes (Note [The fp8 tensor-core "
+                                "copy lives only with resident weights])")
+            return False
+        ok, why = self._fp8_path_allowed(x.device)
         self.matmul_note = why
         return ok
 

@@ -114,7 +114,7 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
         return Prepared(device, [], None, None, "float32" if moment == "auto" else moment)
     fmt = config["quantize"] if config["quantize"] not in ("auto", None) else "nf4"
     summary = planner.summarize(model, blocks, config["min_offload_bytes"], fmt,
-                                config["quant_block_size"])
+                                config["quant_block_size"], device)
     decided = planner.plan(summary, measured.capacity, config)
     if measured.meta:
         raise ValueError("the model is on the meta device: wrap() planned it (it would fit: "

@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
 from torch import nn
 
 from .._native.pinning import registered_host
@@ -61,14 +62,22 @@ class BlockSummary:
     quantizable_bytes: int = 0    # frozen nn.Linear weights as stored now
     quantized_bytes: int = 0      # the same after quantization (plan.quantize)
     frozen_registered_bytes: int = 0  # frozen tensors already in registered host memory
+    # Device copies derived from the weights while the block is resident (QuantLinear's fp8
+    # tensor-core copy; Note [The fp8 tensor-core copy lives only with resident weights]):
+    # counted resident, never paged, since a paged block builds none.
+    derived_bytes: int = 0
+    quantized_derived_bytes: int = 0  # the same, added by quantizing (plan.quantize == "fp8")
 
     def weight_bytes(self, quantize: bool) -> int:
         frozen = self.frozen_bytes - (self.quantizable_bytes - self.quantized_bytes
                                       if quantize else 0)
-        return self.trained_bytes + self.small_trained_bytes + frozen
+        return self.trained_bytes + self.small_trained_bytes + frozen + self.derived(quantize)
+
+    def derived(self, quantize: bool) -> int:
+        return self.derived_bytes + (self.quantized_derived_bytes if quantize else 0)
 
     def paged_bytes(self, quantize: bool) -> int:
-        return self.weight_bytes(quantize) - self.small_trained_bytes
+        return self.weight_bytes(quantize) - self.small_trained_bytes - self.derived(quantize)
 
     def grad_bytes(self) -> int:
         return self.trained_bytes + self.small_trained_bytes
@@ -115,14 +124,24 @@ def _nbytes(t) -> int:
 
 
 def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: int,
-              quant_format: Optional[str] = "nf4", quant_block_size: int = 64) -> ModelSummary:
-    """Reads the sizes the planner needs from the model's tensors (no data touched)."""
-    from ..frozen.quantization import _quantized_bytes
+              quant_format: Optional[str] = "nf4", quant_block_size: int = 64,
+              device=None) -> ModelSummary:
+    """Reads the sizes the planner needs from the model's tensors (no data touched);
+    ``device``: where it trains (what quantized linears derive there when resident)."""
+    from ..frozen.quantization import _quantized_bytes, fp8_copy_bytes
+    from ..streaming.weights import tensor_core_bytes
     in_blocks = set()
     out: List[BlockSummary] = []
     for block in blocks:
         b = BlockSummary()
+        if device is not None:
+            b.derived_bytes = tensor_core_bytes(block, device)
         linear_weights = {id(m.weight) for m in block.modules() if isinstance(m, nn.Linear)}
+        if device is not None and quant_format == "fp8":
+            b.quantized_derived_bytes = sum(
+                fp8_copy_bytes(m.out_features, m.in_features, torch.device(device))
+                for m in block.modules()
+                if isinstance(m, nn.Linear) and not m.weight.requires_grad)
         for p in block.parameters():
             in_blocks.add(id(p))
             n = _nbytes(p)

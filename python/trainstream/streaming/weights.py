@@ -48,6 +48,21 @@ from .saved_tensors import SavedTensorPager
 from .weight_refs import _Fetch, _Holder, _PagedWeight, _Slot, _WeightRef, in_backward
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
+
+
+def _set_paged(block: nn.Module, paged: bool) -> None:
+    """Tells the block's modules that derive device copies from their weights (QuantLinear's
+    fp8 tensor-core copy) that the weights page now, or are resident again."""
+    for m in block.modules():
+        if hasattr(m, "set_paged"):
+            m.set_paged(paged)
+
+
+def tensor_core_bytes(block: nn.Module, device) -> int:
+    """Device bytes the block's modules derive from their weights when resident on
+    ``device`` (Note [The fp8 tensor-core copy lives only with resident weights])."""
+    return sum(m.tensor_core_bytes(device) for m in block.modules()
+               if hasattr(m, "tensor_core_bytes"))
 POLICIES = (KEEP, OFFLOAD, RECOMPUTE)
 
 
@@ -214,6 +229,7 @@ class BlockPager:
         later puts there must be paged like any other."""
         before = {t.data_ptr() for t in list(block.parameters()) + list(block.buffers())}
         slots = self._page_out(block, self._host_home)
+        _set_paged(block, True)
         if self.offloader is not None:
             self.offloader._weights -= before - {
                 t.data_ptr() for t in list(block.parameters()) + list(block.buffers())}
@@ -246,6 +262,7 @@ class BlockPager:
             else:
                 s.module._buffers[s.name] = t
         self.block_bytes.pop(i, None)
+        _set_paged(self.blocks[i], False)
         self.paged = [j for j in self.paged if j != i]
         self._fetches.pop(i, None)
         self._drop_counts(lambda gen, block: block == i)
@@ -254,9 +271,12 @@ class BlockPager:
 
     def page_in_cost(self, i: int) -> int:
         """Device bytes block i takes resident: its paged tensors, plus gradients for
-        the trained ones."""
+        the trained ones, plus the fp8 tensor-core copies its quantized linears build
+        once resident (Note [The fp8 tensor-core copy lives only with resident weights])."""
+        if i not in self._slots:
+            return 0
         return sum(s.nbytes * (2 if s.param is not None and s.param.requires_grad else 1)
-                   for s in self._slots.get(i, []))
+                   for s in self._slots[i]) + tensor_core_bytes(self.blocks[i], self.device)
 
     def restore_to_host(self) -> None:
         """Leaves every paged tensor in host memory it owns (unwrap): trained weights get
