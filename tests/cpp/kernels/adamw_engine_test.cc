@@ -122,7 +122,8 @@ void ReferenceStep(Fixture& f, uint64_t step, float scale) {
   }
 }
 
-void Bind(AdamWEngine& engine, Fixture& f) {
+// grad_per_submit: no gradient slot; each SubmitGrad names where its gradient lies.
+void Bind(AdamWEngine& engine, Fixture& f, bool grad_per_submit = false) {
   for (size_t i = 0; i < f.t.size(); ++i) {
     Tensor& x = f.t[i];
     ParamBinding b;
@@ -131,7 +132,11 @@ void Bind(AdamWEngine& engine, Fixture& f) {
     b.master = x.master.data();
     b.exp_avg = x.m.data();
     b.exp_avg_sq = x.v.data();
-    b.grad_slot = x.grad.data();
+    if (grad_per_submit) {
+      b.grad_per_submit = true;
+    } else {
+      b.grad_slot = x.grad.data();
+    }
     b.param_slot = x.slot.data();
     REQUIRE(engine.AddParam(b).ok());
   }
@@ -489,20 +494,7 @@ TEST_CASE("gradients named per submission at moving addresses equal a bound slot
     AdamWEngine slots(&pool, opt), named(&pool, opt);
     Fixture a(3), b(3);
     Bind(slots, a);
-    // The same parameters with no slot: each step's gradient lies elsewhere.
-    for (size_t i = 0; i < b.t.size(); ++i) {
-      Tensor& x = b.t[i];
-      ParamBinding pb;
-      pb.param_id = i;
-      pb.numel = x.master.size();
-      pb.master = x.master.data();
-      pb.exp_avg = x.m.data();
-      pb.exp_avg_sq = x.v.data();
-      pb.grad_per_submit = true;
-      pb.param_slot = x.slot.data();
-      REQUIRE(named.AddParam(pb).ok());
-    }
-    REQUIRE(named.Init().ok());
+    Bind(named, b, /*grad_per_submit=*/true);  // each step's gradient lies elsewhere
     CHECK(named.SubmitGrad(0, 1, Hp(0)).code() == trainstream::StatusCode::kInvalidArgument);
     std::vector<std::vector<float>> laps(3);
     for (uint64_t step = 1; step <= 3; ++step) {
