@@ -53,14 +53,7 @@ struct FakeRank {
   FakeRank& operator=(const FakeRank&) = delete;
 
   void Post(Opcode op, uint64_t step, double lr = 0.1, wire::StateField field = {}) {
-    CommandRecord c{};
-    c.opcode = op;
-    c.param_id = 0;
-    c.step = step;
-    c.lr = lr;
-    c.beta1 = 0.9;
-    c.beta2 = 0.999;
-    c.eps = 1e-8;
+    CommandRecord c = testing::AdamWCommand(op, step, lr);
     c.field = field;
     c.grads_posted = 1;
     REQUIRE(commands.TryPush(&c));
@@ -352,15 +345,9 @@ TEST_CASE("a solo plane streams gradients through its pool and refuses bad exten
   auto* header =
       reinterpret_cast<wire::GradPoolHeader*>(staging.data() + wire::kGradPoolHeaderOffset);
   auto grad = [&](uint64_t step, uint64_t pos, uint64_t len, uint32_t flags) {
-    CommandRecord c{};
-    c.opcode = Opcode::kGradReady;
+    CommandRecord c = testing::AdamWCommand(Opcode::kGradReady, step);
     c.flags = flags;
     c.seq = step;
-    c.step = step;
-    c.lr = 0.1;
-    c.beta1 = 0.9;
-    c.beta2 = 0.999;
-    c.eps = 1e-8;
     c.region_offset = pos;
     c.bytes = len;
     REQUIRE(client.commands.TryPush(&c));

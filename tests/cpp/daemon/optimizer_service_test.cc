@@ -65,13 +65,7 @@ struct Client {
     REQUIRE(service.AddParameters(kSession, SessionOptimizerOptions{}, std::move(params)).ok());
   }
   bool Post(Opcode op, uint64_t step = 0, wire::StateField field = {}) {
-    CommandRecord c{};
-    c.opcode = op;
-    c.step = step;
-    c.lr = 0.1;
-    c.beta1 = 0.9;
-    c.beta2 = 0.999;
-    c.eps = 1e-8;
+    CommandRecord c = testing::AdamWCommand(op, step);
     c.field = field;
     c.grads_posted = 1;
     return commands.TryPush(&c);
