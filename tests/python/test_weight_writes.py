@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import trainstream
+from fixtures.make_state_dict_v2 import gradients
+from fixtures.make_state_dict_v2 import train as feed  # steps on recorded gradients
 from tiny_gpt import GPTConfig, TinyGPT, corpus, text_batches
 
 CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -35,20 +37,6 @@ def _wrap(model, daemon, paged, **options):
         options.update(param_offload=True, min_offload_bytes=0)
     return trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=LR),
                             socket=daemon.socket, **options)
-
-
-def _grads(model, steps, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [[(0.1 * torch.randn(p.shape, generator=g)).to(p.dtype) for p in model.parameters()]
-            for _ in range(steps)]
-
-
-def _feed(model, opt, grads):
-    for step in grads:
-        for p, grad in zip(model.parameters(), step):
-            p.grad = grad.clone()
-        opt.step()
-        opt.zero_grad()
 
 
 def _bits(t):
@@ -135,8 +123,8 @@ def test_a_written_weight_becomes_its_master_as_with_torch(daemon, how, dtype, p
     ours, opt = _wrap(ours, daemon, paged)
     flags = [_is_paged(opt, p) for p in ours.parameters()]
     assert any(flags) == paged
-    grads = _grads(ours, 6)
-    _feed(ours, opt, grads[:3])
+    grads = gradients(ours, 1, 6)
+    feed(ours, opt, grads[:3])
     for g in grads[:3]:
         ref.step(g)
     before = _masters(opt)
@@ -146,7 +134,7 @@ def test_a_written_weight_becomes_its_master_as_with_torch(daemon, how, dtype, p
     # A checkpoint taken right after the write holds it, bit for bit.
     for got, want in zip(_masters(opt), _expected_masters(before, ours, flags)):
         assert torch.equal(_bits(got), _bits(want))
-    _feed(ours, opt, grads[3:])
+    feed(ours, opt, grads[3:])
     for g in grads[3:]:
         ref.step(g)
     for (name, p), m, rm in zip(ours.named_parameters(), _masters(opt), ref.masters):
@@ -232,8 +220,8 @@ def test_a_write_through_data_is_taken_by_sync_weights_from_model(daemon, dtype,
     ``sync_weights_from_model()``, which takes it as a counted write is taken."""
     model, opt = _wrap(_model(dtype), daemon, paged)
     flags = [_is_paged(opt, p) for p in model.parameters()]
-    grads = _grads(model, 4)
-    _feed(model, opt, grads[:3])
+    grads = gradients(model, 1, 4)
+    feed(model, opt, grads[:3])
     before = _masters(opt)
     torch.manual_seed(9)
     for p in model.parameters():
@@ -307,8 +295,8 @@ def test_gpu_mode_takes_a_written_weight_as_its_master(daemon, how, dtype):
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=LR),
                                  socket=daemon.socket, optimizer_mode="gpu")
     assert opt.optimizer_mode == "gpu"
-    grads = [[g.cuda() for g in step] for step in _grads(ours, 6)]
-    _feed(ours, opt, grads[:3])
+    grads = [[g.cuda() for g in step] for step in gradients(ours, 1, 6)]
+    feed(ours, opt, grads[:3])
     for g in grads[:3]:
         ref.step(g)
     before = _masters(opt)
@@ -323,7 +311,7 @@ def test_gpu_mode_takes_a_written_weight_as_its_master(daemon, how, dtype):
     ref.adopt([False] * len(ref.params))
     for got, want in zip(_masters(opt), _expected_masters(before, ours, [False] * len(before))):
         assert torch.equal(_bits(got), _bits(want.cpu()))
-    _feed(ours, opt, grads[3:])
+    feed(ours, opt, grads[3:])
     for g in grads[3:]:
         ref.step(g)
     for (name, p), m, rm in zip(ours.named_parameters(), _masters(opt), ref.masters):
@@ -339,7 +327,7 @@ def test_weights_of_the_wrong_size_or_outside_the_session_are_refused(daemon):
     from trainstream._native.wire import FIELD_WEIGHTS  # noqa: PLC0415
     from trainstream.errors import TrainStreamError  # noqa: PLC0415
     model, opt = _wrap(_model(torch.bfloat16), daemon, False)
-    _feed(model, opt, _grads(model, 1))
+    feed(model, opt, gradients(model, 1, 1))
     before = _masters(opt)
     session = opt._session
     e = opt._table.entries[id(next(model.parameters()))]
@@ -355,5 +343,5 @@ def test_weights_of_the_wrong_size_or_outside_the_session_are_refused(daemon):
         session.sync()
     for got, want in zip(_masters(opt), before):
         assert torch.equal(_bits(got), _bits(want))
-    _feed(model, opt, _grads(model, 1, seed=2))
+    feed(model, opt, gradients(model, 2, 1))
     trainstream.unwrap(model)
