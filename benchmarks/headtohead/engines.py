@@ -333,7 +333,8 @@ def _trainstream(quantize: Optional[str] = None, checkpointing: bool = False,
             # activations, ...), and memory_report's categories.
             regions: Dict[str, int] = {}
             for r in opt.regions():
-                regions[r.get("purpose", "?")] = regions.get(r.get("purpose", "?"), 0) + int(r.get("bytes", 0))
+                purpose = r.get("purpose", "?")
+                regions[purpose] = regions.get(purpose, 0) + int(r.get("bytes", 0))
             acts = rep.get("activations") or {}
             return {"optimizer_mode": opt.optimizer_mode,
                     "regions_by_purpose": regions,

@@ -22,8 +22,8 @@ def _left_out(name: str, engine: str, rules: List[dict]) -> str:
     for rule in rules:
         if rule["file"] not in name:
             continue
-        if engine.endswith(rule.get("engine_suffix", "\0")) or \
-                engine.startswith(rule.get("engine_prefix", "\0")):
+        suffix, prefix = rule.get("engine_suffix"), rule.get("engine_prefix")
+        if (suffix and engine.endswith(suffix)) or (prefix and engine.startswith(prefix)):
             return rule["why"]
     return ""
 
