@@ -73,6 +73,18 @@ def test_the_size_rule():
     assert grad_pool_bytes([100], "1MiB", None, False) == 1 << 20
 
 
+def test_the_environment_sizes_auto_or_keeps_slots(monkeypatch):
+    # Note [The pool on a GPU host]: a size in place of "auto"; an explicit size wins.
+    monkeypatch.setenv("TRAINSTREAM_GRAD_POOL", "64KiB")
+    assert grad_pool_bytes([100, 5000], "auto", None, False) == 64 << 10
+    assert grad_pool_bytes([100, 5000], 64, None, False) == 8192
+    monkeypatch.setenv("TRAINSTREAM_GRAD_POOL", "0")
+    assert grad_pool_bytes([100, 5000], "1MiB", None, False) == 0
+    monkeypatch.setenv("TRAINSTREAM_GRAD_POOL", "lots")
+    with pytest.raises(ValueError, match="TRAINSTREAM_GRAD_POOL='lots'.*2GiB"):
+        grad_pool_bytes([100, 5000], "auto", None, False)
+
+
 @pytest.mark.parametrize("pool", [LARGEST, 3 * LARGEST, "auto"])
 def test_the_pool_trains_bit_identically_to_gradient_slots(daemon, pool):
     want, slots = _train(daemon, 0)

@@ -47,21 +47,27 @@ def _align(n: int, a: int) -> int:
 # with clipping; a group's layout answers slots), and so do TRAINSTREAM_GRAD_POOL=0
 # and grad_pool=0 (A/B runs: the results are bit-identical either way).
 #
-# Note [The pool waits for the GPU host]
-# The pool's copies from a CUDA device into its extents (and backward waiting for room
-# on the device's stream) were built and tested on the CPU machine only: until a GPU
-# host has measured them (bench_paging's 7b-full with and without the pool, issue 20),
-# grad_pool="auto" keeps gradient slots on a machine with a CUDA device (the planner and
-# the optimizer ask the same question, so they agree). An explicit size uses the pool
-# there too.
+# Note [The pool on a GPU host]
+# The pool's copies from a CUDA device into its extents, and backward waiting for room
+# on the device's stream, were measured on the H200 host (session 13, bench_paging's
+# 7b-full under a 24 GiB cap, benchmarks/paging/results-h200-2026-12-04-s13-7b-full-
+# {slots,pool}.log): a 2 GiB pool (auto asks 2.18 GB there) stepped in 2.111 s against
+# 2.112 s with gradient slots, with the same losses at every step, and cut the host's
+# bytes per trained parameter from 10.22 to 8.50 (daemon shared memory 77.9 -> 65.7 GiB).
+# So "auto" uses the pool with or without a GPU. For A/B runs, TRAINSTREAM_GRAD_POOL=0
+# keeps slots whatever grad_pool says, and TRAINSTREAM_GRAD_POOL=<size> puts that size
+# in the place of "auto" (an explicit grad_pool size wins over it).
 def grad_pool_bytes(extents: Iterable[int], option, max_grad_norm, in_group: bool) -> int:
     """Bytes of gradient pool to ask the daemon for, for gradients of ``extents`` bytes
-    each; 0 for gradient slots (Notes [Clipping keeps gradient slots], [The pool waits
-    for the GPU host])."""
+    each; 0 for gradient slots (Note [Clipping keeps gradient slots])."""
     sizes = [_align(int(n), GRAD_POOL_ALIGN) for n in extents]
-    if not sizes or option == 0 or max_grad_norm is not None or in_group \
-            or os.environ.get("TRAINSTREAM_GRAD_POOL", "") == "0" \
-            or (option == "auto" and torch.cuda.is_available()):
+    env = os.environ.get("TRAINSTREAM_GRAD_POOL", "")
+    if env not in ("", "0") and option == "auto":  # A/B runs (Note [The pool on a GPU host])
+        option = parse_bytes(env)
+        if option is None:
+            raise ValueError(f"TRAINSTREAM_GRAD_POOL={env!r}: expected 0 (gradient slots) or a "
+                             "size such as 2GiB or 1073741824")
+    if not sizes or option == 0 or env == "0" or max_grad_norm is not None or in_group:
         return 0
     largest, total = max(sizes), sum(sizes)
     if option == "auto":
