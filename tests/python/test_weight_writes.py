@@ -292,11 +292,13 @@ def test_gpu_mode_takes_a_written_weight_as_its_master(daemon, how, dtype):
     source = _model(dtype, seed=5).cuda()
     plain = copy.deepcopy(ours)
     ref = Fp32MasterAdamW(plain.parameters())
+    # offload=True: with "auto" a model this small moves to torch's AdamW on the GPU after
+    # its second step (OffloadAdamW._after_step), and that state has no fp32 masters.
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=LR),
-                                 socket=daemon.socket, optimizer_mode="gpu")
-    assert opt.optimizer_mode == "gpu"
+                                 socket=daemon.socket, optimizer_mode="gpu", offload=True)
     grads = [[g.cuda() for g in step] for step in gradients(ours, 1, 6)]
     feed(ours, opt, grads[:3])
+    assert opt.optimizer_mode == "gpu"
     for g in grads[:3]:
         ref.step(g)
     before = _masters(opt)
