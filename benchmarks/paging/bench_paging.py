@@ -281,6 +281,7 @@ def train(args, case, model, opt, vocab, dev, cuda, result) -> None:
                                               "usable_vram", "host_bytes", "decisions")},
         activation_policy=rep["activations"].get("policy"),
         attention=rep["attention"],
+        grad_pool_bytes=st.get("grad_pool_bytes", 0),
         grad_pool_gib=_gib(st.get("grad_pool_bytes", 0)), pool_waits=st.get("pool_waits", 0),
         pool_wait_s=round(st.get("pool_wait_s", 0.0), 3),
         events=[{k: v for k, v in e.items() if k != "time"} for e in rep["events"]

@@ -11,8 +11,8 @@ LoRA case's frozen base. Its parts (``host_bytes``, which add up to it exactly):
 - "process own": this process's proportional set size less its shared-memory pages
   (``/proc/self/smaps_rollup``: Pss - Pss_Shmem, the way compare.py reads every
   engine), so a daemon page this process maps is counted once, by the daemon, never
-  again as the process's RSS does; less the pinned activation pages the process holds
-  itself when the daemon's budget refused them.
+  again as the process's RSS does; less the activation pages the process holds itself
+  (pinned, when the daemon's budget refused them a region).
 
 It replaces the two figures the benchmark printed before: memory_report's
 ``host_per_param`` total (daemon optimizer state + staging mapped + Private_Clean and
@@ -51,7 +51,10 @@ def host_figure(status: Dict[str, Any], trained: int,
         into = left_out if _excluded(label) or seg.get("session_id") == base_session \
             else parts
         into[f"daemon {label}"] = into.get(f"daemon {label}", 0) + int(seg["bytes"])
-    pinned_activations = live_bytes_by_tag().get("activations", 0)
+    # The activation arena's chunks, in the daemon's region or (its budget refused)
+    # pinned process memory: only the latter is the process's own.
+    in_daemon = left_out.get("daemon activations", 0)
+    pinned_activations = max(0, live_bytes_by_tag().get("activations", 0) - in_daemon)
     parts[OWN] = max(0, own_host_bytes(smaps_rollup()) - pinned_activations)
     if pinned_activations:
         left_out["process pinned activations"] = pinned_activations
