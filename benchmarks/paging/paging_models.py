@@ -119,10 +119,11 @@ class DaemonBase:
         self.used = 0
         self.placed = 0  # bytes of tensors placed
         self.min_bytes = min_bytes
-        # Registered read-write as one range (wrap()'s pager pages a registered frozen
-        # tensor where it is); without CUDA the pager copies it (tiny runs on a CPU).
+        # Registered read-write, the whole segment as the activation pages' regions are
+        # (wrap()'s pager pages a registered frozen tensor where it is); without CUDA the
+        # pager copies it (tiny runs on a CPU).
         self.registered, self.why = (False, "no CUDA") if not torch.cuda.is_available() \
-            else register_fresh(self.region.address, self.capacity)
+            else register_fresh(self.region.base_address, self.region.segment_size)
 
     def place(self, t):
         """A view of the region holding ``t``'s values (its dtype and shape)."""
