@@ -16,8 +16,9 @@ LoRA case's frozen base. Its parts (``host_bytes``, which add up to it exactly):
 
 It replaces the two figures the benchmark printed before: memory_report's
 ``host_per_param`` total (daemon optimizer state + staging mapped + Private_Clean and
-Private_Dirty, which also counts daemon pages only this process touches) and
-(budget.used + those private pages), which counted activation pages and bases.
+Private_Dirty, which also counted daemon pages only this process had touched; its
+"process private memory" now reads Pss - Pss_Shmem as this does) and (budget.used +
+those private pages), which counted activation pages and bases.
 """
 from __future__ import annotations
 
