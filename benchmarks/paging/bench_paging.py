@@ -322,8 +322,9 @@ def main() -> int:
     ap.add_argument("--layer-steps", type=int, default=10, help="full-layers: steps (default 10)")
     ap.add_argument("--refuse-search", type=int, default=12,
                     help="full-layers-refuse: blocks to grow at most (default 12)")
-    ap.add_argument("--refuse-budget", default="2600K",
-                    help="--tiny: the budget of full-layers-refuse's own daemon (default 2600K)")
+    ap.add_argument("--refuse-budget", default="2900K",
+                    help="--tiny: the budget of full-layers-refuse's own daemon (default "
+                         "2900K: 5 tiny blocks fit, 6 do not, so the search grows once)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: checks the script on CPU")
     ap.add_argument("--tiny-cap-kib", type=int, default=1024,

@@ -214,6 +214,9 @@ def grow(model, init_device: str, dtype) -> None:
     import torch
     cfg = model.config
     i = len(model.model.layers)
+    cfg.num_hidden_layers = i + 1
+    if getattr(cfg, "layer_types", None) is not None:  # one attention type per layer
+        cfg.layer_types = list(cfg.layer_types) + [cfg.layer_types[-1]]
     with torch.device(init_device):
         layer = type(model.model.layers[0])(cfg, layer_idx=i)
     g = torch.Generator(device=init_device).manual_seed(1000 + i)
@@ -222,4 +225,3 @@ def grow(model, init_device: str, dtype) -> None:
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02, generator=g)
     model.model.layers.append(layer.to(dtype).to("cpu"))
-    cfg.num_hidden_layers = i + 1

@@ -10,6 +10,11 @@ TARGET_B_PER_PARAM = 8.5
 TARGET_7B_STEP_S = 1.73  # issue 20: the 7B full fine-tune's step before the pool
 
 
+def _fmt(n: float) -> str:
+    from trainstream.memory.capacity import format_bytes  # the planner's own units
+    return format_bytes(n)
+
+
 def _per_param(r) -> str:
     per = r.get("host_bytes_per_trained_param")
     return "" if per is None else f"{per:.2f}"
@@ -48,15 +53,15 @@ def print_summary(results) -> None:
     for r in results:
         if r["case"] == "full-layers-refuse" and "memory_error_parts" in r:
             p = r["memory_error_parts"]
-            print(f"full-layers-refuse: the planner accepted {r['accepted_layers'] or 'no'} "
-                  f"more blocks, refused {r['refused_layers']}; wrap() raised MemoryError: "
-                  f"categories sum to {p.get('sum_bytes', 0) / 2**30:.2f} GiB and "
-                  f"{p.get('sum_per_param')} B/param against its total "
-                  f"{p.get('total_bytes', 0) / 2**30:.2f} GiB = {p.get('total_per_param')} "
+            deeper = (f"also accepted {r['accepted_layers']} blocks (not trained here)"
+                      if r["accepted_layers"] else "accepted no deeper shape")
+            print(f"full-layers-refuse: the planner {deeper}, refused {r['refused_layers']}; "
+                  f"wrap() raised MemoryError: its categories sum to "
+                  f"{_fmt(p.get('sum_bytes', 0))} and {p.get('sum_per_param')} B/param against "
+                  f"its total {_fmt(p.get('total_bytes', 0))} = {p.get('total_per_param')} "
                   f"B/param: adds up: {p.get('adds_up')}")
             for c in p.get("categories", []):
-                print(f"    {c['category']}: {c['bytes'] / 2**30:.2f} GiB = "
-                      f"{c['per_param']} B/param")
+                print(f"    {c['category']}: {_fmt(c['bytes'])} = {c['per_param']} B/param")
     for case in ("70b-lora-nf4", "32b-lora-nf4"):
         for r in by.get((case, False), []):
             fb = r.get("frozen_base", {})
