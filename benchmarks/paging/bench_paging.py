@@ -136,7 +136,8 @@ def run_refusal(args, options, vocab, dev, result) -> dict:
     result.update(build_s=round(time.perf_counter() - t0, 1), accepted_layers=accepted,
                   params=sum(p.numel() for p in model.parameters()))
     if refused is None:
-        result["error"] = f"the planner accepted every shape up to {accepted[-1]} blocks"
+        result["error"] = (f"the planner accepted every shape up to "
+                           f"{len(model.model.layers) - 1} blocks (--refuse-search)")
         return result
     result["refused_layers"] = len(model.model.layers)
     t0 = time.perf_counter()
