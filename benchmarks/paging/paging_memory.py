@@ -47,7 +47,10 @@ def host_figure(status: Dict[str, Any], trained: int,
     from trainstream._native.host_memory import live_bytes_by_tag
     parts: Dict[str, int] = {}
     left_out: Dict[str, int] = {}
+    others = {s["session_id"] for s in status.get("sessions", []) if s.get("pid") != os.getpid()}
     for seg in status.get("segments", []):
+        if seg.get("session_id") in others:
+            continue  # another process's (one the daemon has not reclaimed yet)
         label = seg.get("label") or seg.get("kind", "?")
         into = left_out if _excluded(label) or seg.get("session_id") == base_session \
             else parts
