@@ -53,7 +53,7 @@ except ImportError:  # run from the repository without PYTHONPATH: use build/pyt
         os.environ.get("PYTHONPATH", "")
 # Re-exported: compare.py, bench_trainer.py, quality.py, diag_cap.py and scenarios.py
 # import these from here.
-from paging_models import SHAPES, TINY, build, grow, qwen_config  # noqa: E402,F401
+from paging_models import SHAPES, TINY, build, grow, qwen_config, shrink  # noqa: E402,F401
 from paging_procs import run_case_process, start_daemon, stop_daemon  # noqa: E402,F401
 from paging_steps import WRAPPED, gib as _gib, rss as _rss  # noqa: E402,F401
 import paging_memory  # noqa: E402
@@ -186,6 +186,19 @@ def run_case(args) -> dict:
     result["trained_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if case in FULL:
         options.update(pool_option(args.grad_pool, model))
+    if case == "full-layers":
+        # The deepest shape that trains: --layers, or fewer blocks while the planner
+        # refuses it (each refused depth is recorded; full-layers-refuse then starts
+        # above the depth trained).
+        result["refused_above"] = []
+        for _ in range(args.refuse_search):  # at most as many blocks as the refusal grows
+            if len(model.model.layers) == 1 or not paging_memory.plan_only(model, options):
+                break
+            result["refused_above"].append(len(model.model.layers))
+            shrink(model)
+            options.update(pool_option(args.grad_pool, model))
+        result["layers"] = len(model.model.layers)
+        result["params"] = result["trained_params"] = sum(p.numel() for p in model.parameters())
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -322,7 +335,8 @@ def main() -> int:
                          "--tiny: 4); full-layers-refuse starts one above")
     ap.add_argument("--layer-steps", type=int, default=10, help="full-layers: steps (default 10)")
     ap.add_argument("--refuse-search", type=int, default=12,
-                    help="full-layers-refuse: blocks to grow at most (default 12)")
+                    help="full-layers-refuse: blocks to grow at most; full-layers: blocks "
+                         "to drop at most while the planner refuses --layers (default 12)")
     ap.add_argument("--refuse-budget", default="2900K",
                     help="--tiny: the budget of full-layers-refuse's own daemon (default "
                          "2900K: 5 tiny blocks fit, 6 do not, so the search grows once)")
@@ -369,6 +383,8 @@ def main() -> int:
             for cmd in case_commands(args, case):
                 r = run_case_process(cmd, case, args.timeout)
                 results.append(r)
+                if case == "full-layers" and r.get("layers") and "error" not in r:
+                    args.layers = r["layers"]  # full-layers-refuse starts above it
                 print(json.dumps(r, indent=1), flush=True)
                 if args.jsonl:
                     with open(args.jsonl, "a") as f:

@@ -225,3 +225,12 @@ def grow(model, init_device: str, dtype) -> None:
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02, generator=g)
     model.model.layers.append(layer.to(dtype).to("cpu"))
+
+
+def shrink(model) -> None:
+    """Drops the last block of a model that ``build`` made (its memory goes with it)."""
+    cfg = model.config
+    del model.model.layers[-1]
+    cfg.num_hidden_layers = len(model.model.layers)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = list(cfg.layer_types)[:cfg.num_hidden_layers]

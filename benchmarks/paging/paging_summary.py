@@ -47,8 +47,10 @@ def print_summary(results) -> None:
               f"(goal <= {TARGET_7B_STEP_S}), {_per_param(r)} host B/trained param "
               f"(goal <= {TARGET_B_PER_PARAM}): {r['host_per_param_parts']}")
     for r in by.get(("full-layers", False), []):
-        print(f"full-layers, {r['layers']} blocks, {r['trained_params'] / 1e9:.2f}B trained "
-              f"params, gradients {r['grads']}: losses {r['losses']} (decreased: "
+        fewer = (f" (the planner refused {r['refused_above']} blocks first)"
+                 if r.get("refused_above") else "")
+        print(f"full-layers, {r['layers']} blocks{fewer}, {r['trained_params'] / 1e9:.2f}B "
+              f"trained params, gradients {r['grads']}: losses {r['losses']} (decreased: "
               f"{r['loss_decreased']}), {r['step_s']} s/step, {_per_param(r)} host B/param")
     for r in results:
         if r["case"] == "full-layers-refuse" and "memory_error_parts" in r:
