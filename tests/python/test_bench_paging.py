@@ -67,6 +67,7 @@ def test_full_layers_trains_and_the_next_depth_is_refused(results):
     rows, stdout = results
     (train,) = _runs(rows, "full-layers")
     assert len(train["losses"]) == 4 and train["loss_decreased"], train["losses"]
+    assert train["refused_above"] == [] and train["layers"] == 4  # --tiny: TINY's 4 blocks
     assert train["plan"]["moment_dtype"] == "bfloat16"
     (refused,) = _runs(rows, "full-layers-refuse")
     assert "error" not in refused, refused
