@@ -151,7 +151,7 @@ if [[ $STAGES == *scale* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
   paging=(.venv/bin/python benchmarks/paging/bench_paging.py --cap-gib 24 --seq 1024
           --jsonl "$OUT/scale.jsonl")
-  for part in ${SCALE_PARTS:-pool7b 70b}; do
+  for part in ${SCALE_PARTS:-layers 70b}; do
     echo "== scale $part" | tee -a "$OUT/bench.log"
     case $part in
       pool7b) cmd=(timeout 330 "${paging[@]}" --cases 7b-full --grad-pool slots,pool
