@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, capdiag, frontdoor, compare, quality, recovery
+STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, scale, capdiag, frontdoor, compare, quality, recovery
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -138,6 +138,40 @@ if [[ $STAGES == *paging* ]]; then
       benchmarks/paging/bench_paging.py --cases "$c" --cap-gib 24 --seq 1024 --timeout 280 ${PAGING_ARGS:-} \
       > "$OUT/bench-paging-$c.log" 2>&1 || { rc=1; echo "bench paging $c failed"; }
     tail -8 "$OUT/bench-paging-$c.log" | tee -a "$OUT/bench.log"
+  done
+fi
+# Scale per byte of host RAM (issue 20; docs/paging.md, "Issue 20 on the GPU host"): the
+# parts in SCALE_PARTS, in order, each under its own timeout, results appended to
+# $OUT/scale.jsonl. pool7b: the 7B full fine-tune with gradient slots and with the pool in
+# one invocation; layers: the 14B widths at SCALE_LAYERS blocks (40), full fine-tune, then
+# the first depth refused at wrap(); 70b: LoRA r=16 on a 72B-shaped NF4 base; load: the
+# 14B checkpoint loaded as NF4 warm and cold beside dd and bitsandbytes (its wheel
+# carried in .whl/).
+if [[ $STAGES == *scale* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
+  paging=(.venv/bin/python benchmarks/paging/bench_paging.py --cap-gib 24 --seq 1024
+          --jsonl "$OUT/scale.jsonl")
+  for part in ${SCALE_PARTS:-layers 70b}; do
+    echo "== scale $part" | tee -a "$OUT/bench.log"
+    case $part in
+      pool7b) cmd=(timeout 330 "${paging[@]}" --cases 7b-full --grad-pool slots,pool
+                   --max-warmup 8 --timeout 160) ;;
+      layers) cmd=(timeout 360 "${paging[@]}" --cases full-layers,full-layers-refuse
+                   --grad-pool pool --layers "${SCALE_LAYERS:-40}" --timeout 250) ;;
+      70b) cmd=(timeout 240 "${paging[@]}" --cases 70b-lora-nf4 --max-warmup 8 --timeout 230) ;;
+      load)
+        if compgen -G ".whl/*.whl" > /dev/null; then
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl >> "$OUT/scale-load.log" 2>&1
+          export PYTHONPATH=$PYTHONPATH:/tmp/site
+        fi
+        cmd=(timeout 300 python3 benchmarks/base/bench_load_threads.py --shape 14b
+             --dir "${BASE_DIR:-/tmp/ts-bench-14b}" --reuse --keep --formats nf4
+             --threads "$(nproc)" --modes warm,cold --jsonl "$OUT/scale.jsonl") ;;
+      *) echo "SCALE_PARTS: unknown part $part"; rc=1; continue ;;
+    esac
+    "${cmd[@]}" >> "$OUT/scale-$part.log" 2>&1 || { rc=1; echo "scale $part failed"; }
+    tail -14 "$OUT/scale-$part.log" | tee -a "$OUT/bench.log"
   done
 fi
 # The Hugging Face front door under a 24 GiB cap (issue 18): the reference's QLoRA recipe

@@ -75,15 +75,19 @@ def memory_report(model: Optional[nn.Module] = None) -> Dict[str, Any]:
 
 
 def _private_bytes() -> Optional[int]:
-    """This process's private resident memory (Linux: smaps_rollup's Private_Clean +
-    Private_Dirty; shared pages such as the daemon's segments are not in it), or None."""
+    """This process's own resident memory (Linux: smaps_rollup's Pss less Pss_Shmem), or
+    None. Not Private_Clean + Private_Dirty: a page of a daemon segment that only this
+    process has touched (activation pages, say) is private there, and the daemon's
+    figures count it already. Kernels without Pss_Shmem (before 5.9): the private pages."""
     try:
         with open("/proc/self/smaps_rollup") as f:
-            kb = sum(int(line.split()[1]) for line in f
-                     if line.startswith(("Private_Clean:", "Private_Dirty:")))
-    except (OSError, ValueError, IndexError):
+            kb = {k.rstrip(":"): int(v) for k, v, *_ in (line.split() for line in f)
+                  if k.endswith(":") and v.isdigit()}
+    except (OSError, ValueError):
         return None
-    return kb * 1024
+    if "Pss_Shmem" in kb:
+        return max(0, kb["Pss"] - kb["Pss_Shmem"]) * 1024
+    return (kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0)) * 1024
 
 
 def _host_per_param(opt, numel: int) -> Dict[str, Any]:
