@@ -146,7 +146,7 @@ fi
 # one invocation; layers: the 14B widths at SCALE_LAYERS blocks (40), full fine-tune, then
 # the first depth refused at wrap(); 70b: LoRA r=16 on a 72B-shaped NF4 base; load: the
 # 14B checkpoint loaded as NF4 warm and cold beside dd and bitsandbytes (its wheel
-# carried in .whl/).
+# carried in .whl/); nojournal7b and adamw: the 7B step's regression (below).
 if [[ $STAGES == *scale* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
   paging=(.venv/bin/python benchmarks/paging/bench_paging.py --cap-gib 24 --seq 1024
@@ -159,6 +159,18 @@ if [[ $STAGES == *scale* ]]; then
       layers) cmd=(timeout 360 "${paging[@]}" --cases full-layers,full-layers-refuse
                    --grad-pool pool --layers "${SCALE_LAYERS:-40}" --timeout 250) ;;
       70b) cmd=(timeout 240 "${paging[@]}" --cases 70b-lora-nf4 --max-warmup 8 --timeout 230) ;;
+      # The 7B step's regression (docs/staging-pool.md): the update without the undo
+      # journal, and the host AdamW with and without the journal and the split master.
+      nojournal7b) cmd=(timeout 200 "${paging[@]}" --cases 7b-full --grad-pool pool
+                        --max-warmup 8 --timeout 160 --daemon-args "--recovery-grace 0") ;;
+      adamw)
+        build_targets ON ON trainstream-bench-adamw
+        for pd in bf16 bf16-split; do for d in 0 1; do
+          build-gpu/bin/trainstream-bench-adamw --params 268435456 --tensor-elems 16777216 \
+            --threads 0 --grad-dtype bf16 --moment-dtype bf16 --param-dtype $pd --check param \
+            --durable $d --iters 6 --warmup 2 >> "$OUT/scale-adamw.log" 2>&1 || rc=1
+        done; done
+        tail -4 "$OUT/scale-adamw.log" | tee -a "$OUT/bench.log"; continue ;;
       load)
         if compgen -G ".whl/*.whl" > /dev/null; then
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -346,6 +347,9 @@ def main() -> int:
                     help="declared device capacity for --tiny on a CPU machine")
     ap.add_argument("--socket", default=None, help="an existing daemon (else a private one)")
     ap.add_argument("--budget", default="90%", help="shared-memory budget of the private daemon")
+    ap.add_argument("--daemon-args", default="",
+                    help="more flags for the private daemon, one string (e.g. '--recovery-grace 0': "
+                         "no undo journal, to time the update without it)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--jsonl", default=None, help="also append each run's result to this file")
     ap.add_argument("--case", help=argparse.SUPPRESS)
@@ -358,7 +362,7 @@ def main() -> int:
     if args.case:
         own, dirs = None, []  # a case given no daemon starts its own (with --budget)
         if args.socket is None:
-            own, args.socket, dirs = start_daemon(args.budget)
+            own, args.socket, dirs = start_daemon(args.budget, shlex.split(args.daemon_args))
         try:
             r = run_case(args)
         except Exception as e:  # noqa: BLE001 (reported, not hidden)
@@ -375,7 +379,7 @@ def main() -> int:
         return 0
     proc, cleanup, results = None, [], []
     if args.socket is None:
-        proc, args.socket, cleanup = start_daemon(args.budget)
+        proc, args.socket, cleanup = start_daemon(args.budget, shlex.split(args.daemon_args))
     try:
         for case in args.cases.split(","):
             if case not in CASES:

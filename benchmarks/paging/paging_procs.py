@@ -71,8 +71,9 @@ def _stream_case_process(cmd, case, timeout, stderr_tail, on_line, env) -> dict:
     return {"case": case, "error": f"exit {proc.returncode}: {tail}", "exit_code": proc.returncode}
 
 
-def start_daemon(budget: str):
-    """A private trainstreamd (the cases need a large shared-memory budget)."""
+def start_daemon(budget: str, extra_args=()):
+    """A private trainstreamd (the cases need a large shared-memory budget);
+    ``extra_args``: more trainstreamd flags (``--daemon-args``, e.g. --recovery-grace 0)."""
     from trainstream._native import daemon as _daemon
     binary = _daemon.daemon_binary() or os.path.join(REPO, "build", "bin", "trainstreamd")
     tmp = tempfile.mkdtemp(prefix="ts-bench-")
@@ -80,7 +81,8 @@ def start_daemon(budget: str):
     sock = os.path.join(tmp, "trainstreamd.sock")
     log = open(os.path.join(tmp, "trainstreamd.log"), "w")
     proc = subprocess.Popen([binary, "--foreground", "--socket", sock, "--shm-dir", shm,
-                             "--budget", budget], stdout=log, stderr=subprocess.STDOUT)
+                             "--budget", budget, *extra_args], stdout=log,
+                            stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while True:
         try:
