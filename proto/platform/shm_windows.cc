@@ -35,6 +35,9 @@
 //   mmap(MAP_SHARED), MAP_POPULATE      CreateFileMappingW of the file's own
 //                                         size, MapViewOfFile, and
 //                                         PrefetchVirtualMemory
+//   mlock                               VirtualLock, with the working set's
+//                                         quota raised (Note [Locking memory
+//                                         on Windows])
 // Boost.Interprocess is not used on this side: it has no call that creates a
 // file or sets a DACL, and what remains (one section and one view) is two
 // calls. One difference from the POSIX side: a view longer than the file fails
@@ -46,6 +49,7 @@
 
 #include <cerrno>
 #include <filesystem>
+#include <mutex>
 #include <new>
 #include <vector>
 
@@ -77,6 +81,10 @@ int ErrnoOf(DWORD error) {
     case ERROR_INVALID_PARAMETER:
     case ERROR_INVALID_NAME:
       return EINVAL;
+    case ERROR_WORKING_SET_QUOTA:
+      return EAGAIN;  // as mlock over RLIMIT_MEMLOCK
+    case ERROR_PRIVILEGE_NOT_HELD:
+      return EPERM;
     default:
       return EIO;
   }
@@ -250,6 +258,32 @@ int ShmMapping::Map(const ShmFile& file, ShmAccess access, uint64_t bytes, bool 
   }
   *out = std::move(mapping);
   return 0;
+}
+
+// Note [Locking memory on Windows]. VirtualLock keeps pages in the working
+// set, and a process can lock only about as many pages as its minimum working
+// set holds (a few hundred KiB by default), where Linux has RLIMIT_MEMLOCK. So
+// when the lock fails for the quota, the minimum and the maximum are raised by
+// the mapping's size (SetProcessWorkingSetSizeEx, which any user may call for
+// their own process; the system refuses a minimum it cannot keep resident) and
+// the lock is tried once more. A mutex makes each read-raise-lock one step, so
+// two segments locked at once do not both raise from the same old minimum.
+// The quota is not given back when a mapping goes (UnmapViewOfFile unlocks its
+// pages): the next segment reuses it, and the budget bounds the total.
+int ShmMapping::Lock() {
+  static std::mutex quota_mu;
+  std::lock_guard<std::mutex> lock(quota_mu);
+  const SIZE_T bytes = static_cast<SIZE_T>(impl_->size);
+  if (VirtualLock(impl_->data, bytes)) return 0;
+  if (GetLastError() != ERROR_WORKING_SET_QUOTA) return LastErrno();
+  HANDLE self = GetCurrentProcess();
+  SIZE_T minimum = 0, maximum = 0;
+  DWORD flags = 0;
+  if (!GetProcessWorkingSetSizeEx(self, &minimum, &maximum, &flags)) return LastErrno();
+  if (!SetProcessWorkingSetSizeEx(self, minimum + bytes, maximum + bytes, flags)) {
+    return LastErrno();
+  }
+  return VirtualLock(impl_->data, bytes) ? 0 : LastErrno();
 }
 
 void* ShmMapping::data() const { return impl_->data; }
