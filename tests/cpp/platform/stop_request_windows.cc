@@ -10,8 +10,8 @@ bool SendTerminate(std::string* description, std::string* why) {
   *description = "Ctrl-Break";
   if (!GenerateConsoleCtrlEvent(CTRL_BREAK_EVENT, 0) &&
       (!AllocConsole() || !GenerateConsoleCtrlEvent(CTRL_BREAK_EVENT, 0))) {
-    *why = "GenerateConsoleCtrlEvent failed with error " + std::to_string(GetLastError()) +
-           ", also after AllocConsole";
+    *why = "GenerateConsoleCtrlEvent: error " + std::to_string(GetLastError()) +
+           " (AllocConsole tried)";
     return false;
   }
   return true;
