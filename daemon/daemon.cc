@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -129,7 +130,7 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
 }  // namespace
 
 int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
-              void (*ready)(const char* error)) {
+              const std::function<void(const char* error)>& ready) {
   DaemonConfig config = cfg_in;
   auto refuse = [&](const std::string& msg) {
     spdlog::critical("{}", msg);

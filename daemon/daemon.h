@@ -2,6 +2,8 @@
 // RPC, the end of a drain, or the idle timeout.
 #pragma once
 
+#include <functional>
+
 #include "config.h"
 #include "trainstream/platform/stop_signals.h"
 
@@ -11,9 +13,11 @@ namespace trainstream::daemon {
 // stop request arrives through `stop_signals` (made before any thread started:
 // StopSignals::Create), a Shutdown RPC, the end of a drain, or the idle
 // timeout. `stop_signals` must outlive the call. `ready` is called once the
-// socket accepts connections (or with an error message when startup fails).
+// socket accepts connections (or with an error message when startup fails):
+// the background parent's pipe on Linux, the SCM's "running" for a Windows
+// service (platform/service.h).
 // Returns the process exit code.
 int RunDaemon(const DaemonConfig& config, platform::StopSignals* stop_signals,
-              void (*ready)(const char* error));
+              const std::function<void(const char* error)>& ready);
 
 }  // namespace trainstream::daemon
