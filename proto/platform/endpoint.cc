@@ -1,6 +1,6 @@
-// The endpoint file's format and the secret's comparison
-// (trainstream/platform/endpoint.h), the same on every system; the random
-// bytes and the owner-only file are endpoint_linux.cc and endpoint_windows.cc.
+// The endpoint file's format (trainstream/platform/endpoint.h), the same on
+// every system; the owner-only file is endpoint_linux.cc and
+// endpoint_windows.cc, the secret platform/random.h's.
 #include "trainstream/platform/endpoint.h"
 
 #include <cerrno>
@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "endpoint_system.h"
+#include "trainstream/platform/random.h"
 
 namespace trainstream::platform {
 namespace {
@@ -44,19 +45,7 @@ bool ValidSecret(const std::string& secret) {
 
 }  // namespace
 
-int NewEndpointSecret(std::string* secret) {
-  unsigned char bytes[kEndpointSecretBytes];
-  if (int err = internal::RandomBytes(bytes, sizeof(bytes))) return err;
-  static const char kDigits[] = "0123456789abcdef";
-  std::string hex;
-  hex.reserve(2 * sizeof(bytes));
-  for (unsigned char b : bytes) {
-    hex.push_back(kDigits[b >> 4]);
-    hex.push_back(kDigits[b & 0xf]);
-  }
-  *secret = std::move(hex);
-  return 0;
-}
+int NewEndpointSecret(std::string* secret) { return RandomHex(kEndpointSecretBytes, secret); }
 
 int WriteEndpointFile(const std::string& path, const Endpoint& endpoint) {
   if (!ValidAddress(endpoint.address) || !ValidSecret(endpoint.secret)) return EINVAL;
@@ -91,15 +80,6 @@ int ReadEndpointFile(const std::string& path, Endpoint* out, std::string* why) {
   if (std::getline(in, extra) && !extra.empty()) return refuse("it has more than three lines");
   *out = std::move(e);
   return 0;
-}
-
-bool SecretsEqual(const std::string& a, const std::string& b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  }
-  return diff == 0;
 }
 
 }  // namespace trainstream::platform

@@ -1,7 +1,6 @@
 // The Linux side of the endpoint seam (trainstream/platform/endpoint.h):
-// getrandom and a mode-0600 file renamed into place.
+// a mode-0600 file renamed into place.
 #include <fcntl.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,19 +10,6 @@
 #include "endpoint_system.h"
 
 namespace trainstream::platform::internal {
-
-int RandomBytes(unsigned char* out, size_t n) {
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t got = getrandom(out + done, n - done, 0);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    done += static_cast<size_t>(got);
-  }
-  return 0;
-}
 
 int ReplaceWithOwnerOnlyFile(const std::string& path, const std::string& contents) {
   const std::string temp = path + ".new." + std::to_string(getpid());

@@ -1,9 +1,7 @@
 // The Windows side of the endpoint seam (trainstream/platform/endpoint.h):
-// BCryptGenRandom, and a file created with the owner-only DACL that segments
-// have (windows_common.h), moved over the old one with MoveFileExW.
+// a file created with the owner-only DACL that segments have
+// (windows_common.h), moved over the old one with MoveFileExW.
 #include <windows.h>
-// bcrypt.h needs windows.h first.
-#include <bcrypt.h>
 
 #include <filesystem>
 #include <string>
@@ -12,12 +10,6 @@
 #include "windows_common.h"
 
 namespace trainstream::platform::internal {
-
-int RandomBytes(unsigned char* out, size_t n) {
-  const NTSTATUS status =
-      BCryptGenRandom(nullptr, out, static_cast<ULONG>(n), BCRYPT_USE_SYSTEM_PREFERRED_RNG);
-  return status == 0 ? 0 : EIO;
-}
 
 int ReplaceWithOwnerOnlyFile(const std::string& path, const std::string& contents) {
   const std::wstring target = std::filesystem::path(path).wstring();

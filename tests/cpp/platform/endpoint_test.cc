@@ -1,6 +1,7 @@
-// The endpoint seam (trainstream/platform/endpoint.h) on the system it was
-// built for: secrets, the file's round trip and replacement, and every way a
-// file can be wrong. The file's owner-only permission is checked on Linux
+// The endpoint seam (trainstream/platform/endpoint.h) and the secrets it
+// holds (trainstream/platform/random.h) on the system it was built for:
+// secrets, the file's round trip and replacement, and every way a file can be
+// wrong. The file's owner-only permission is checked on Linux
 // (endpoint_linux_test.cc); Wine keeps no DACL to check (docs/windows.md).
 #include "trainstream/platform/endpoint.h"
 
@@ -12,6 +13,7 @@
 #include <system_error>
 
 #include "catch_compat.h"
+#include "trainstream/platform/random.h"
 
 using namespace trainstream::platform;
 namespace fs = std::filesystem;
@@ -114,9 +116,9 @@ TEST_CASE("a missing or malformed endpoint file is refused with what is wrong", 
 }
 
 TEST_CASE("secrets compare equal only when equal", "[endpoint]") {
-  CHECK(SecretsEqual(kSecret, kSecret));
-  CHECK(!SecretsEqual(kSecret, std::string(63, 'a') + "b"));
-  CHECK(!SecretsEqual(kSecret, std::string(63, 'a')));
-  CHECK(!SecretsEqual("", kSecret));
-  CHECK(SecretsEqual("", ""));
+  CHECK(ConstantTimeEquals(kSecret, kSecret));
+  CHECK(!ConstantTimeEquals(kSecret, std::string(63, 'a') + "b"));
+  CHECK(!ConstantTimeEquals(kSecret, std::string(63, 'a')));
+  CHECK(!ConstantTimeEquals("", kSecret));
+  CHECK(ConstantTimeEquals("", ""));
 }

@@ -13,11 +13,11 @@
 // at every start, so a secret lives as long as one daemon.
 //
 // The file is three lines, "trainstream-endpoint 1", "address <host:port>" and
-// "secret <64 hex digits>". Two sides, picked by proto/platform/CMakeLists.txt
-// for what differs: the random bytes (getrandom; BCryptGenRandom) and the
-// owner-only file (mode 0600; a protected DACL that grants the process's user
-// alone, as segments have: Note [Segments on Windows are files with an
-// owner-only DACL]). The format and the comparison are endpoint.cc, shared.
+// "secret <64 hex digits>". Two sides, picked by proto/platform/CMakeLists.txt,
+// for the owner-only file (mode 0600; a protected DACL that grants the
+// process's user alone, as segments have: Note [Segments on Windows are files
+// with an owner-only DACL]); the format is endpoint.cc, shared, and the secret
+// comes from platform/random.h.
 // The Linux daemon does not use it (it has SO_PEERCRED); it is built and tested
 // there so both sides keep one format.
 #pragma once
@@ -35,7 +35,8 @@ struct Endpoint {
 };
 
 // A new secret: kEndpointSecretBytes from the system's random source, as
-// lowercase hex. Returns 0 or an errno value.
+// lowercase hex (platform/random.h, which also compares secrets: use its
+// ConstantTimeEquals). Returns 0 or an errno value.
 int NewEndpointSecret(std::string* secret);
 
 // Writes `endpoint` to `path`, readable and writable by this process's user
@@ -48,9 +49,5 @@ int WriteEndpointFile(const std::string& path, const Endpoint& endpoint);
 // EINVAL when it is not an endpoint file (then `*why` says what is wrong), or
 // an errno value.
 int ReadEndpointFile(const std::string& path, Endpoint* out, std::string* why);
-
-// True when `a` and `b` are equal, in a time that depends on their lengths
-// only, never on where they first differ.
-bool SecretsEqual(const std::string& a, const std::string& b);
 
 }  // namespace trainstream::platform
