@@ -180,8 +180,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<trainstream::platform::StopSignals> stop_signals;
   if (int err = trainstream::platform::StopSignals::Create(&stop_signals); err != 0) {
     const std::string msg = std::string("cannot receive signals: ") + std::strerror(err);
-    std::fprintf(stderr, "trainstreamd: %s\n", msg.c_str());
-    ReportReady(msg.c_str());
+    if (config.foreground) std::fprintf(stderr, "trainstreamd: %s\n", msg.c_str());
+    ReportReady(msg.c_str());  // background mode: the waiting parent prints it
     return 1;
   }
 
