@@ -1,28 +1,27 @@
 // trainstreamd's process model (DESIGN.md, "Process model"):
 //
-//   main thread     startup checks, then polls a signalfd and a wake eventfd;
-//                   it alone decides when to stop, and runs the shutdown sequence
+//   main thread     startup checks, then waits on StopSignals (signals, and
+//                   wakes from the handlers; platform/stop_signals.h); it alone
+//                   decides when to stop, and runs the shutdown sequence
 //   accept thread   UnixListener: accept(), SO_PEERCRED, hand the fd to gRPC
 //   gRPC threads    the synchronous server's handlers (ControlService); each
 //                   attached session holds one in Attach() for its lifetime
 //   pid watcher     pidfd poll: a dead client's session ends at once
 //   optimizer       OptimizerService's threads (when built in)
 //
-// No signal handler runs code: SIGTERM/SIGINT arrive through the signalfd.
+// No signal handler runs code: SIGTERM/SIGINT arrive through StopSignals
+// (Note [No code in signal handlers], platform/stop_signals.h).
 #include "daemon.h"
 
 #include <fcntl.h>
-#include <poll.h>
 #include <spdlog/spdlog.h>
-#include <sys/eventfd.h>
-#include <sys/signalfd.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
-#include <csignal>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -36,6 +35,7 @@
 #include "sessions/session_registry.h"
 #include "startup_checks.h"
 #include "trainstream/platform/process_watcher.h"
+#include "trainstream/platform/stop_signals.h"
 #include "transport/control_server.h"
 #include "transport/peer_credentials.h"
 #include "transport/unix_listener.h"
@@ -129,7 +129,8 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
 
 }  // namespace
 
-int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const char* error)) {
+int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
+              const std::function<void(const char* error)>& ready) {
   DaemonConfig config = cfg_in;
   auto refuse = [&](const std::string& msg) {
     spdlog::critical("{}", msg);
@@ -163,7 +164,7 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
 
   DaemonState state;
   state.socket_path = config.socket_path;
-  state.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  state.stop_signals = stop_signals;
   state.Touch();
   Budget budget(budget_bytes);
 
@@ -223,32 +224,22 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
 
   std::string why = "shutdown requested";
   for (;;) {
-    pollfd fds[2] = {{signal_fd, POLLIN, 0}, {state.wake_fd, POLLIN, 0}};
-    int n = poll(fds, 2, 500);
-    if (n < 0 && errno != EINTR) break;
-    if (fds[0].revents & POLLIN) {
-      signalfd_siginfo si{};
-      if (read(signal_fd, &si, sizeof(si)) == sizeof(si)) {
-        if (si.ssi_signo == SIGHUP) {
-          spdlog::info("SIGHUP: nothing to reload (restart the daemon to apply config changes)");
-          continue;
-        }
-        if (si.ssi_signo == SIGUSR2 && config.recovery_grace_s > 0) {
-          ExitForRestart(registry->size(), config.recovery_grace_s);
-        }
-        if (si.ssi_signo == SIGUSR2) {
-          spdlog::info(
-              "SIGUSR2 (restart) with recovery_grace 0: nothing can be kept for the "
-              "next daemon, so this is a clean stop");
-        }
-        why = std::string("signal ") + strsignal(static_cast<int>(si.ssi_signo));
-        break;
-      }
+    const platform::StopRequest request = stop_signals->Wait(500);
+    if (request.kind == platform::StopKind::kReload) {
+      spdlog::info("SIGHUP: nothing to reload (restart the daemon to apply config changes)");
+      continue;
     }
-    if (fds[1].revents & POLLIN) {
-      uint64_t v;
-      ssize_t ignored = read(state.wake_fd, &v, sizeof(v));
-      (void)ignored;
+    if (request.kind == platform::StopKind::kRestart && config.recovery_grace_s > 0) {
+      ExitForRestart(registry->size(), config.recovery_grace_s);
+    }
+    if (request.kind == platform::StopKind::kRestart) {
+      spdlog::info(
+          "SIGUSR2 (restart) with recovery_grace 0: nothing can be kept for the "
+          "next daemon, so this is a clean stop");
+    }
+    if (request.kind != platform::StopKind::kNone) {
+      why = request.description;
+      break;
     }
     registry->SweepAdopted();
     if (state.shutdown_requested.load() && !state.draining.load()) break;
@@ -282,7 +273,6 @@ int RunDaemon(const DaemonConfig& cfg_in, int signal_fd, void (*ready)(const cha
   registry.reset();
   optimizer.reset();
   listener->RemoveFiles();
-  close(state.wake_fd);
   spdlog::info("trainstreamd stopped");
   return 0;
 }

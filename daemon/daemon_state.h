@@ -2,13 +2,12 @@
 // loop acts on. All members are atomics or immutable after startup.
 #pragma once
 
-#include <sys/eventfd.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <string>
+
+#include "trainstream/platform/stop_signals.h"
 
 namespace trainstream::daemon {
 
@@ -22,15 +21,16 @@ struct DaemonState {
   std::atomic<bool> shutdown_requested{false};
   // steady_clock nanoseconds of the last RPC (idle exit).
   std::atomic<int64_t> last_activity_ns{0};
-  int wake_fd = -1;  // eventfd the main loop polls; written to wake it
+  // What the main loop waits on; Wake() ends its wait. Set before the first
+  // RPC; owned by the caller of RunDaemon. Null in tests with no main loop.
+  platform::StopSignals* stop_signals = nullptr;
 
   void Touch() {
     last_activity_ns.store(std::chrono::steady_clock::now().time_since_epoch().count());
   }
+  // A no-op without a main loop (tests run the handlers alone).
   void WakeMainLoop() {
-    uint64_t one = 1;
-    ssize_t ignored = write(wake_fd, &one, sizeof(one));
-    (void)ignored;
+    if (stop_signals != nullptr) stop_signals->Wake();
   }
   double uptime_s() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();

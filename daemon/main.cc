@@ -1,12 +1,10 @@
 // trainstreamd: command line, logging and daemonisation; the daemon itself is
 // RunDaemon (daemon.cc).
 #include <fcntl.h>
-#include <signal.h>
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <sys/resource.h>
-#include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,10 +13,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "config.h"
 #include "daemon.h"
+#include "trainstream/platform/stop_signals.h"
 
 namespace {
 
@@ -174,17 +174,16 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   if (!config.foreground && Daemonize(&exit_code)) return exit_code;
 
-  // Signals arrive through a signalfd; block them before any thread starts so
-  // every thread inherits the mask.
-  sigset_t mask;
-  sigemptyset(&mask);
-  sigaddset(&mask, SIGTERM);
-  sigaddset(&mask, SIGINT);
-  sigaddset(&mask, SIGHUP);
-  sigaddset(&mask, SIGUSR2);  // a restart (Note [A restart keeps the optimizer state])
-  pthread_sigmask(SIG_BLOCK, &mask, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-  int sfd = signalfd(-1, &mask, SFD_CLOEXEC);
+  // SIGTERM, SIGINT, SIGHUP and SIGUSR2 (a restart: Note [A restart keeps the
+  // optimizer state]) arrive through StopSignals, made before any thread starts
+  // so that every thread inherits their mask.
+  std::unique_ptr<trainstream::platform::StopSignals> stop_signals;
+  if (int err = trainstream::platform::StopSignals::Create(&stop_signals); err != 0) {
+    const std::string msg = std::string("cannot receive signals: ") + std::strerror(err);
+    if (config.foreground) std::fprintf(stderr, "trainstreamd: %s\n", msg.c_str());
+    ReportReady(msg.c_str());  // background mode: the waiting parent prints it
+    return 1;
+  }
 
   std::vector<spdlog::sink_ptr> sinks;
   sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
@@ -197,5 +196,5 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(logger);
   RaiseOpenFileLimit();
 
-  return trainstream::daemon::RunDaemon(config, sfd, ReportReady);
+  return trainstream::daemon::RunDaemon(config, stop_signals.get(), ReportReady);
 }

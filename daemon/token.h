@@ -1,12 +1,13 @@
 // Unguessable identifiers: session tokens and segment names come from the
-// kernel's CSPRNG (getrandom), never from a seeded PRNG.
+// system's CSPRNG (platform/random.h: getrandom, BCryptGenRandom), never from a
+// seeded PRNG.
 #pragma once
 
 #include <string>
 
 namespace trainstream::daemon {
 
-// `bytes` random bytes as 2*bytes lowercase hex digits. Aborts if the kernel
+// `bytes` random bytes as 2*bytes lowercase hex digits. Aborts if the system
 // cannot supply randomness (getrandom only fails on misuse).
 std::string RandomHex(size_t bytes);
 

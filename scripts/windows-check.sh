@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # scripts/windows-check.sh: runs the Windows C++ tests that
 # scripts/windows-cross.sh built, under wine64 (issue 23; docs/windows.md).
-# These are the tests of the CPU kernels, the daemon's AdamW engine and the
-# platform seam's threads side (build-windows/bin/*_test.exe).
+# These are the tests of the CPU kernels, the daemon's AdamW engine, the
+# platform seam and proto/ (build-windows/bin/*_test.exe); then, unless TESTS
+# names tests, the service cycle (service_cycle below) with the seam's test
+# service, platform_service_host.exe.
 # Each test picks the instruction sets the CPU has (cpu_features.h), as on
 # Linux; a path the CPU lacks is reported by the test itself.
 #
@@ -42,6 +44,12 @@ if [[ ! -f $WINEPREFIX/system.reg ]]; then
   # A 64-bit-only Wine cannot start the 32-bit rundll32 wineboot asks for; the
   # prefix is complete without it.
   "$wine" wineboot --init > "$logs/wineboot.log" 2>&1 || true
+  # Start the server again on the finished prefix. Once, after the prefix was
+  # made in the same server, two services.exe ran, and a service's start
+  # timed out (StartService: error 1053) until the server was restarted.
+  "$wineserver" -k 2> /dev/null || true
+  "$wineserver" -w 2> /dev/null || true
+  "$wineserver" -p
 fi
 
 # Tests that check what Wine does not do, each with the reason; they are built
@@ -85,6 +93,46 @@ for exe in "${tests[@]}"; do
   # Paths a test could not run on this CPU (TS_SKIP in catch_compat.h).
   grep -aho 'TS_SKIPPED: .*' "$logs/$name.log" | sort -u | sed 's/^/      /'
 done
+
+# The service cycle (docs/windows.md), the way a user runs one with sc.exe:
+# create platform_service_host.exe as a service, start it, wait until it says
+# it runs, stop it, wait until it says it stopped on the stop, delete it. Each
+# step's output is in <logs>/service-cycle.log.
+# wait_for_line FILE LINE: true once FILE holds LINE, within 30 s.
+wait_for_line() {
+  for _ in $(seq 300); do
+    grep -qx "$2" "$1" 2> /dev/null && return 0
+    sleep 0.1
+  done
+  return 1
+}
+service_cycle() {
+  local host=$build/bin/platform_service_host.exe name=trainstream-check-$$
+  [[ -e $host ]] || { echo "no $host"; return 1; }
+  local marker_unix=$WINEPREFIX/drive_c/trainstream-check-$$.txt
+  local marker='C:\trainstream-check-'$$'.txt'
+  rm -f "$marker_unix"
+  # sc's "binPath= " takes the whole command line as one argument.
+  "$wine" sc create "$name" binPath= "$("$wine" winepath -w "$host") $name $marker" &&
+    "$wine" sc start "$name" &&
+    wait_for_line "$marker_unix" $'running\r' &&
+    "$wine" sc stop "$name" &&
+    wait_for_line "$marker_unix" $'stopped: service stop\r'
+  local rc=$?
+  "$wine" sc delete "$name" || rc=1
+  echo "marker: $(tr -d '\r' < "$marker_unix" 2> /dev/null | paste -sd ' ')"
+  rm -f "$marker_unix"
+  return $rc
+}
+if [[ -z ${TESTS:-} ]]; then
+  t0=$(date +%s)
+  if service_cycle > "$logs/service-cycle.log" 2>&1; then
+    echo "PASS  service cycle (sc create, start, stop, delete; $(($(date +%s) - t0)) s)"
+  else
+    failed+=("service-cycle")
+    echo "FAIL  service cycle (log: $logs/service-cycle.log)"
+  fi
+fi
 
 n_excluded=0
 [[ -n ${TESTS:-} ]] || n_excluded=${#excluded[@]}

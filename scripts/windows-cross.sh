@@ -15,7 +15,8 @@
 #   3. deps: the control plane's dependencies, each from Debian's own source
 #      package and each skipped when it is already in the prefix: zlib, c-ares,
 #      openssl, abseil, re2, protobuf and gRPC, cross-built as static
-#      libraries, in that order (each needs the ones before it). First it
+#      libraries, in that order (each needs the ones before it), then the
+#      daemon's fmt, spdlog, CLI11 and nlohmann_json. First it
 #      checks that the build machine's protoc and grpc_cpp_plugin are the
 #      versions of the protobuf and gRPC sources: the generated code must
 #      match the library it is compiled against.
@@ -145,7 +146,7 @@ cmake_dep() {
   cmake --build "$cache/build/$name" -j "$jobs"
   cmake --install "$cache/build/$name"
 }
-deps=${DEPS:-zlib c-ares openssl abseil re2 protobuf grpc}
+deps=${DEPS:-zlib c-ares openssl abseil re2 protobuf grpc fmt spdlog cli11 nlohmann-json}
 has_dep() { [[ " $deps " == *" $1 "* ]]; }
 # dep NAME ARTIFACT: true (and says so) when NAME has to be built, i.e. it is
 # asked for and ARTIFACT, relative to the prefix, is not there yet.
@@ -271,6 +272,29 @@ if has_step deps; then
       -DgRPC_BUILD_GRPC_PYTHON_PLUGIN=OFF -DgRPC_BUILD_GRPC_RUBY_PLUGIN=OFF \
       -DOPENSSL_ROOT_DIR="$prefix" -DOPENSSL_USE_STATIC_LIBS=TRUE -DZLIB_ROOT="$prefix"
     dep_done grpc
+  fi
+  # The daemon's and trainstreamctl's other libraries, the versions the Linux
+  # build gets from Debian (libfmt-dev, libspdlog-dev, libcli11-dev,
+  # nlohmann-json3-dev). spdlog's +ds source has no bundled fmt, so it is
+  # built on the fmt above (SPDLOG_FMT_EXTERNAL).
+  if dep fmt lib/cmake/fmt/fmt-config.cmake; then
+    cmake_dep fmt "$(fetch_source fmtlib 'fmtlib-*')" -DFMT_TEST=OFF -DFMT_DOC=OFF -DFMT_INSTALL=ON
+    dep_done fmt
+  fi
+  if dep spdlog lib/cmake/spdlog/spdlogConfig.cmake; then
+    cmake_dep spdlog "$(fetch_source spdlog 'spdlog-*')" -DSPDLOG_FMT_EXTERNAL=ON \
+      -DSPDLOG_BUILD_EXAMPLE=OFF -DSPDLOG_BUILD_TESTS=OFF -DSPDLOG_INSTALL=ON
+    dep_done spdlog
+  fi
+  if dep cli11 include/CLI/CLI.hpp; then
+    cmake_dep cli11 "$(fetch_source cli11 'cli11-*')" -DCLI11_BUILD_TESTS=OFF \
+      -DCLI11_BUILD_EXAMPLES=OFF -DCLI11_BUILD_DOCS=OFF -DCLI11_INSTALL=ON
+    dep_done cli11
+  fi
+  if dep nlohmann-json include/nlohmann/json.hpp; then
+    cmake_dep nlohmann-json "$(fetch_source nlohmann-json3 'nlohmann-json3-*')" \
+      -DJSON_BuildTests=OFF -DJSON_Install=ON
+    dep_done nlohmann-json
   fi
 fi
 

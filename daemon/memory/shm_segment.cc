@@ -165,7 +165,7 @@ Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_
                   "the daemon holds " + std::to_string(ClientMemoryGuard::kMaxRanges) +
                       " segments, its limit; free regions or end sessions");
   }
-  if (lock) seg->locked_ = mlock(base, total_bytes) == 0;
+  if (lock) seg->locked_ = seg->mapping_->Lock() == 0;
 
   auto* h = new (base) wire::SegmentHeader();
   std::memset(static_cast<void*>(h), 0, sizeof(*h));
@@ -261,7 +261,7 @@ Status ShmSegment::Adopt(const std::string& dir, const std::string& name, uint32
     seg->unlinked_ = true;
     return Status(StatusCode::kResourceExhausted, "cannot adopt " + path + ": guard table full");
   }
-  if (lock) seg->locked_ = mlock(seg->base_, bytes) == 0;
+  if (lock) seg->locked_ = seg->mapping_->Lock() == 0;
   *out = std::move(seg);
   return Status::Ok();
 }

@@ -191,6 +191,11 @@ int ShmMapping::Map(const ShmFile& file, ShmAccess access, uint64_t bytes, bool 
   return 0;
 }
 
+// Boost has no call for it; mlock on the region's address.
+int ShmMapping::Lock() {
+  return mlock(impl_->region.get_address(), impl_->region.get_size()) == 0 ? 0 : errno;
+}
+
 void* ShmMapping::data() const { return impl_->region.get_address(); }
 uint64_t ShmMapping::size() const { return impl_->region.get_size(); }
 

@@ -35,6 +35,9 @@
 //   mmap(MAP_SHARED), MAP_POPULATE      CreateFileMappingW of the file's own
 //                                         size, MapViewOfFile, and
 //                                         PrefetchVirtualMemory
+//   mlock                               VirtualLock, with the working set's
+//                                         quota raised (Note [Locking memory
+//                                         on Windows])
 // Boost.Interprocess is not used on this side: it has no call that creates a
 // file or sets a DACL, and what remains (one section and one view) is two
 // calls. One difference from the POSIX side: a view longer than the file fails
@@ -46,87 +49,25 @@
 
 #include <cerrno>
 #include <filesystem>
+#include <mutex>
 #include <new>
 #include <vector>
 
 #include "trainstream/platform/shm.h"
+#include "windows_common.h"
 
 namespace trainstream::platform {
 namespace {
 
-int ErrnoOf(DWORD error) {
-  switch (error) {
-    case ERROR_FILE_EXISTS:
-    case ERROR_ALREADY_EXISTS:
-      return EEXIST;
-    case ERROR_FILE_NOT_FOUND:
-    case ERROR_PATH_NOT_FOUND:
-      return ENOENT;
-    case ERROR_ACCESS_DENIED:
-      return EACCES;
-    case ERROR_SHARING_VIOLATION:
-    case ERROR_LOCK_VIOLATION:
-      return EBUSY;
-    case ERROR_DISK_FULL:
-    case ERROR_HANDLE_DISK_FULL:
-      return ENOSPC;
-    case ERROR_NOT_ENOUGH_MEMORY:
-    case ERROR_OUTOFMEMORY:
-    case ERROR_COMMITMENT_LIMIT:
-      return ENOMEM;
-    case ERROR_INVALID_PARAMETER:
-    case ERROR_INVALID_NAME:
-      return EINVAL;
-    default:
-      return EIO;
-  }
-}
-
-int LastErrno() { return ErrnoOf(GetLastError()); }
+using internal::ErrnoOf;
+using internal::LastErrno;
+using internal::OwnerOnly;
 
 std::wstring PathOf(const std::string& dir, const std::string& name) {
   return (std::filesystem::path(dir) / name).wstring();
 }
 
 constexpr DWORD kShareAll = FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE;
-
-// The owner-only security descriptor of a new segment (Note [Segments on
-// Windows are files with an owner-only DACL]). The buffers back `attributes`.
-class OwnerOnly {
- public:
-  // 0 or an errno value.
-  int Init() {
-    HANDLE token = nullptr;
-    if (!OpenProcessToken(GetCurrentProcess(), TOKEN_QUERY, &token)) return LastErrno();
-    DWORD bytes = 0;
-    GetTokenInformation(token, TokenUser, nullptr, 0, &bytes);
-    user_.resize(bytes);
-    const bool ok =
-        bytes != 0 && GetTokenInformation(token, TokenUser, user_.data(), bytes, &bytes);
-    const DWORD error = GetLastError();
-    CloseHandle(token);
-    if (!ok) return ErrnoOf(error);
-    PSID sid = reinterpret_cast<TOKEN_USER*>(user_.data())->User.Sid;
-    acl_.resize(sizeof(ACL) + sizeof(ACCESS_ALLOWED_ACE) + GetLengthSid(sid));
-    auto* acl = reinterpret_cast<ACL*>(acl_.data());
-    if (!InitializeAcl(acl, static_cast<DWORD>(acl_.size()), ACL_REVISION) ||
-        !AddAccessAllowedAce(acl, ACL_REVISION, GENERIC_ALL, sid) ||
-        !InitializeSecurityDescriptor(&descriptor_, SECURITY_DESCRIPTOR_REVISION) ||
-        !SetSecurityDescriptorDacl(&descriptor_, TRUE, acl, FALSE) ||
-        !SetSecurityDescriptorControl(&descriptor_, SE_DACL_PROTECTED, SE_DACL_PROTECTED)) {
-      return LastErrno();
-    }
-    attributes_ = SECURITY_ATTRIBUTES{sizeof(SECURITY_ATTRIBUTES), &descriptor_, FALSE};
-    return 0;
-  }
-  SECURITY_ATTRIBUTES* attributes() { return &attributes_; }
-
- private:
-  std::vector<unsigned char> user_;  // TOKEN_USER
-  std::vector<unsigned char> acl_;   // DWORD-aligned by the allocator
-  SECURITY_DESCRIPTOR descriptor_{};
-  SECURITY_ATTRIBUTES attributes_{};
-};
 
 }  // namespace
 
@@ -250,6 +191,32 @@ int ShmMapping::Map(const ShmFile& file, ShmAccess access, uint64_t bytes, bool 
   }
   *out = std::move(mapping);
   return 0;
+}
+
+// Note [Locking memory on Windows]. VirtualLock keeps pages in the working
+// set, and a process can lock only about as many pages as its minimum working
+// set holds (a few hundred KiB by default), where Linux has RLIMIT_MEMLOCK. So
+// when the lock fails for the quota, the minimum and the maximum are raised by
+// the mapping's size (SetProcessWorkingSetSizeEx, which any user may call for
+// their own process; the system refuses a minimum it cannot keep resident) and
+// the lock is tried once more. A mutex makes each read-raise-lock one step, so
+// two segments locked at once do not both raise from the same old minimum.
+// The quota is not given back when a mapping goes (UnmapViewOfFile unlocks its
+// pages): the next segment reuses it, and the budget bounds the total.
+int ShmMapping::Lock() {
+  static std::mutex quota_mu;
+  std::lock_guard<std::mutex> lock(quota_mu);
+  const SIZE_T bytes = static_cast<SIZE_T>(impl_->size);
+  if (VirtualLock(impl_->data, bytes)) return 0;
+  if (GetLastError() != ERROR_WORKING_SET_QUOTA) return LastErrno();
+  HANDLE self = GetCurrentProcess();
+  SIZE_T minimum = 0, maximum = 0;
+  DWORD flags = 0;
+  if (!GetProcessWorkingSetSizeEx(self, &minimum, &maximum, &flags)) return LastErrno();
+  if (!SetProcessWorkingSetSizeEx(self, minimum + bytes, maximum + bytes, flags)) {
+    return LastErrno();
+  }
+  return VirtualLock(impl_->data, bytes) ? 0 : LastErrno();
 }
 
 void* ShmMapping::data() const { return impl_->data; }

@@ -15,7 +15,8 @@
 //   open by name (open_only)                fchown of session segments
 //   map, unmap (mapped_region; MAP_POPULATE   the base ACL, chmod (ShareReadOnly:
 //     through its map options)                Boost knows no owners or ACLs)
-//   remove (shared_memory_object::remove)   mlock, the guard's MAP_FIXED remap
+//   remove (shared_memory_object::remove)   mlock (ShmMapping::Lock), the guard's
+//                                             MAP_FIXED remap
 //                                             (in a signal handler: system
 //                                             calls only)
 //                                           reclaim: readdir, lstat, pread (no
@@ -114,6 +115,16 @@ class ShmMapping {
   // `populate`, the pages are faulted in now (MAP_POPULATE). 0 or errno.
   static int Map(const ShmFile& file, ShmAccess access, uint64_t bytes, bool populate,
                  std::unique_ptr<ShmMapping>* out);
+
+  // Locks the whole mapping in RAM, so it is never paged out (the daemon's
+  // lock_memory). POSIX: mlock. Windows: VirtualLock, which can lock no more
+  // than the process's minimum working set, so when it fails for the quota
+  // (ERROR_WORKING_SET_QUOTA) the working set's minimum and maximum are raised
+  // by the mapping's size and it is tried once more (Note [Locking memory on
+  // Windows], shm_windows.cc). The pages stay locked until the mapping is
+  // destroyed. Returns 0 or an errno value (ENOMEM, EPERM, EAGAIN: over the
+  // memlock limit or the quota).
+  int Lock();
 
   void* data() const;
   uint64_t size() const;

@@ -1,0 +1,20 @@
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "stop_request.h"
+
+namespace trainstream::platform::testing {
+
+bool SendTerminate(std::string* description, std::string* why) {
+  *description = std::string("signal ") + strsignal(SIGTERM);
+  if (kill(getpid(), SIGTERM) != 0) {
+    *why = std::string("kill: ") + std::strerror(errno);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace trainstream::platform::testing
