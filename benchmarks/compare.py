@@ -308,10 +308,10 @@ def main(argv=None) -> int:
             spec = json.loads(args.child)
             r = {"scenario": spec.get("scenario"), "engine": spec.get("engine"), "status": "error",
                  "reason": f"harness error: {type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
-        print("RESULT " + json.dumps(r), flush=True)
+        measure.emit_line("RESULT " + json.dumps(r))
         return 0
     if args.machine_child:
-        print("RESULT " + json.dumps(measure.describe_machine()), flush=True)
+        measure.emit_line("RESULT " + json.dumps(measure.describe_machine()))
         return 0
     for name in ("steps", "warmup", "max_warmup"):
         if getattr(args, name) < (1 if name == "steps" else 0):

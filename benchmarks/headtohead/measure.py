@@ -22,13 +22,31 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 
+# Note [One line, one write]
+# The training loop and the Sampler's thread both print LIVE lines, and the child's
+# last line is its RESULT. print() writes the text and its newline in two calls, so two
+# threads could interleave ("LIVE {..}LIVE {..}\n\n"); the parent then could not parse
+# the merged line, and a RESULT glued behind a LIVE record was lost (seen in CI under
+# load: an engine that trained and exited 0 reported "exit 0" and no result). Every
+# line goes out whole, in one write under one lock.
+_STDOUT_LOCK = threading.Lock()
+
+
+def emit_line(text: str) -> None:
+    """Writes ``text`` and its newline to stdout in one write, and flushes."""
+    with _STDOUT_LOCK:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+
 def _emit(record: dict) -> None:
-    print("LIVE " + json.dumps(record), flush=True)
+    emit_line("LIVE " + json.dumps(record))
 
 
 def smaps_rollup(pid="self") -> Dict[str, int]:

@@ -44,14 +44,17 @@ def _stream_case_process(cmd, case, timeout, stderr_tail, on_line, env) -> dict:
         # The caller's process group (no session of its own): a `timeout` around the
         # whole run, which signals its group, ends the case too.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        results = []
+        results, bad = [], []
 
         def pump():  # a thread, so the timeout below holds while no line comes
             for line in proc.stdout:
                 line = line.rstrip("\n")
                 if line.startswith("RESULT "):
                     results.append(line[7:])
-                on_line(line)
+                try:
+                    on_line(line)
+                except Exception as e:  # noqa: BLE001 (one bad line must not stop the reading)
+                    bad.append(f"{type(e).__name__}: {e}: {line[:200]}")
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         try:
@@ -61,14 +64,16 @@ def _stream_case_process(cmd, case, timeout, stderr_tail, on_line, env) -> dict:
             proc.kill()
             proc.wait()
             timed_out = True
-        reader.join(timeout=10)
+        reader.join(timeout=60)  # the pipe closes when the case exits; a bound, not a wait
         err.seek(0)
         tail = err.read()[-stderr_tail:]
     if timed_out:
         return {"case": case, "error": f"timed out after {timeout} s"}
     if results:
         return json.loads(results[-1])
-    return {"case": case, "error": f"exit {proc.returncode}: {tail}", "exit_code": proc.returncode}
+    why = f" (lines its reader could not take: {bad[:3]})" if bad else ""
+    return {"case": case, "error": f"exit {proc.returncode}{why}: {tail}",
+            "exit_code": proc.returncode}
 
 
 def start_daemon(budget: str, extra_args=()):
