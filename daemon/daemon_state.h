@@ -14,6 +14,11 @@ namespace trainstream::daemon {
 struct DaemonState {
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   std::string socket_path;
+  // What every control call must carry (platform/control_channel.h): empty
+  // where the transport checks the peer's credentials (Linux); on Windows the
+  // endpoint file's secret (Note [A secret in an owner-only file stands in for
+  // SO_PEERCRED]). Set before the first RPC.
+  std::string endpoint_secret;
   unsigned worker_threads = 0;
   std::atomic<bool> draining{false};
   std::atomic<bool> shutting_down{false};

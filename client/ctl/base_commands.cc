@@ -1,12 +1,11 @@
 #include "base_commands.h"
 
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "status_table.h"
+#include "trainstream/platform/this_process.h"
 
 namespace trainstream::ctl {
 namespace {
@@ -40,7 +39,7 @@ std::string Human(uint64_t bytes) { return HumanBytes(bytes); }
 Status RunBaseCommand(Client& client, const std::string& what, const BaseLoadOptions& load,
                       const std::string& drop_key, bool json) {
   if (what == "load") {
-    const bool tty = isatty(STDERR_FILENO) != 0;
+    const bool tty = platform::StderrIsTerminal();
     const auto started = std::chrono::steady_clock::now();
     bool shown = false;
     BaseInfo info;

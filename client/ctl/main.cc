@@ -1,10 +1,8 @@
 // trainstreamctl: the command-line face of trainstreamd (status, ping, shutdown).
-#include <unistd.h>
-
 #include <CLI/CLI.hpp>
-#include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -12,6 +10,7 @@
 #include "base_commands.h"
 #include "status_table.h"
 #include "trainstream/client.h"
+#include "trainstream/platform/this_process.h"
 
 namespace {
 
@@ -31,15 +30,16 @@ int Fail(const trainstream::Status& s) {
 // The trainstreamd installed beside this binary (the same bin/ of a build tree, a
 // prefix or a Python environment): what a systemd unit's ExecStart should name.
 int PrintDaemonPath() {
-  char self[PATH_MAX];
-  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) {
-    std::fprintf(stderr, "trainstreamctl: cannot read /proc/self/exe\n");
+  namespace platform = trainstream::platform;
+  std::string self;
+  if (int err = platform::CurrentExecutablePath(&self); err != 0) {
+    std::fprintf(stderr, "trainstreamctl: cannot find this program's own file (errno %d)\n", err);
     return 1;
   }
-  std::string path(self, static_cast<size_t>(n));
-  path = path.substr(0, path.rfind('/') + 1) + "trainstreamd";
-  if (access(path.c_str(), X_OK) != 0) {
+  const std::string path =
+      (std::filesystem::u8path(self).parent_path() / platform::ProgramFileName("trainstreamd"))
+          .u8string();
+  if (!platform::MayExecute(path)) {
     std::fprintf(stderr,
                  "trainstreamctl: no executable trainstreamd beside this trainstreamctl (%s)\n",
                  path.c_str());

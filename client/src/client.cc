@@ -1,14 +1,12 @@
 #include "trainstream/client.h"
 
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdint>
 
 #include "client_impl.h"
-#include "socket_path.h"
 #include "status_json.h"
 #include "trainstream/grpc_status.h"
+#include "trainstream/platform/this_process.h"
 
 namespace trainstream {
 namespace {
@@ -18,10 +16,6 @@ using internal::FromGrpc;
 // Control-plane calls are quick, except segment creation, which faults in and
 // possibly locks gigabytes.
 constexpr int kUnaryTimeoutS = 120;
-
-void SetDeadline(grpc::ClientContext* ctx, int seconds) {
-  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
-}
 
 RegionInfo ToInfo(const v1::Region& r) {
   RegionInfo info;
@@ -37,6 +31,14 @@ RegionInfo ToInfo(const v1::Region& r) {
 
 }  // namespace
 
+void PrepareCall(const platform::ControlTarget& target, grpc::ClientContext* ctx, int seconds) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  platform::AddEndpointSecret(target, ctx);
+}
+
+std::string DefaultSocketPath() { return platform::DefaultControlEndpoint(); }
+std::string EmbeddedSocketPath() { return platform::EmbeddedControlEndpoint(); }
+
 // ---------------------------------------------------------------------------
 // Client
 
@@ -48,19 +50,24 @@ Status Client::Connect(const std::string& socket_path, int timeout_ms,
   if (socket_path.empty()) return Status(StatusCode::kInvalidArgument, "socket_path: empty");
   // A socket this uid may not open is reported now, not after the timeout, and
   // not as "no daemon answers" (which makes callers start one of their own).
-  if (std::string denied = internal::DescribeAccessDenied(socket_path); !denied.empty())
+  if (std::string denied = platform::DescribeEndpointAccessDenied(socket_path); !denied.empty())
     return Status(StatusCode::kPermissionDenied, denied);
   auto impl = std::make_unique<Impl>();
   impl->socket_path = socket_path;
+  // Where there is an endpoint file (Windows), no file is no daemon: said now,
+  // as UNAVAILABLE, so a caller may start one.
+  if (std::string why; platform::ResolveControlTarget(socket_path, &impl->target, &why) != 0)
+    return Status(StatusCode::kUnavailable,
+                  "cannot reach trainstreamd at " + socket_path + ": " + why);
   grpc::ChannelArguments args;
   // One connection per client; sessions multiplex over it.
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
   impl->channel =
-      grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
+      grpc::CreateCustomChannel(impl->target.grpc_target, grpc::InsecureChannelCredentials(), args);
   const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms);
   if (!impl->channel->WaitForConnected(deadline)) {
     bool closed_at_once = false;
-    const std::string hint = internal::DescribeUnreachable(socket_path, &closed_at_once);
+    const std::string hint = platform::DescribeEndpointUnreachable(socket_path, &closed_at_once);
     // A daemon that refuses this uid's connection runs: RESOURCE_EXHAUSTED, so
     // that nobody starts another one (UNAVAILABLE says none answers).
     return Status(closed_at_once ? StatusCode::kResourceExhausted : StatusCode::kUnavailable,
@@ -76,7 +83,7 @@ const std::string& Client::socket_path() const { return impl_->socket_path; }
 
 Status Client::Ping(PingResult* out) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, 10);
+  PrepareCall(impl_->target, &ctx, 10);
   v1::PingRequest req;
   v1::PingResponse resp;
   Status s = FromGrpc(impl_->stub->Ping(&ctx, req, &resp), impl_->socket_path);
@@ -90,7 +97,7 @@ Status Client::Ping(PingResult* out) {
 
 Status Client::StatusJson(std::string* out) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, 10);
+  PrepareCall(impl_->target, &ctx, 10);
   v1::StatusRequest req;
   v1::StatusResponse resp;
   Status s = FromGrpc(impl_->stub->Status(&ctx, req, &resp), impl_->socket_path);
@@ -101,7 +108,7 @@ Status Client::StatusJson(std::string* out) {
 
 Status Client::Shutdown(bool drain, uint32_t* sessions_attached) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, 10);
+  PrepareCall(impl_->target, &ctx, 10);
   v1::ShutdownRequest req;
   req.set_drain(drain);
   v1::ShutdownResponse resp;
@@ -113,13 +120,16 @@ Status Client::Shutdown(bool drain, uint32_t* sessions_attached) {
 Status Client::Attach(const AttachOptions& options, std::unique_ptr<Session>* out) {
   auto impl = std::make_unique<Session::Impl>();
   impl->socket_path = impl_->socket_path;
+  impl->target = impl_->target;
   impl->channel = impl_->channel;
   impl->stub = v1::Control::NewStub(impl->channel);
+  // The session lives as long as its stream: no deadline, only the secret.
+  platform::AddEndpointSecret(impl->target, &impl->stream_context);
   impl->stream = impl->stub->Attach(&impl->stream_context);
   v1::SessionMessage msg;
   auto* a = msg.mutable_attach();
   a->set_protocol_version(1);
-  a->set_pid(getpid());
+  a->set_pid(platform::CurrentProcessId());
   a->set_job(options.job);
   a->set_rank(options.rank);
   a->set_local_rank(options.local_rank);
@@ -296,7 +306,7 @@ Status Session::RegisterParameters(const RegisterOptions& options,
   grpc::ClientContext ctx;
   // A group member's registration waits for the other local ranks (at most the
   // group's timeout, enforced by the daemon).
-  SetDeadline(&ctx, kUnaryTimeoutS + static_cast<int>(impl_->group_timeout_s));
+  PrepareCall(impl_->target, &ctx, kUnaryTimeoutS + static_cast<int>(impl_->group_timeout_s));
   v1::RegisterParametersResponse resp;
   Status s = FromGrpc(impl_->stub->RegisterParameters(&ctx, req, &resp), impl_->socket_path);
   if (!s.ok()) return s;
@@ -325,7 +335,7 @@ Status Session::AllocateRegion(uint64_t bytes, const std::string& label,
   req.set_kind(v1::SEGMENT_KIND_SESSION);
   req.set_label(label);
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, kUnaryTimeoutS);
+  PrepareCall(impl_->target, &ctx, kUnaryTimeoutS);
   v1::AllocateRegionResponse resp;
   Status s = FromGrpc(impl_->stub->AllocateRegion(&ctx, req, &resp), impl_->socket_path);
   if (!s.ok()) return s;
@@ -338,7 +348,7 @@ Status Session::FreeRegion(uint64_t region_id, uint64_t* bytes_freed) {
   req.set_session_token(impl_->token);
   req.set_region_id(region_id);
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, kUnaryTimeoutS);
+  PrepareCall(impl_->target, &ctx, kUnaryTimeoutS);
   v1::FreeRegionResponse resp;
   Status s = FromGrpc(impl_->stub->FreeRegion(&ctx, req, &resp), impl_->socket_path);
   if (s.ok() && bytes_freed != nullptr) *bytes_freed = resp.bytes_freed();

@@ -54,11 +54,11 @@ Status MakeRequest(const BaseLoadOptions& options, v1::LoadBaseRequest* req) {
 }
 
 // Runs the LoadBase stream to its end; `done` receives the final event.
-Status RunLoad(v1::Control::Stub* stub, const std::string& socket_path,
-               const v1::LoadBaseRequest& req, const BaseProgressFn& progress,
-               v1::LoadBaseDone* done) {
+Status RunLoad(v1::Control::Stub* stub, const platform::ControlTarget& target,
+               const std::string& socket_path, const v1::LoadBaseRequest& req,
+               const BaseProgressFn& progress, v1::LoadBaseDone* done) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(kLoadTimeoutS));
+  PrepareCall(target, &ctx, kLoadTimeoutS);
   auto reader = stub->LoadBase(&ctx, req);
   v1::LoadBaseEvent event;
   bool got_done = false;
@@ -87,14 +87,14 @@ Status Client::LoadBase(const BaseLoadOptions& options, const BaseProgressFn& pr
   Status s = MakeRequest(options, &req);
   if (!s.ok()) return s;
   v1::LoadBaseDone done;
-  s = RunLoad(impl_->stub.get(), impl_->socket_path, req, progress, &done);
+  s = RunLoad(impl_->stub.get(), impl_->target, impl_->socket_path, req, progress, &done);
   if (s.ok()) ToInfo(done.base(), out);
   return s;
 }
 
 Status Client::ListBases(std::vector<BaseInfo>* out) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(kUnaryTimeoutS));
+  PrepareCall(impl_->target, &ctx, kUnaryTimeoutS);
   v1::ListBasesResponse resp;
   Status s =
       FromGrpc(impl_->stub->ListBases(&ctx, v1::ListBasesRequest(), &resp), impl_->socket_path);
@@ -109,7 +109,7 @@ Status Client::ListBases(std::vector<BaseInfo>* out) {
 
 Status Client::DropBase(const std::string& key, uint64_t* bytes_freed) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(kUnaryTimeoutS));
+  PrepareCall(impl_->target, &ctx, kUnaryTimeoutS);
   v1::DropBaseRequest req;
   req.set_key(key);
   v1::DropBaseResponse resp;
@@ -126,7 +126,7 @@ Status Session::LoadBase(const BaseLoadOptions& options, const BaseProgressFn& p
   req.set_session_id(impl_->id);
   req.set_session_token(impl_->token);
   v1::LoadBaseDone done;
-  s = RunLoad(impl_->stub.get(), impl_->socket_path, req, progress, &done);
+  s = RunLoad(impl_->stub.get(), impl_->target, impl_->socket_path, req, progress, &done);
   if (!s.ok()) return s;
   ToInfo(done.base(), info);
   const v1::Region& r = done.region();
@@ -145,7 +145,7 @@ Status Session::LoadBase(const BaseLoadOptions& options, const BaseProgressFn& p
 
 Status Session::ReleaseBase(const std::string& key) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(kUnaryTimeoutS));
+  PrepareCall(impl_->target, &ctx, kUnaryTimeoutS);
   v1::ReleaseBaseRequest req;
   req.set_session_id(impl_->id);
   req.set_session_token(impl_->token);
@@ -158,7 +158,7 @@ Status Session::ShareBaseVram(const std::string& key, const std::string& pci_bus
                               VramShare* out) {
   grpc::ClientContext ctx;
   // The first call per GPU copies the whole base (seconds for tens of GB).
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(kShareTimeoutS));
+  PrepareCall(impl_->target, &ctx, kShareTimeoutS);
   v1::ShareBaseVramRequest req;
   req.set_session_id(impl_->id);
   req.set_session_token(impl_->token);

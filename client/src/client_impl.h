@@ -11,18 +11,25 @@
 #include <thread>
 
 #include "trainstream/client.h"
+#include "trainstream/platform/control_channel.h"
 #include "trainstream/v1/control.grpc.pb.h"
 
 namespace trainstream {
 
+// Every call's context goes through PrepareCall: its deadline, and the
+// endpoint secret where the system needs one (platform/control_channel.h).
+void PrepareCall(const platform::ControlTarget& target, grpc::ClientContext* ctx, int seconds);
+
 struct Client::Impl {
-  std::string socket_path;
+  std::string socket_path;  // the endpoint: a socket (Linux), an endpoint file (Windows)
+  platform::ControlTarget target;
   std::shared_ptr<grpc::Channel> channel;  // shared with every Session of this client
   std::unique_ptr<v1::Control::Stub> stub;
 };
 
 struct Session::Impl {
   std::string socket_path;
+  platform::ControlTarget target;
   std::shared_ptr<grpc::Channel> channel;  // keeps the connection up while the session lives
   std::unique_ptr<v1::Control::Stub> stub;
   grpc::ClientContext stream_context;

@@ -62,7 +62,7 @@ enum class RingResult { kOk, kEmpty, kFull, kCorrupt };
 
 inline void WakeRing(wire::RingHeader* h) {
   h->wake_seq.fetch_add(1, std::memory_order_release);
-  wire::FutexWake(&h->wake_seq);
+  platform::SharedWordWake(&h->wake_seq);
 }
 
 // The consumer of a ring the client produces (the command ring).
@@ -97,12 +97,11 @@ class ClientRingConsumer {
       RingResult r = TryPop(out);
       if (r != RingResult::kEmpty) return r;
     }
-    const timespec ts{static_cast<time_t>(timeout_ns / 1000000000), timeout_ns % 1000000000};
     header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = header_->wake_seq.load(std::memory_order_acquire);
     RingResult r = TryPop(out);
     if (r == RingResult::kEmpty) {
-      wire::FutexWait(&header_->wake_seq, seen, &ts);
+      platform::SharedWordWait(&header_->wake_seq, seen, timeout_ns);
       r = TryPop(out);
     }
     header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
@@ -115,11 +114,10 @@ class ClientRingConsumer {
   // optimizer_plane.cc).
   void Wait(int64_t timeout_ns) {
     if (!error_.empty()) return;
-    const timespec ts{static_cast<time_t>(timeout_ns / 1000000000), timeout_ns % 1000000000};
     header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = header_->wake_seq.load(std::memory_order_acquire);
     if (header_->tail.load(std::memory_order_acquire) == head_)
-      wire::FutexWait(&header_->wake_seq, seen, &ts);
+      platform::SharedWordWait(&header_->wake_seq, seen, timeout_ns);
     header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
 
@@ -166,7 +164,8 @@ class ClientRingProducer {
     ++tail_;
     header_->tail.store(tail_, std::memory_order_release);
     header_->wake_seq.fetch_add(1, std::memory_order_release);
-    if (header_->sleepers.load(std::memory_order_seq_cst) != 0) wire::FutexWake(&header_->wake_seq);
+    if (header_->sleepers.load(std::memory_order_seq_cst) != 0)
+      platform::SharedWordWake(&header_->wake_seq);
     return RingResult::kOk;
   }
 

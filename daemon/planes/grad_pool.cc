@@ -83,7 +83,7 @@ void GradientPool::Release(uint64_t param_id) {
     header_->released.store(released, std::memory_order_release);
     header_->release_seq.fetch_add(1, std::memory_order_seq_cst);
     if (header_->waiters.load(std::memory_order_seq_cst) != 0)
-      wire::FutexWake(&header_->release_seq);
+      platform::SharedWordWake(&header_->release_seq);
   }
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "log_safe.h"
+#include "trainstream/platform/control_channel.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -76,6 +77,11 @@ void KeepOnlyCallers(const PeerCredentials& caller, const std::set<std::string>&
 
 grpc::Status ControlService::Authorize(grpc::ServerContext* ctx, PeerCredentials* creds) {
   state_->Touch();
+  if (!platform::CallCarriesEndpointSecret(*ctx, state_->endpoint_secret)) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        "the call does not carry the secret of trainstreamd's endpoint file " +
+                            state_->socket_path + " (a client proves it may read that file)");
+  }
   if (!peers_->Lookup(ctx->peer(), creds)) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                         "trainstreamd cannot identify the caller (peer '" + ctx->peer() + "')");

@@ -16,6 +16,7 @@
 //                  never the host).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -29,6 +30,7 @@
 #include <unordered_map>
 
 #include "check.h"
+#include "trainstream/platform/shared_word.h"
 #include "trainstream/wire/grad_pool.h"
 #include "trainstream/wire/ring.h"
 #include "trainstream/wire/session_control.h"
@@ -450,9 +452,8 @@ uint32_t GradPoolWait(uintptr_t header_address, uint32_t seen_seq, int64_t timeo
   h->waiters.store(1, std::memory_order_seq_cst);
   uint32_t now = h->release_seq.load(std::memory_order_seq_cst);
   if (now == seen_seq) {
-    timespec ts{static_cast<time_t>(timeout_ms / 1000),
-                static_cast<long>(timeout_ms % 1000) * 1000000};
-    wire::FutexWait(&h->release_seq, seen_seq, &ts);
+    // A negative timeout returns at once, as it always has (never "forever").
+    platform::SharedWordWait(&h->release_seq, seen_seq, std::max<int64_t>(timeout_ms, 0) * 1000000);
     now = h->release_seq.load(std::memory_order_acquire);
   }
   h->waiters.store(0, std::memory_order_release);

@@ -1,5 +1,3 @@
-#include <cstdlib>
-
 #include "catch_compat.h"
 #include "trainstream/client.h"
 
@@ -13,15 +11,6 @@ TEST_CASE("Status renders code and message", "[client]") {
   CHECK(s.ToString() == "INVALID_ARGUMENT: bytes: must be > 0");
   CHECK(std::string(trainstream::StatusCodeName(StatusCode::kResourceExhausted)) ==
         "RESOURCE_EXHAUSTED");
-}
-
-TEST_CASE("TRAINSTREAM_SOCKET overrides the default socket", "[client]") {
-  setenv("TRAINSTREAM_SOCKET", "/tmp/x/y.sock", 1);
-  CHECK(trainstream::DefaultSocketPath() == "/tmp/x/y.sock");
-  unsetenv("TRAINSTREAM_SOCKET");
-  setenv("XDG_RUNTIME_DIR", "/run/user/1234", 1);
-  CHECK(trainstream::EmbeddedSocketPath() == "/run/user/1234/trainstream/trainstreamd.sock");
-  unsetenv("XDG_RUNTIME_DIR");
 }
 
 TEST_CASE("Connect to a missing socket is UNAVAILABLE naming the path", "[client]") {

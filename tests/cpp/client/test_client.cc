@@ -31,12 +31,8 @@
 //   truncate <segment> <bytes>       ftruncate a file in the shm dir (O_RDWR open)
 //   try_open <segment> <r|rw>        open a segment file; reports errno
 //   try_chmod <segment> <octal>      chmod a segment file; reports errno
-#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -49,7 +45,10 @@
 #include <thread>
 #include <vector>
 
+#include "segment_file_commands.h"
 #include "trainstream/client.h"
+#include "trainstream/platform/control_channel.h"
+#include "trainstream/platform/this_process.h"
 #include "trainstream/v1/control.grpc.pb.h"
 #include "trainstream/wire/ring.h"
 #include "trainstream/wire/session_control.h"
@@ -84,6 +83,7 @@ struct State {
   std::map<uint64_t, std::unique_ptr<trainstream::MappedRegion>> regions;
   std::vector<trainstream::Registration> registrations;
   std::unique_ptr<trainstream::v1::Control::Stub> raw;
+  trainstream::platform::ControlTarget raw_target;  // the raw calls' secret, where there is one
 };
 
 json Run(State& st, const std::string& line) {
@@ -133,7 +133,7 @@ json Run(State& st, const std::string& line) {
               {"region_id", c.region_id},
               {"offset", c.offset},
               {"length", c.length}}},
-            {"pid", getpid()}};
+            {"pid", trainstream::platform::CurrentProcessId()}};
   }
   if (!st.session && cmd != "raw_alloc" && cmd != "raw_free" && cmd != "quit") {
     return {{"ok", false}, {"code", "CLIENT"}, {"message", "not attached"}};
@@ -240,6 +240,7 @@ json Run(State& st, const std::string& line) {
     if (cmd == "raw_alloc") in >> kind;
     in >> sid >> token;
     grpc::ClientContext ctx;
+    trainstream::platform::AddEndpointSecret(st.raw_target, &ctx);
     grpc::Status gs;
     if (cmd == "raw_alloc") {
       trainstream::v1::AllocateRegionRequest req;
@@ -327,21 +328,9 @@ json Run(State& st, const std::string& line) {
     std::string name, arg;
     in >> name >> arg;
     const std::string path = st.session->shm_dir() + "/" + name;
-    int rc = 0;
-    if (cmd == "try_chmod") {
-      rc = chmod(path.c_str(), static_cast<mode_t>(std::stoul(arg, nullptr, 8)));
-    } else {
-      const int flags = cmd == "truncate" || arg == "rw" ? O_RDWR : O_RDONLY;
-      int fd = open(path.c_str(), flags | O_CLOEXEC);
-      rc = fd;
-      if (fd >= 0) {
-        if (cmd == "truncate") rc = ftruncate(fd, static_cast<off_t>(std::stoull(arg)));
-        close(fd);
-      }
-    }
-    if (rc < 0) {
-      return {
-          {"ok", false}, {"code", "ERRNO"}, {"errno", errno}, {"message", std::strerror(errno)}};
+    const int err = RunSegmentFileCommand(cmd, path, arg);
+    if (err != 0) {
+      return {{"ok", false}, {"code", "ERRNO"}, {"errno", err}, {"message", std::strerror(err)}};
     }
     return {{"ok", true}};
   }
@@ -370,8 +359,13 @@ int main(int argc, char** argv) {
     std::cout << Error(s).dump() << std::endl;
     return 3;
   }
+  std::string why;
+  if (trainstream::platform::ResolveControlTarget(st.socket, &st.raw_target, &why) != 0) {
+    std::cout << json{{"ok", false}, {"code", "CLIENT"}, {"message", why}}.dump() << std::endl;
+    return 3;
+  }
   st.raw = trainstream::v1::Control::NewStub(
-      grpc::CreateChannel("unix:" + st.socket, grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(st.raw_target.grpc_target, grpc::InsecureChannelCredentials()));
   if (!args.empty()) {
     std::string line;
     for (const auto& a : args) line += (line.empty() ? "" : " ") + a;

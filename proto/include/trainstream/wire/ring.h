@@ -1,5 +1,6 @@
 // Single-producer/single-consumer ring of fixed-size records in shared memory,
-// woken with a futex on a shared word. No lock is ever held, so a process that
+// woken through a shared word (platform/shared_word.h: a futex on Linux; polled
+// on Windows, Note [Windows polls the shared word]). No lock is ever held, so a process that
 // dies mid-operation cannot wedge its peer (DESIGN.md, "Process model").
 //
 // Layout (all in one mapping, 64-byte aligned):
@@ -10,15 +11,12 @@
 // 64-bit counters; slot = counter & (capacity - 1).
 #pragma once
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <ctime>
+
+#include "trainstream/platform/shared_word.h"
 
 namespace trainstream::wire {
 
@@ -33,22 +31,13 @@ struct alignas(64) RingHeader {
   // Incremented by the producer after each push; the consumer sleeps on it.
   alignas(64) std::atomic<uint32_t> wake_seq;
   // Non-zero while the consumer is (about to be) asleep: the producer only pays
-  // for a futex_wake when someone may be waiting.
+  // for a wake when someone may be waiting.
   std::atomic<uint32_t> sleepers;
 };
 static_assert(sizeof(RingHeader) == 256, "RingHeader layout is part of the wire format");
 
 inline size_t RingBytes(uint64_t capacity, uint32_t record_size) {
   return sizeof(RingHeader) + capacity * record_size;
-}
-
-// Futex on a word in a MAP_SHARED mapping (no FUTEX_PRIVATE_FLAG).
-inline int FutexWait(std::atomic<uint32_t>* word, uint32_t expected, const timespec* timeout) {
-  return static_cast<int>(syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT,
-                                  expected, timeout, nullptr, 0));
-}
-inline void FutexWake(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 // A view of a ring living at `base`. Cheap to copy; does not own the memory.
@@ -90,7 +79,8 @@ class RingView {
     std::memcpy(Slot(tail), record, record_size_);
     header_->tail.store(tail + 1, std::memory_order_release);
     header_->wake_seq.fetch_add(1, std::memory_order_release);
-    if (header_->sleepers.load(std::memory_order_seq_cst) != 0) FutexWake(&header_->wake_seq);
+    if (header_->sleepers.load(std::memory_order_seq_cst) != 0)
+      platform::SharedWordWake(&header_->wake_seq);
     return true;
   }
 
@@ -111,18 +101,11 @@ class RingView {
     for (int spin = 0; spin < 2000; ++spin) {
       if (TryPop(record)) return true;
     }
-    timespec ts{};
-    const timespec* tp = nullptr;
-    if (timeout_ns >= 0) {
-      ts.tv_sec = timeout_ns / 1000000000;
-      ts.tv_nsec = timeout_ns % 1000000000;
-      tp = &ts;
-    }
     header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = header_->wake_seq.load(std::memory_order_acquire);
     bool got = TryPop(record);
     if (!got) {
-      FutexWait(&header_->wake_seq, seen, tp);
+      platform::SharedWordWait(&header_->wake_seq, seen, timeout_ns);
       got = TryPop(record);
     }
     header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
@@ -132,7 +115,7 @@ class RingView {
   // Wakes a consumer blocked in Pop (e.g. to make it notice shutdown).
   void WakeConsumer() {
     header_->wake_seq.fetch_add(1, std::memory_order_release);
-    FutexWake(&header_->wake_seq);
+    platform::SharedWordWake(&header_->wake_seq);
   }
 
   uint64_t size() const {

@@ -1,5 +1,8 @@
-#include "socket_path.h"
-
+// The Linux side of the control channel's seam
+// (trainstream/platform/control_channel.h): the endpoint is the daemon's unix
+// socket, and the kernel names the peer, so calls carry no secret. What a
+// socket path's permissions and a plain connect() say about it is the client's
+// old socket_path.cc, moved.
 #include <fcntl.h>
 #include <grp.h>
 #include <poll.h>
@@ -16,10 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "trainstream/client.h"
+#include "trainstream/platform/control_channel.h"
 
-namespace trainstream {
-namespace internal {
+namespace trainstream::platform {
 namespace {
 
 std::string GroupName(gid_t gid) {
@@ -58,7 +60,7 @@ const char kOtherDaemon[] =
 
 }  // namespace
 
-std::string DescribeAccessDenied(const std::string& socket_path) {
+std::string DescribeEndpointAccessDenied(const std::string& socket_path) {
   // connect() needs write permission on the socket and search permission on
   // every directory above it, for the effective ids (AT_EACCESS).
   if (faccessat(AT_FDCWD, socket_path.c_str(), W_OK, AT_EACCESS) == 0 || errno != EACCES) return "";
@@ -90,7 +92,7 @@ std::string DescribeAccessDenied(const std::string& socket_path) {
          kOtherDaemon;
 }
 
-std::string DescribeUnreachable(const std::string& socket_path, bool* closed_at_once) {
+std::string DescribeEndpointUnreachable(const std::string& socket_path, bool* closed_at_once) {
   *closed_at_once = false;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -108,7 +110,7 @@ std::string DescribeUnreachable(const std::string& socket_path, bool* closed_at_
         "nothing listens on it (a stale socket: trainstreamd is not running; start it with "
         "`trainstreamd`)";
   } else if (err == EACCES || err == EPERM) {
-    why = DescribeAccessDenied(socket_path);
+    why = DescribeEndpointAccessDenied(socket_path);
     if (why.empty()) why = std::string("connect: ") + std::strerror(err);
   } else if (err == EAGAIN) {
     why =
@@ -134,16 +136,14 @@ std::string DescribeUnreachable(const std::string& socket_path, bool* closed_at_
   return why;
 }
 
-}  // namespace internal
-
-std::string EmbeddedSocketPath() {
+std::string EmbeddedControlEndpoint() {
   if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && *xdg != '\0') {
     return std::string(xdg) + "/trainstream/trainstreamd.sock";
   }
   return "/tmp/trainstream-" + std::to_string(geteuid()) + "/trainstreamd.sock";
 }
 
-std::string DefaultSocketPath() {
+std::string DefaultControlEndpoint() {
   if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0')
     return env;
   static const char kSystem[] = "/run/trainstream/trainstreamd.sock";
@@ -152,7 +152,13 @@ std::string DefaultSocketPath() {
   // A system daemon whose directory keeps this uid out is still the one to use:
   // Connect() then says which group to join instead of starting another.
   if (errno == EACCES) return kSystem;
-  return EmbeddedSocketPath();
+  return EmbeddedControlEndpoint();
 }
 
-}  // namespace trainstream
+int ResolveControlTarget(const std::string& endpoint, ControlTarget* out, std::string*) {
+  out->grpc_target = "unix:" + endpoint;
+  out->secret.clear();
+  return 0;
+}
+
+}  // namespace trainstream::platform
