@@ -1,8 +1,5 @@
 #include "config.h"
 
-#include <sched.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -12,6 +9,11 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <thread>
+
+#include "trainstream/platform/default_endpoint.h"
+#include "trainstream/platform/machine.h"
+#include "trainstream/platform/threads.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -200,32 +202,15 @@ Status LoadConfigFile(const std::string& path, DaemonConfig* config) {
   return ParseConfigText(buf.str(), path, config);
 }
 
-std::string DefaultDaemonSocket() {
-  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
-    return env;
-  }
-  if (geteuid() == 0) return "/run/trainstream/trainstreamd.sock";
-  if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && *xdg != '\0') {
-    return std::string(xdg) + "/trainstream/trainstreamd.sock";
-  }
-  return "/tmp/trainstream-" + std::to_string(geteuid()) + "/trainstreamd.sock";
-}
+std::string DefaultDaemonSocket() { return platform::DefaultDaemonEndpoint(); }
 
-uint64_t PhysicalRamBytes() {
-  long pages = sysconf(_SC_PHYS_PAGES);
-  long page = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return 0;
-  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
-}
+uint64_t PhysicalRamBytes() { return platform::PhysicalMemoryBytes(); }
 
 unsigned AvailableCpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
-    return static_cast<unsigned>(CPU_COUNT(&set));
-  }
-  const long online = sysconf(_SC_NPROCESSORS_ONLN);
-  return online > 0 ? static_cast<unsigned>(online) : 1;
+  const size_t allowed = platform::AllowedCpus().size();
+  if (allowed > 0) return static_cast<unsigned>(allowed);
+  const unsigned online = std::thread::hardware_concurrency();
+  return online > 0 ? online : 1;
 }
 
 unsigned BaseLoadThreads(const DaemonConfig& config, unsigned requested) {

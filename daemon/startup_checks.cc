@@ -1,6 +1,5 @@
 #include "startup_checks.h"
 
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +10,8 @@
 #include "config.h"
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
+#include "trainstream/platform/machine.h"
+#include "trainstream/platform/user.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -24,12 +25,8 @@ StartupFacts GatherStartupFacts(const std::string& shm_dir, uint64_t budget, boo
   f.shm_dir = shm_dir;
   f.budget = budget;
   f.lock_memory = lock_memory;
-  f.privileged = geteuid() == 0;
-  struct rlimit rl {};
-  if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
-    f.memlock_limit =
-        rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);
-  }
+  f.privileged = platform::RunsPrivileged();
+  f.memlock_limit = platform::LockedMemoryLimit();
   f.ram_bytes = PhysicalRamBytes();
   return f;
 }

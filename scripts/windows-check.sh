@@ -124,7 +124,26 @@ service_cycle() {
   rm -f "$marker_unix"
   return $rc
 }
+# trainstreamctl.exe with no daemon: it must fail (exit 3, UNAVAILABLE) and
+# name the endpoint file it looked for. Its output is in <logs>/ctl-no-daemon.log.
+ctl_without_daemon() {
+  local ctl=$build/bin/trainstreamctl.exe
+  [[ -e $ctl ]] || { echo "no $ctl"; return 1; }
+  local endpoint='C:\trainstream-check-'$$'\trainstreamd.endpoint'
+  TRAINSTREAM_SOCKET=$endpoint "$wine" "$ctl" ping
+  local rc=$?
+  echo "exit: $rc"
+  [[ $rc -eq 3 ]] || return 1
+}
 if [[ -z ${TESTS:-} ]]; then
+  if ctl_without_daemon > "$logs/ctl-no-daemon.log" 2>&1 &&
+    grep -qF "there is no endpoint file C:\\trainstream-check-$$\\trainstreamd.endpoint" \
+      "$logs/ctl-no-daemon.log"; then
+    echo "PASS  trainstreamctl.exe ping without a daemon: exit 3, names the missing endpoint file"
+  else
+    failed+=("ctl-no-daemon")
+    echo "FAIL  trainstreamctl.exe ping without a daemon (log: $logs/ctl-no-daemon.log)"
+  fi
   t0=$(date +%s)
   if service_cycle > "$logs/service-cycle.log" 2>&1; then
     echo "PASS  service cycle (sc create, start, stop, delete; $(($(date +%s) - t0)) s)"

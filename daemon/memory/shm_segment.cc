@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -18,6 +17,7 @@
 #include "memory/budget.h"
 #include "memory/client_memory_guard.h"
 #include "token.h"
+#include "trainstream/platform/machine.h"
 #include "trainstream/platform/shm.h"
 #include "trainstream/v1/control.pb.h"
 
@@ -102,11 +102,7 @@ ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag,
 }
 
 bool FilesystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* total_bytes) {
-  struct statvfs st {};
-  if (statvfs(dir.c_str(), &st) != 0) return false;
-  *free_bytes = static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
-  *total_bytes = static_cast<uint64_t>(st.f_blocks) * st.f_frsize;
-  return true;
+  return platform::FileSystemSpace(dir, free_bytes, total_bytes) == 0;
 }
 
 Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_bytes,

@@ -155,6 +155,14 @@ std::string DefaultControlEndpoint() {
   return EmbeddedControlEndpoint();
 }
 
+std::string DefaultDaemonEndpoint() {
+  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  if (geteuid() == 0) return "/run/trainstream/trainstreamd.sock";
+  return EmbeddedControlEndpoint();
+}
+
 int ResolveControlTarget(const std::string& endpoint, ControlTarget* out, std::string*) {
   out->grpc_target = "unix:" + endpoint;
   out->secret.clear();

@@ -16,6 +16,7 @@
 
 #include "trainstream/platform/control_channel.h"
 #include "trainstream/platform/endpoint.h"
+#include "trainstream/platform/user.h"
 
 namespace trainstream::platform {
 namespace {
@@ -56,6 +57,13 @@ std::string DefaultControlEndpoint() {
   std::error_code ec;
   if (std::filesystem::exists(std::filesystem::u8path(system), ec)) return system;
   return EmbeddedControlEndpoint();
+}
+
+std::string DefaultDaemonEndpoint() {
+  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  return RunsPrivileged() ? SystemControlEndpoint() : EmbeddedControlEndpoint();
 }
 
 int ResolveControlTarget(const std::string& endpoint, ControlTarget* out, std::string* why) {

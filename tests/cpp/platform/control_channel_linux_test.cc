@@ -1,5 +1,7 @@
 // The Linux side of the control channel (control_channel_linux.cc): the
 // endpoint is the unix socket itself, and calls carry no secret.
+#include <unistd.h>
+
 #include <cstdlib>
 #include <string>
 
@@ -33,4 +35,16 @@ TEST_CASE("on Linux TRAINSTREAM_SOCKET and XDG_RUNTIME_DIR pick the endpoint",
   setenv("XDG_RUNTIME_DIR", "/run/user/1234", 1);
   CHECK(platform::EmbeddedControlEndpoint() == "/run/user/1234/trainstream/trainstreamd.sock");
   unsetenv("XDG_RUNTIME_DIR");
+}
+
+TEST_CASE("on Linux a daemon serves at TRAINSTREAM_SOCKET, else root's or the user's socket",
+          "[control_channel]") {
+  setenv("TRAINSTREAM_SOCKET", "/tmp/x/d.sock", 1);
+  CHECK(platform::DefaultDaemonEndpoint() == "/tmp/x/d.sock");
+  unsetenv("TRAINSTREAM_SOCKET");
+  if (geteuid() == 0) {
+    CHECK(platform::DefaultDaemonEndpoint() == "/run/trainstream/trainstreamd.sock");
+  } else {
+    CHECK(platform::DefaultDaemonEndpoint() == platform::EmbeddedControlEndpoint());
+  }
 }

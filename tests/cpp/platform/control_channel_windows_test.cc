@@ -15,6 +15,7 @@
 #include "control_channel_loopback.h"
 #include "trainstream/platform/control_channel.h"
 #include "trainstream/platform/endpoint.h"
+#include "trainstream/platform/user.h"
 #include "trainstream/v1/control.grpc.pb.h"
 
 namespace fs = std::filesystem;
@@ -113,4 +114,20 @@ TEST_CASE("on Windows TRAINSTREAM_SOCKET names the endpoint file", "[control_cha
   const std::string embedded = platform::EmbeddedControlEndpoint();
   CHECK(embedded.size() > std::string("\\TrainStream\\trainstreamd.endpoint").size());
   CHECK(embedded.find("\\TrainStream\\trainstreamd.endpoint") != std::string::npos);
+}
+
+TEST_CASE("on Windows a privileged daemon serves in ProgramData, another in its profile",
+          "[control_channel]") {
+  _putenv_s("TRAINSTREAM_SOCKET", "C:\\x\\d.endpoint");
+  CHECK(platform::DefaultDaemonEndpoint() == "C:\\x\\d.endpoint");
+  _putenv_s("TRAINSTREAM_SOCKET", "");
+  const std::string endpoint = platform::DefaultDaemonEndpoint();
+  if (platform::RunsPrivileged()) {
+    CHECK(endpoint != platform::EmbeddedControlEndpoint());
+    const char* program_data = std::getenv("ProgramData");
+    REQUIRE(program_data != nullptr);
+    CHECK(endpoint == std::string(program_data) + "\\TrainStream\\trainstreamd.endpoint");
+  } else {
+    CHECK(endpoint == platform::EmbeddedControlEndpoint());
+  }
 }

@@ -18,6 +18,8 @@
 
 #include <string>
 
+#include "trainstream/platform/default_endpoint.h"
+
 namespace trainstream::platform {
 
 // The metadata key of the endpoint secret (lowercase: gRPC's rule for keys).
@@ -28,20 +30,6 @@ struct ControlTarget {
   std::string grpc_target;  // "unix:/run/trainstream/trainstreamd.sock", "127.0.0.1:50123"
   std::string secret;       // empty where the kernel names the peer (Linux)
 };
-
-// The endpoint a client uses when none is given. Linux: $TRAINSTREAM_SOCKET,
-// else the system service's /run/trainstream/trainstreamd.sock if it exists
-// (or its directory keeps this uid out: connecting then says so), else the
-// per-user embedded socket. Windows: %TRAINSTREAM_SOCKET% (an endpoint file),
-// else the system service's %ProgramData%\TrainStream\trainstreamd.endpoint
-// if it exists, else the per-user one.
-std::string DefaultControlEndpoint();
-
-// The per-user embedded daemon's endpoint, whether or not it exists. Linux:
-// $XDG_RUNTIME_DIR/trainstream/trainstreamd.sock, else
-// /tmp/trainstream-$UID/trainstreamd.sock. Windows:
-// %LOCALAPPDATA%\TrainStream\trainstreamd.endpoint.
-std::string EmbeddedControlEndpoint();
 
 // Resolves `endpoint` into a target. Linux: "unix:" + endpoint, no secret,
 // always 0. Windows: reads the endpoint file; ENOENT when there is none (no
