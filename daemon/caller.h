@@ -8,15 +8,17 @@
 
 #include <vector>
 
+#include "trainstream/platform/user.h"
+
 namespace trainstream::daemon {
 
 struct PeerCredentials {
   pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
-  std::vector<gid_t> groups;  // supplementary groups (SO_PEERGROUPS)
-  bool allowed = false;       // may use the daemon
-  bool admin = false;         // may also shut it down
+  platform::UserId uid = 0;
+  platform::GroupId gid = 0;
+  std::vector<platform::GroupId> groups;  // supplementary groups (SO_PEERGROUPS)
+  bool allowed = false;                   // may use the daemon
+  bool admin = false;                     // may also shut it down
 };
 
 }  // namespace trainstream::daemon

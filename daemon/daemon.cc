@@ -13,13 +13,12 @@
 // (Note [No code in signal handlers], platform/stop_signals.h).
 #include "daemon.h"
 
-#include <fcntl.h>
 #include <spdlog/spdlog.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -34,8 +33,11 @@
 #include "planes/optimizer_service.h"
 #include "sessions/session_registry.h"
 #include "startup_checks.h"
+#include "trainstream/platform/files.h"
 #include "trainstream/platform/process_watcher.h"
 #include "trainstream/platform/stop_signals.h"
+#include "trainstream/platform/this_process.h"
+#include "trainstream/platform/user.h"
 #include "transport/control_server.h"
 #include "transport/peer_credentials.h"
 #include "transport/unix_listener.h"
@@ -52,13 +54,10 @@ namespace {
 void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry) {
   const std::string tag = SegmentTagFor(config.socket_path);
   const std::string lock_path = config.socket_path + ".lock";
-  int fd = open(lock_path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  // The lock file exists (the listener holds it); without it there is nothing
+  // to read or to record into.
   std::string previous;
-  if (fd >= 0) {
-    char buf[4096];
-    const ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
-    if (n > 0) previous.assign(buf, static_cast<size_t>(n));
-  }
+  const int lock_err = platform::ReadFilePrefix(lock_path, 4095, &previous);
   std::string previous_pid = "?", previous_dir;
   for (size_t at = 0; at < previous.size();) {
     size_t nl = previous.find('\n', at);
@@ -93,18 +92,17 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
     }
     if (!r.error.empty()) spdlog::warn("reclaiming segments in {}: {}", dir, r.error);
   }
-  if (fd < 0) return;
+  if (lock_err != 0) return;
   const std::string identity =
-      "pid=" + std::to_string(getpid()) + "\nshm_dir=" + config.shm_dir + "\nstarted_unix_ns=" +
+      "pid=" + std::to_string(platform::CurrentProcessId()) + "\nshm_dir=" + config.shm_dir +
+      "\nstarted_unix_ns=" +
       std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
                          std::chrono::system_clock::now().time_since_epoch())
                          .count()) +
       "\n";
-  if (ftruncate(fd, 0) != 0 ||
-      pwrite(fd, identity.data(), identity.size(), 0) != static_cast<ssize_t>(identity.size())) {
-    spdlog::warn("cannot record this daemon in {}: {}", lock_path, std::strerror(errno));
+  if (const int err = platform::OverwriteFile(lock_path, identity); err != 0) {
+    spdlog::warn("cannot record this daemon in {}: {}", lock_path, std::strerror(err));
   }
-  close(fd);
 }
 
 // Note [A restart keeps the optimizer state]
@@ -124,7 +122,7 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
       "left for the next daemon on this socket to adopt (recovery_grace {} s)",
       sessions, grace_s);
   spdlog::default_logger()->flush();
-  _exit(0);
+  std::_Exit(0);
 }
 
 }  // namespace
@@ -154,8 +152,9 @@ int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
   for (const auto& w : report.warnings) spdlog::warn("{}", w);
 
   std::unique_ptr<UnixListener> listener;
-  const gid_t socket_gid =
-      policy.has_allow_group() && geteuid() == 0 ? policy.allow_gid() : static_cast<gid_t>(-1);
+  const platform::GroupId socket_gid = policy.has_allow_group() && platform::RunsPrivileged()
+                                           ? policy.allow_gid()
+                                           : static_cast<platform::GroupId>(-1);
   if (auto s = UnixListener::Bind(config.socket_path, 0660, socket_gid, &listener); !s.ok()) {
     return refuse(s.message());
   }
@@ -219,7 +218,7 @@ int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
   });
   spdlog::info("trainstreamd {} ready: socket={} shm_dir={} budget={} ({} bytes) workers={} pid={}",
                kDaemonVersion, config.socket_path, config.shm_dir, HumanBytes(budget_bytes),
-               budget_bytes, state.worker_threads, getpid());
+               budget_bytes, state.worker_threads, platform::CurrentProcessId());
   ready(nullptr);
 
   std::string why = "shutdown requested";

@@ -1,8 +1,5 @@
 #include "startup_checks.h"
 
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -10,6 +7,7 @@
 #include "config.h"
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
+#include "trainstream/platform/files.h"
 #include "trainstream/platform/machine.h"
 #include "trainstream/platform/user.h"
 
@@ -33,19 +31,16 @@ StartupFacts GatherStartupFacts(const std::string& shm_dir, uint64_t budget, boo
 
 StartupReport CheckStartup(const StartupFacts& f) {
   StartupReport r;
-  struct stat st {};
-  if (stat(f.shm_dir.c_str(), &st) != 0) {
-    r.error = "shm directory " + f.shm_dir + ": " + std::strerror(errno) +
-              " (create it, or choose another with --shm-dir / shm_dir)";
-    return r;
-  }
-  if (!S_ISDIR(st.st_mode)) {
+  if (const int err = platform::CheckWritableDirectory(f.shm_dir); err == ENOTDIR) {
     r.error = "shm directory " + f.shm_dir + " is not a directory";
     return r;
-  }
-  if (access(f.shm_dir.c_str(), W_OK | X_OK) != 0) {
-    r.error = "shm directory " + f.shm_dir + " is not writable by uid " +
-              std::to_string(geteuid()) + ": " + std::strerror(errno);
+  } else if (err == EACCES || err == EPERM || err == EROFS) {
+    r.error = "shm directory " + f.shm_dir + " is not writable by " +
+              platform::DescribeCurrentUser() + ": " + std::strerror(err);
+    return r;
+  } else if (err != 0) {
+    r.error = "shm directory " + f.shm_dir + ": " + std::strerror(err) +
+              " (create it, or choose another with --shm-dir / shm_dir)";
     return r;
   }
   if (f.budget == 0) {

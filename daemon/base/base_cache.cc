@@ -9,12 +9,13 @@
 #include <cstdio>
 
 #include "log_safe.h"
+#include "trainstream/platform/user.h"
 #include "trainstream/v1/control.pb.h"
 
 namespace trainstream::daemon::base {
 namespace {
 
-std::string MakeKey(const BasePlan& plan, uid_t owner) {
+std::string MakeKey(const BasePlan& plan, platform::UserId owner) {
   char buf[96];
   std::snprintf(buf, sizeof(buf), "%016" PRIx64 "-%s-%" PRId64 "-u%u", plan.identity_hash,
                 plan.format_name.c_str(), plan.block_size, static_cast<unsigned>(owner));

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <thread>
 
+#include "trainstream/platform/user.h"
+
 namespace trainstream::daemon::base {
 namespace {
 
@@ -182,7 +184,7 @@ Status OpenModelAsCaller(const PeerCredentials& caller, const std::string& path,
                       "' is not an absolute path (give the .safetensors file or the model "
                       "folder as an absolute path)");
   }
-  const uid_t daemon_uid = geteuid();
+  const platform::UserId daemon_uid = geteuid();
   if (daemon_uid != 0 && caller.uid != daemon_uid) {
     return Status(StatusCode::kPermissionDenied,
                   "path: trainstreamd runs as uid " + std::to_string(daemon_uid) +
@@ -194,11 +196,13 @@ Status OpenModelAsCaller(const PeerCredentials& caller, const std::string& path,
   std::thread opener([&] {
     if (daemon_uid == 0 && caller.uid != 0) {
       // Thread-local identity switch; see the Note in model_sources.h.
-      std::vector<gid_t> groups = caller.groups;
+      std::vector<platform::GroupId> groups = caller.groups;
       if (syscall(SYS_setgroups, groups.size(), groups.data()) != 0 ||
           syscall(SYS_setfsgid, caller.gid) < 0 || syscall(SYS_setfsuid, caller.uid) < 0 ||
-          static_cast<uid_t>(syscall(SYS_setfsuid, static_cast<uid_t>(-1))) != caller.uid ||
-          static_cast<gid_t>(syscall(SYS_setfsgid, static_cast<gid_t>(-1))) != caller.gid) {
+          static_cast<platform::UserId>(syscall(SYS_setfsuid, static_cast<platform::UserId>(-1))) !=
+              caller.uid ||
+          static_cast<platform::GroupId>(
+              syscall(SYS_setfsgid, static_cast<platform::GroupId>(-1))) != caller.gid) {
         result = Status(StatusCode::kInternal, "cannot take uid " + std::to_string(caller.uid) +
                                                    "'s filesystem credentials to open " + path +
                                                    ": " + std::strerror(errno));

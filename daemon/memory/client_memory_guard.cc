@@ -1,14 +1,12 @@
 #include "memory/client_memory_guard.h"
 
-#include <signal.h>
-#include <sys/eventfd.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <mutex>
+
+#include "trainstream/platform/mapping_faults.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -17,7 +15,8 @@ namespace {
 // -> kReported (TakeFaults returned it) -> kFree (Unregister).
 enum : uint32_t { kFree = 0, kClaimed, kActive, kFaulted, kReported };
 
-// Read by the signal handler, so only lock-free atomics (no allocation, no locks).
+// Read by the fault handler (a signal handler on Linux), so only lock-free atomics (no allocation,
+// no locks).
 struct Range {
   std::atomic<uint32_t> state{kFree};
   std::atomic<uintptr_t> begin{0};
@@ -28,13 +27,14 @@ static_assert(std::atomic<uintptr_t>::is_always_lock_free, "used in a signal han
 
 Range g_ranges[ClientMemoryGuard::kMaxRanges];
 std::atomic<size_t> g_high{0};  // ranges [0, g_high) may be in use
-std::atomic<int> g_event_fd{-1};
-struct sigaction g_previous {};
+// Set by the fault handler: the session layer's reaper wakes on it.
+std::unique_ptr<platform::WakeEvent> g_fault_event;
 std::once_flag g_install_once;
 std::string g_install_error;
 
-void OnSigbus(int sig, siginfo_t* info, void* ucontext) {
-  const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
+// The seam's fault handler (platform/mapping_faults.h): true when `addr` is in
+// a guarded range, which it then replaced with zero pages.
+bool OnMappingFault(uintptr_t addr) {
   const size_t high = g_high.load(std::memory_order_acquire);
   for (size_t i = 0; i < high; ++i) {
     Range& r = g_ranges[i];
@@ -45,51 +45,25 @@ void OnSigbus(int sig, siginfo_t* info, void* ucontext) {
     if (addr < b || addr >= e) continue;
     // Replace the whole mapping: the client's file is no longer trusted, and
     // the next access retries on these private zero pages.
-    const int saved_errno = errno;
-    void* p = mmap(reinterpret_cast<void*>(b), e - b, PROT_READ | PROT_WRITE,
-                   MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    const bool replaced = platform::ReplaceWithZeroPages(b, e - b);
     uint32_t expected = kActive;
     r.state.compare_exchange_strong(expected, kFaulted, std::memory_order_acq_rel);
-    const int fd = g_event_fd.load(std::memory_order_relaxed);
-    if (fd >= 0) {
-      const uint64_t one = 1;
-      ssize_t ignored = write(fd, &one, sizeof(one));
-      (void)ignored;
-    }
-    errno = saved_errno;
-    if (p != MAP_FAILED) return;
-    break;  // cannot repair: die as we would have
+    if (g_fault_event) g_fault_event->Set();
+    return replaced;  // cannot repair: die as we would have
   }
-  // Not client memory: a daemon bug. Hand it to whoever handled SIGBUS before,
-  // or die of it (the access re-faults with the default action restored).
-  if ((g_previous.sa_flags & SA_SIGINFO) != 0 && g_previous.sa_sigaction != nullptr) {
-    g_previous.sa_sigaction(sig, info, ucontext);
-    return;
-  }
-  if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN &&
-      g_previous.sa_handler != nullptr) {
-    g_previous.sa_handler(sig);
-    return;
-  }
-  signal(SIGBUS, SIG_DFL);
+  return false;
 }
 
 }  // namespace
 
 Status ClientMemoryGuard::Install() {
   std::call_once(g_install_once, [] {
-    const int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (fd < 0) {
-      g_install_error = std::string("eventfd: ") + std::strerror(errno);
+    if (int err = platform::WakeEvent::Create(&g_fault_event); err != 0) {
+      g_install_error = std::string("cannot create the fault wake-up: ") + std::strerror(err);
       return;
     }
-    g_event_fd.store(fd);
-    struct sigaction sa {};
-    sa.sa_sigaction = OnSigbus;
-    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
-    sigemptyset(&sa.sa_mask);
-    if (sigaction(SIGBUS, &sa, &g_previous) != 0)
-      g_install_error = std::string("sigaction(SIGBUS): ") + std::strerror(errno);
+    std::string why;
+    if (platform::InstallMappingFaultHandler(OnMappingFault, &why) != 0) g_install_error = why;
   });
   if (g_install_error.empty()) return Status::Ok();
   return Status(StatusCode::kInternal, g_install_error);
@@ -131,15 +105,10 @@ bool ClientMemoryGuard::Faulted(int handle) {
   return st == kFaulted || st == kReported;
 }
 
-int ClientMemoryGuard::FaultEventFd() { return g_event_fd.load(); }
+platform::WakeEvent* ClientMemoryGuard::FaultEvent() { return g_fault_event.get(); }
 
 std::vector<uint64_t> ClientMemoryGuard::TakeFaults() {
-  const int fd = g_event_fd.load();
-  if (fd >= 0) {
-    uint64_t v;
-    ssize_t ignored = read(fd, &v, sizeof(v));
-    (void)ignored;
-  }
+  if (g_fault_event) g_fault_event->Clear();
   std::vector<uint64_t> owners;
   const size_t high = g_high.load(std::memory_order_acquire);
   for (size_t i = 0; i < high; ++i) {

@@ -34,14 +34,20 @@
 
 #include "trainstream/status.h"
 
+namespace trainstream::platform {
+class WakeEvent;
+}
+
 namespace trainstream::daemon {
 
+// The faults themselves are the platform seam's (platform/mapping_faults.h:
+// SIGBUS on Linux; none on Windows, where a mapped file cannot shrink).
 class ClientMemoryGuard {
  public:
   // Ranges one daemon may guard at once (one per segment). Register fails past it.
   static constexpr size_t kMaxRanges = size_t{1} << 17;
 
-  // Installs the SIGBUS handler once per process; later calls do nothing but
+  // Installs the fault handler (SIGBUS) once per process; later calls do nothing but
   // answer the same. INTERNAL says why it could not.
   static Status Install();
 
@@ -57,9 +63,9 @@ class ClientMemoryGuard {
   // True once the range of `handle` faulted (its contents are zeros since).
   static bool Faulted(int handle);
 
-  // An eventfd that becomes readable after a fault; TakeFaults() drains it and
+  // Set after a fault (null before Install); TakeFaults() clears it and
   // returns the owners of ranges that faulted since the last call (each once).
-  static int FaultEventFd();
+  static platform::WakeEvent* FaultEvent();
   static std::vector<uint64_t> TakeFaults();
 };
 

@@ -1,24 +1,21 @@
 #include "memory/shm_segment.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/xattr.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <new>
+#include <string>
+#include <vector>
 
 #include "memory/budget.h"
 #include "memory/client_memory_guard.h"
 #include "token.h"
+#include "trainstream/platform/files.h"
 #include "trainstream/platform/machine.h"
 #include "trainstream/platform/shm.h"
+#include "trainstream/platform/user.h"
 #include "trainstream/v1/control.pb.h"
 
 namespace trainstream::daemon {
@@ -27,29 +24,17 @@ namespace {
 
 std::string g_segment_tag;  // set once at startup (SetSegmentTag)
 
-// A "system.posix_acl_access" value (the kernel's xattr ACL format, version 2:
-// entries of tag, permission and id): user::`perm`, user:<uid>:`perm`,
-// group::-, mask::`perm`, other::-.
-std::string AclFor(uid_t uid, uint16_t perm) {
-  struct Entry {
-    uint16_t tag, perm;
-    uint32_t id;
-  };
-  constexpr uint16_t kUserObj = 0x01, kUser = 0x02, kGroupObj = 0x04, kMask = 0x10, kOther = 0x20;
-  constexpr uint32_t kUndefined = 0xffffffffu;
-  const uint32_t version = 2;
-  const Entry entries[] = {{kUserObj, perm, kUndefined},
-                           {kUser, perm, static_cast<uint32_t>(uid)},
-                           {kGroupObj, 0, kUndefined},
-                           {kMask, perm, kUndefined},
-                           {kOther, 0, kUndefined}};
-  std::string value(reinterpret_cast<const char*>(&version), sizeof(version));
-  value.append(reinterpret_cast<const char*>(entries), sizeof(entries));
-  return value;
+// The segment header at the start of the regular file `path`, read without a
+// mapping (Note [Segments through Boost.Interprocess]) and without following a
+// link. False when it cannot be read or is not a segment's.
+bool PeekSegmentHeader(const std::string& path, wire::SegmentHeader* h) {
+  std::string head;
+  if (platform::ReadFilePrefix(path, sizeof(*h), &head) != 0 || head.size() != sizeof(*h)) {
+    return false;
+  }
+  std::memcpy(static_cast<void*>(h), head.data(), sizeof(*h));
+  return h->magic == wire::kSegmentMagic;
 }
-
-// Read access for `uid` to a file owned by root (bases: Note [Who may open a segment]).
-std::string ReadOnlyAclFor(uid_t uid) { return AclFor(uid, 4); }
 
 }  // namespace
 
@@ -67,37 +52,29 @@ ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag,
                               const std::set<std::string>& keep) {
   ReclaimResult out;
   const std::string prefix = "trainstream-" + tag + "-";
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) {
-    out.error = "opendir " + dir + ": " + std::strerror(errno);
+  std::vector<platform::DirectoryEntry> entries;
+  if (int err = platform::ListDirectory(dir, &entries); err != 0) {
+    out.error = "cannot list " + dir + ": " + std::strerror(err);
     return out;
   }
-  while (dirent* e = readdir(d)) {
-    const std::string name = e->d_name;
+  for (const auto& e : entries) {
+    const std::string& name = e.name;
     if (name.compare(0, prefix.size(), prefix) != 0 || keep.count(name) != 0) continue;
+    // The listing's kind, not the file: the systemd unit's root lacks
+    // CAP_DAC_OVERRIDE, so a client's 0600 session segment may not open, but it
+    // still unlinks (CAP_FOWNER in the sticky /dev/shm). Links are left alone.
+    if (e.kind != platform::FileKind::kRegular) continue;
     const std::string path = dir + "/" + name;
-    // POSIX, not the seam: a listing, an lstat and a pread are no mapping (Note
-    // [Segments through Boost.Interprocess]).
-    // lstat, not the file: the systemd unit's root lacks CAP_DAC_OVERRIDE, so a
-    // client's 0600 session segment may not open, but it still unlinks
-    // (CAP_FOWNER in the sticky /dev/shm).
-    struct stat st {};
-    if (lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
     wire::SegmentHeader h{};
-    bool has_header = false;
-    if (int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK); fd >= 0) {
-      has_header = pread(fd, &h, sizeof(h), 0) == sizeof(h) && h.magic == wire::kSegmentMagic;
-      close(fd);
-    }
-    if (unlink(path.c_str()) != 0) {
-      if (out.error.empty()) out.error = "unlink " + path + ": " + std::strerror(errno);
+    const bool has_header = PeekSegmentHeader(path, &h);
+    if (int err = platform::RemoveFile(path); err != 0) {
+      if (out.error.empty()) out.error = "cannot remove " + path + ": " + std::strerror(err);
       continue;
     }
     ++out.files;
-    out.bytes += static_cast<uint64_t>(st.st_size);
+    out.bytes += e.size;
     if (has_header && h.kind == v1::SEGMENT_KIND_STATE) ++out.state_segments;
   }
-  closedir(d);
   return out;
 }
 
@@ -178,61 +155,45 @@ Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_
   h->rank = owner.rank;
   h->local_rank = owner.local_rank;
   // Note [Who may open a segment]: only session segments become the client's.
-  // fchown is POSIX on the seam's handle (Boost knows no owners).
-  if (kind == v1::SEGMENT_KIND_SESSION && geteuid() == 0 && owner.uid != 0 &&
-      fchown(file.native_handle(), owner.uid, static_cast<gid_t>(-1)) != 0) {
-    return Status(StatusCode::kInternal, "fchown " + seg->path_ + " to uid " +
-                                             std::to_string(owner.uid) + ": " +
-                                             std::strerror(errno));
+  if (kind == v1::SEGMENT_KIND_SESSION && platform::RunsPrivileged() && owner.uid != 0) {
+    if (int err = file.GiveTo(owner.uid); err != 0) {
+      return Status(StatusCode::kInternal, "cannot give " + seg->path_ + " to uid " +
+                                               std::to_string(owner.uid) + ": " +
+                                               std::strerror(err));
+    }
   }
   *out = std::move(seg);
   return Status::Ok();
 }
 
 Status ShmSegment::ShareReadOnly() {
-  // Note [Why base segments are read-only] (wire/base_manifest.h). Ownership
-  // and ACLs are POSIX, by path (Note [Segments through Boost.Interprocess]).
-  if (geteuid() == 0 && share_uid_ != 0) {
-    const std::string acl = ReadOnlyAclFor(share_uid_);
-    if (chmod(path_.c_str(), 0440) == 0 &&
-        setxattr(path_.c_str(), "system.posix_acl_access", acl.data(), acl.size(), 0) == 0) {
-      return Status::Ok();
-    }
-    // No ACLs here: the old way, the owner's own file at 0400.
-    if (chown(path_.c_str(), share_uid_, static_cast<gid_t>(-1)) != 0)
-      return Status(StatusCode::kInternal, "chown " + path_ + ": " + std::strerror(errno));
+  // Note [Why base segments are read-only] (wire/base_manifest.h).
+  if (int err = platform::ShmFile::ShareReadOnly(dir_, name_, share_uid_); err != 0) {
+    return Status(StatusCode::kInternal,
+                  "cannot make " + path_ + " read-only: " + std::strerror(err));
   }
-  if (chmod(path_.c_str(), 0400) != 0)
-    return Status(StatusCode::kInternal, "chmod 0400 " + path_ + ": " + std::strerror(errno));
   return Status::Ok();
 }
 
 Status ShmSegment::Adopt(const std::string& dir, const std::string& name, uint32_t kind,
-                         uid_t owner_uid, uint64_t expected_bytes, bool lock,
+                         platform::UserId owner_uid, uint64_t expected_bytes, bool lock,
                          std::unique_ptr<ShmSegment>* out) {
   const std::string path = dir + "/" + name;
   auto refuse = [&](const std::string& why) {
     return Status(StatusCode::kFailedPrecondition, "cannot adopt " + path + ": " + why);
   };
   platform::ShmFile file;
-  int err = platform::ShmFile::Open(dir, name, platform::ShmAccess::kReadWrite, &file);
-  if (err == EACCES && geteuid() == 0) {
-    // A client's 0600 session segment and a root daemon without
-    // CAP_DAC_OVERRIDE (the systemd unit): CAP_FOWNER may still name root in
-    // the file's ACL, and then it opens.
-    const std::string acl = AclFor(0, 6);
-    if (setxattr(path.c_str(), "system.posix_acl_access", acl.data(), acl.size(), 0) == 0)
-      err = platform::ShmFile::Open(dir, name, platform::ShmAccess::kReadWrite, &file);
+  if (int err = platform::ShmFile::OpenForAdoption(dir, name, &file); err != 0) {
+    return refuse(std::strerror(err));
   }
-  if (err != 0) return refuse(std::strerror(err));
-  struct stat st {};
-  if (fstat(file.native_handle(), &st) != 0) return refuse(std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) return refuse("not a regular file");
-  if (st.st_nlink != 1) return refuse("it has " + std::to_string(st.st_nlink) + " links");
-  if (st.st_uid != owner_uid)
-    return refuse("owned by uid " + std::to_string(st.st_uid) + ", expected uid " +
+  platform::ShmFileFacts facts;
+  if (int err = file.Describe(&facts); err != 0) return refuse(std::strerror(err));
+  if (!facts.regular) return refuse("not a regular file");
+  if (facts.links != 1) return refuse("it has " + std::to_string(facts.links) + " links");
+  if (facts.owner != owner_uid)
+    return refuse("owned by uid " + std::to_string(facts.owner) + ", expected uid " +
                   std::to_string(owner_uid));
-  const uint64_t bytes = static_cast<uint64_t>(st.st_size);
+  const uint64_t bytes = facts.bytes;
   if (bytes < wire::kSegmentHeaderBytes || bytes % 4096 != 0)
     return refuse("size " + std::to_string(bytes) + " is not a segment's");
   if (expected_bytes != 0 && bytes != expected_bytes)
@@ -282,8 +243,7 @@ ShmSegment::~ShmSegment() {
   if (mapping_ != nullptr) {
     // Note [Client pages can vanish]: out of the guard before the unmap.
     ClientMemoryGuard::Unregister(guard_);
-    if (locked_) munlock(base_, size_);
-    mapping_.reset();
+    mapping_.reset();  // unmapping unlocks what Lock() locked
   }
 }
 

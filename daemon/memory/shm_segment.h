@@ -34,6 +34,7 @@
 #include <set>
 #include <string>
 
+#include "trainstream/platform/user.h"
 #include "trainstream/status.h"
 #include "trainstream/wire/segment_header.h"
 
@@ -47,8 +48,8 @@ namespace trainstream::daemon {
 inline constexpr uint64_t kAdoptedOwner = ~uint64_t{0};
 
 struct SegmentOwner {
-  uint64_t session_id = 0;  // 0: the daemon (bases)
-  uid_t uid = 0;            // file owner when the daemon runs as root
+  uint64_t session_id = 0;   // 0: the daemon (bases)
+  platform::UserId uid = 0;  // file owner when the daemon runs as root
   std::string job;
   int32_t rank = -1;
   int32_t local_rank = -1;
@@ -82,7 +83,7 @@ class ShmSegment {
   // and unlinks. FAILED_PRECONDITION says what is off (the file is left as it
   // is: the caller decides).
   static Status Adopt(const std::string& dir, const std::string& name, uint32_t kind,
-                      uid_t owner_uid, uint64_t expected_bytes, bool lock,
+                      platform::UserId owner_uid, uint64_t expected_bytes, bool lock,
                       std::unique_ptr<ShmSegment>* out);
 
   // An adopted segment's new session: its guard's owner and header's session id.
@@ -119,7 +120,7 @@ class ShmSegment {
   bool locked_ = false;
   bool unlinked_ = false;
   int guard_ = -1;  // ClientMemoryGuard handle of the mapping
-  uid_t share_uid_ = 0;
+  platform::UserId share_uid_ = 0;
 };
 
 // Note [Segments outlive a crashed daemon]. A daemon killed by SIGKILL or the

@@ -18,18 +18,15 @@
 // them can at worst cost itself a wakeup, since every wait is bounded.
 #pragma once
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <ctime>
 #include <deque>
 #include <functional>
 #include <string>
 
+#include "trainstream/platform/shared_word.h"
 #include "trainstream/status.h"
 #include "trainstream/wire/ring.h"
 #include "trainstream/wire/session_control.h"
@@ -189,43 +186,27 @@ class ClientRingProducer {
 // filter; known after the first call) or n is 0 or above kMaxWaitRings: the
 // caller then waits on one ring at a time. Rings that reported kCorrupt must
 // not be passed.
-inline constexpr size_t kMaxWaitRings = 128;  // FUTEX_WAITV_MAX
+inline constexpr size_t kMaxWaitRings = platform::kMaxSharedWords;
 template <typename Record>
 bool WaitForAnyRecord(ClientRingConsumer<Record>* const* rings, size_t n, int64_t timeout_ns) {
   static std::atomic<bool> unsupported{false};
   if (n == 0 || n > kMaxWaitRings || unsupported.load(std::memory_order_relaxed)) return false;
-  struct Waiter {  // struct futex_waitv (linux/futex.h, 5.16)
-    uint64_t val;
-    uint64_t uaddr;
-    uint32_t flags;
-    uint32_t reserved;
-  };
-  constexpr uint32_t kFutex32 = 2;      // FUTEX_32; no FUTEX_PRIVATE_FLAG: the words are shared
-  constexpr long kSysFutexWaitv = 449;  // the same number on every architecture
-  Waiter w[kMaxWaitRings];
+  std::atomic<uint32_t>* words[kMaxWaitRings];
+  uint32_t seen[kMaxWaitRings];
   bool ready = false;
   for (size_t i = 0; i < n; ++i) {
     wire::RingHeader* h = rings[i]->header();
     h->sleepers.fetch_add(1, std::memory_order_seq_cst);
-    w[i] = Waiter{h->wake_seq.load(std::memory_order_acquire),
-                  reinterpret_cast<uint64_t>(&h->wake_seq), kFutex32, 0};
+    words[i] = &h->wake_seq;
+    seen[i] = h->wake_seq.load(std::memory_order_acquire);
   }
   for (size_t i = 0; i < n && !ready; ++i) ready = rings[i]->HasRecord();
   if (!ready) {
-    timespec deadline{};
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_sec += static_cast<time_t>(timeout_ns / 1000000000);
-    deadline.tv_nsec += timeout_ns % 1000000000;
-    if (deadline.tv_nsec >= 1000000000) {
-      deadline.tv_nsec -= 1000000000;
-      ++deadline.tv_sec;
-    }
-    // ENOSYS on an old kernel; EPERM or ENOSYS where a seccomp filter (a
-    // container's) does not know the call. Anything but a wake, a timeout, a
-    // changed word or a signal means it cannot be used: never retry, or the
-    // plane would spin.
-    if (syscall(kSysFutexWaitv, w, static_cast<unsigned>(n), 0u, &deadline, CLOCK_MONOTONIC) < 0 &&
-        errno != ETIMEDOUT && errno != EAGAIN && errno != EINTR) {
+    // Anything but a wake, a timeout, a changed word or a signal means the
+    // system cannot wait on several words (platform/shared_word.h): never
+    // retry, or the plane would spin.
+    const int rc = platform::SharedWordWaitAny(words, seen, n, timeout_ns);
+    if (rc != 0 && rc != ETIMEDOUT && rc != EAGAIN && rc != EINTR) {
       unsupported.store(true, std::memory_order_relaxed);
     }
   }

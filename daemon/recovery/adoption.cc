@@ -1,10 +1,6 @@
 #include "recovery/adoption.h"
 
-#include <dirent.h>
-#include <fcntl.h>
 #include <spdlog/spdlog.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,21 +9,21 @@
 
 #include "memory/budget.h"
 #include "token.h"
+#include "trainstream/platform/files.h"
+#include "trainstream/platform/user.h"
 #include "trainstream/wire/segment_header.h"
 
 namespace trainstream::daemon {
 namespace {
 
-// The header of a file, read with pread (no mapping yet), and its size.
-bool PeekHeader(const std::string& path, wire::SegmentHeader* h, uint64_t* bytes) {
-  struct stat st {};
-  if (lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0) return false;
-  const bool ok = pread(fd, h, sizeof(*h), 0) == sizeof(*h) && h->magic == wire::kSegmentMagic;
-  close(fd);
-  *bytes = static_cast<uint64_t>(st.st_size);
-  return ok;
+// The header of a regular file, read without mapping it (or following a link).
+bool PeekHeader(const std::string& path, wire::SegmentHeader* h) {
+  std::string head;
+  if (platform::ReadFilePrefix(path, sizeof(*h), &head) != 0 || head.size() != sizeof(*h)) {
+    return false;
+  }
+  std::memcpy(h, head.data(), sizeof(*h));
+  return h->magic == wire::kSegmentMagic;
 }
 
 bool SameProof(const OwnerProof& a, const uint8_t* b) {
@@ -72,16 +68,14 @@ AdoptionStore::Scan AdoptionStore::AdoptFrom(const std::string& dir, const std::
   Scan scan;
   const std::string prefix = "trainstream-" + tag + "-";
   std::vector<std::pair<std::string, uint64_t>> candidates;  // state segments: name, size
-  if (DIR* d = opendir(dir.c_str())) {
-    while (dirent* e = readdir(d)) {
-      const std::string name = e->d_name;
-      if (name.compare(0, prefix.size(), prefix) != 0) continue;
-      wire::SegmentHeader h{};
-      uint64_t bytes = 0;
-      if (PeekHeader(dir + "/" + name, &h, &bytes) && h.kind == v1::SEGMENT_KIND_STATE)
-        candidates.emplace_back(name, bytes);
-    }
-    closedir(d);
+  std::vector<platform::DirectoryEntry> entries;
+  platform::ListDirectory(dir, &entries);  // none to adopt when it cannot be listed
+  for (const auto& e : entries) {
+    if (e.kind != platform::FileKind::kRegular) continue;
+    if (e.name.compare(0, prefix.size(), prefix) != 0) continue;
+    wire::SegmentHeader h{};
+    if (PeekHeader(dir + "/" + e.name, &h) && h.kind == v1::SEGMENT_KIND_STATE)
+      candidates.emplace_back(e.name, e.size);
   }
   // (proof bytes) -> the state being gathered
   std::map<std::string, std::unique_ptr<AdoptedState>> by_owner;
@@ -93,8 +87,8 @@ AdoptionStore::Scan AdoptionStore::AdoptFrom(const std::string& dir, const std::
       continue;
     }
     std::unique_ptr<ShmSegment> state;
-    if (Status st = ShmSegment::Adopt(dir, name, v1::SEGMENT_KIND_STATE, geteuid(), bytes,
-                                      lock_memory_, &state);
+    if (Status st = ShmSegment::Adopt(dir, name, v1::SEGMENT_KIND_STATE, platform::CurrentUserId(),
+                                      bytes, lock_memory_, &state);
         !st.ok()) {
       hooks_.release(bytes);
       note(st.message());
@@ -115,8 +109,9 @@ AdoptionStore::Scan AdoptionStore::AdoptFrom(const std::string& dir, const std::
       continue;
     }
     // A root daemon chowned the staging segment to a client of another uid.
-    const uid_t staging_uid =
-        geteuid() == 0 && v.owner_uid != 0 ? static_cast<uid_t>(v.owner_uid) : geteuid();
+    const platform::UserId staging_uid = platform::RunsPrivileged() && v.owner_uid != 0
+                                             ? static_cast<platform::UserId>(v.owner_uid)
+                                             : platform::CurrentUserId();
     if (hooks_.reserve(v.staging_bytes, "adopted staging " + v.staging_name).ok()) {
       Status st = ShmSegment::Adopt(dir, v.staging_name, v1::SEGMENT_KIND_SESSION, staging_uid,
                                     v.staging_bytes, lock_memory_, &reg.staging);
@@ -134,7 +129,7 @@ AdoptionStore::Scan AdoptionStore::AdoptFrom(const std::string& dir, const std::
     if (!s) {
       s = std::make_unique<AdoptedState>();
       std::memcpy(s->proof.data(), v.owner_proof, s->proof.size());
-      s->uid = static_cast<uid_t>(v.owner_uid);
+      s->uid = static_cast<platform::UserId>(v.owner_uid);
       s->pid = v.owner_pid;
       s->start = v.owner_start;
       s->job = reinterpret_cast<const wire::SegmentHeader*>(state->base())->job;
@@ -205,7 +200,7 @@ AdoptionStore::Scan AdoptionStore::AdoptFrom(const std::string& dir, const std::
   return scan;
 }
 
-Status AdoptionStore::Claim(const OwnerProof& proof, uid_t uid,
+Status AdoptionStore::Claim(const OwnerProof& proof, platform::UserId uid,
                             std::unique_ptr<AdoptedState>* out) {
   std::unique_ptr<AdoptedState> s;
   {

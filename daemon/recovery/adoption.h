@@ -29,6 +29,7 @@
 #include "memory/shm_segment.h"
 #include "recovery/owner.h"
 #include "recovery/state_recovery.h"
+#include "trainstream/platform/user.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 
@@ -44,7 +45,7 @@ struct AdoptedRegistration {
 // One dead session's optimizer state.
 struct AdoptedState {
   OwnerProof proof{};
-  uid_t uid = 0;
+  platform::UserId uid = 0;
   pid_t pid = 0;  // the client that registered it, and its start time
   uint64_t start = 0;
   std::string job;
@@ -88,7 +89,7 @@ class AdoptionStore {
   // Hands over the state proven by `proof` for `uid`. NOT_FOUND when none waits
   // (never says whether another uid's does); FAILED_PRECONDITION with the lost
   // step when it cannot be resumed (the record goes with this answer).
-  Status Claim(const OwnerProof& proof, uid_t uid, std::unique_ptr<AdoptedState>* out);
+  Status Claim(const OwnerProof& proof, platform::UserId uid, std::unique_ptr<AdoptedState>* out);
 
   // Drops the states whose grace period is over or whose client is gone.
   void Sweep();

@@ -14,6 +14,7 @@
 #include "sessions/param_binding.h"
 #include "sessions/param_layout.h"
 #include "token.h"
+#include "trainstream/platform/user.h"
 #include "trainstream/wire/segment_header.h"
 
 namespace trainstream::daemon {
@@ -82,7 +83,7 @@ class Group {
   };
 
   // Set at creation, then read-only.
-  uid_t uid = 0;
+  platform::UserId uid = 0;
   std::string key;
   std::string job;
   v1::GroupMembership membership;  // local_rank is the first joiner's; unused

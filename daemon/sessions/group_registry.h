@@ -42,6 +42,7 @@
 #include "planes/optimizer_plane.h"
 #include "recovery/adoption.h"
 #include "sessions/param_layout.h"
+#include "trainstream/platform/user.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 
@@ -68,7 +69,7 @@ using SegmentDropper = std::function<void(std::unique_ptr<ShmSegment>)>;
 struct GroupJoiner {
   uint64_t session_id = 0;
   pid_t pid = 0;
-  uid_t uid = 0;
+  platform::UserId uid = 0;
   std::string job;
   ControlRings rings;       // the session's rings, as the daemon laid them out
   RegionResolver resolver;  // the session's regions (state transfers)
@@ -138,8 +139,9 @@ class GroupRegistry {
   std::mutex mu_;
   // (uid, key) -> the group new ranks join. A broken group leaves this map
   // (its key is free again) but lives on in by_session_ until its members leave.
-  std::map<std::pair<uid_t, std::string>, std::shared_ptr<Group>> groups_;  // Guarded by mu_.
-  std::map<uint64_t, std::shared_ptr<Group>> by_session_;                   // Guarded by mu_.
+  std::map<std::pair<platform::UserId, std::string>, std::shared_ptr<Group>>
+      groups_;                                             // Guarded by mu_.
+  std::map<uint64_t, std::shared_ptr<Group>> by_session_;  // Guarded by mu_.
 };
 
 }  // namespace trainstream::daemon

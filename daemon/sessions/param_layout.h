@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "trainstream/platform/user.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 #include "trainstream/wire/segment_header.h"
@@ -105,7 +106,7 @@ struct RecoveryLayoutOptions {
 // Who a state segment's recovery header names as its owner (docs/recovery.md).
 struct RecoveryOwner {
   uint8_t proof[32] = {};  // SHA-256 of the recovery token
-  uid_t uid = 0;
+  platform::UserId uid = 0;
   pid_t pid = 0;
   uint64_t start = 0;         // the process's start time (ProcessStartTime)
   uint32_t registration = 0;  // its index among the session's registrations

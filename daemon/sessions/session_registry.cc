@@ -1,12 +1,10 @@
 #include "sessions/session_registry.h"
 
-#include <poll.h>
 #include <spdlog/spdlog.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "memory/client_memory_guard.h"
@@ -15,6 +13,7 @@
 #include "sessions/param_binding.h"
 #include "sessions/param_layout.h"
 #include "token.h"
+#include "trainstream/platform/mapping_faults.h"
 #include "trainstream/wire/segment_header.h"
 #include "trainstream/wire/session_control.h"
 
@@ -71,7 +70,12 @@ SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
     adopted_ = std::make_unique<AdoptionStore>(std::move(hooks), config_.lock_memory,
                                                config_.recovery_grace_s);
   }
-  reaper_wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (int err = platform::WakeEvent::Create(&reaper_wake_); err != 0) {
+    // Only at startup, out of descriptors or handles: a registry without its
+    // reaper would never end a session.
+    spdlog::critical("cannot create the session reaper's wake-up: {}", std::strerror(err));
+    std::abort();
+  }
   reaper_ = std::thread([this] { ReaperLoop(); });
 }
 
@@ -80,11 +84,8 @@ SessionRegistry::~SessionRegistry() {
     std::lock_guard<std::mutex> lock(reap_mu_);
     reaper_stop_ = true;
   }
-  uint64_t one = 1;
-  ssize_t ignored = write(reaper_wake_fd_, &one, sizeof(one));
-  (void)ignored;
+  reaper_wake_->Set();
   reaper_.join();
-  close(reaper_wake_fd_);
   EndAll("daemon exiting");
   adopted_.reset();
   groups_.reset();  // before the budget and segments' owners go
@@ -106,19 +107,14 @@ void SessionRegistry::EndLater(uint64_t session_id, const std::string& reason) {
     std::lock_guard<std::mutex> lock(reap_mu_);
     reap_queue_.emplace_back(session_id, reason);
   }
-  uint64_t one = 1;
-  ssize_t ignored = write(reaper_wake_fd_, &one, sizeof(one));
-  (void)ignored;
+  reaper_wake_->Set();
 }
 
 void SessionRegistry::ReaperLoop() {
-  const int guard_fd = ClientMemoryGuard::FaultEventFd();
+  platform::WakeEvent* const faults = ClientMemoryGuard::FaultEvent();
   for (;;) {
-    pollfd fds[2] = {{reaper_wake_fd_, POLLIN, 0}, {guard_fd, POLLIN, 0}};
-    if (poll(fds, guard_fd >= 0 ? 2 : 1, -1) < 0 && errno != EINTR) return;
-    uint64_t v;
-    ssize_t ignored = read(reaper_wake_fd_, &v, sizeof(v));
-    (void)ignored;
+    if (platform::WakeEvent::WaitEither(reaper_wake_.get(), faults) != 0) return;
+    reaper_wake_->Clear();
     std::vector<std::pair<uint64_t, std::string>> work;
     {
       std::lock_guard<std::mutex> lock(reap_mu_);

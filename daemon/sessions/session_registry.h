@@ -35,6 +35,7 @@
 #include "planes/client_rings.h"
 #include "recovery/adoption.h"
 #include "recovery/owner.h"
+#include "trainstream/platform/mapping_faults.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 
@@ -211,7 +212,7 @@ class SessionRegistry {
   std::mutex reap_mu_;
   std::vector<std::pair<uint64_t, std::string>> reap_queue_;  // Guarded by reap_mu_.
   bool reaper_stop_ = false;                                  // Guarded by reap_mu_.
-  int reaper_wake_fd_ = -1;                                   // eventfd
+  std::unique_ptr<platform::WakeEvent> reaper_wake_;          // set by EndLater and at exit
   std::thread reaper_;  // last: started once every member above exists
 };
 

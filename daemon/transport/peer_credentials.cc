@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstdlib>
 
+#include "trainstream/platform/user.h"
+
 namespace trainstream::daemon {
 
 bool ReadPeerCredentials(int fd, PeerCredentials* out) {
@@ -20,21 +22,21 @@ bool ReadPeerCredentials(int fd, PeerCredentials* out) {
   out->gid = cred.gid;
   out->groups.clear();
 #ifdef SO_PEERGROUPS
-  std::vector<gid_t> groups(64);
-  socklen_t glen = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+  std::vector<platform::GroupId> groups(64);
+  socklen_t glen = static_cast<socklen_t>(groups.size() * sizeof(platform::GroupId));
   if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen) != 0 && errno == ERANGE) {
-    groups.resize(glen / sizeof(gid_t) + 1);
-    glen = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    groups.resize(glen / sizeof(platform::GroupId) + 1);
+    glen = static_cast<socklen_t>(groups.size() * sizeof(platform::GroupId));
     if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen) != 0) glen = 0;
   }
-  groups.resize(glen / sizeof(gid_t));
+  groups.resize(glen / sizeof(platform::GroupId));
   out->groups = std::move(groups);
 #endif
   return true;
 }
 
 namespace {
-bool ResolveGroup(const std::string& name, gid_t* gid, std::string* error) {
+bool ResolveGroup(const std::string& name, platform::GroupId* gid, std::string* error) {
   struct group gr {};
   struct group* result = nullptr;
   std::vector<char> buf(16384);
@@ -46,7 +48,7 @@ bool ResolveGroup(const std::string& name, gid_t* gid, std::string* error) {
   char* end = nullptr;
   unsigned long v = std::strtoul(name.c_str(), &end, 10);
   if (!name.empty() && end != nullptr && *end == '\0') {
-    *gid = static_cast<gid_t>(v);
+    *gid = static_cast<platform::GroupId>(v);
     return true;
   }
   *error =
@@ -69,7 +71,7 @@ bool AccessPolicy::Resolve(const std::string& allow_group, const std::string& ad
   return true;
 }
 
-bool AccessPolicy::InGroup(const PeerCredentials& c, gid_t g) {
+bool AccessPolicy::InGroup(const PeerCredentials& c, platform::GroupId g) {
   return c.gid == g || std::find(c.groups.begin(), c.groups.end(), g) != c.groups.end();
 }
 
@@ -105,7 +107,7 @@ bool PeerTable::Admit(int fd, const PeerCredentials& creds, uint32_t max_per_uid
   return true;
 }
 
-uint32_t PeerTable::PruneAndCountLocked(uid_t uid) {
+uint32_t PeerTable::PruneAndCountLocked(platform::UserId uid) {
   uint32_t count = 0;
   for (auto it = by_fd_.begin(); it != by_fd_.end();) {
     if (it->second.creds.uid != uid) {
@@ -124,7 +126,7 @@ uint32_t PeerTable::PruneAndCountLocked(uid_t uid) {
   return count;
 }
 
-uint32_t PeerTable::LiveConnections(uid_t uid) {
+uint32_t PeerTable::LiveConnections(platform::UserId uid) {
   std::lock_guard<std::mutex> lock(mu_);
   return PruneAndCountLocked(uid);
 }

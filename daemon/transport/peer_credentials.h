@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "caller.h"
+#include "trainstream/platform/user.h"
 
 namespace trainstream::daemon {
 
@@ -34,13 +35,13 @@ class AccessPolicy {
   bool Resolve(const std::string& allow_group, const std::string& admin_group, std::string* error);
   void Apply(PeerCredentials* creds) const;
   bool has_allow_group() const { return allow_gid_set_; }
-  gid_t allow_gid() const { return allow_gid_; }
+  platform::GroupId allow_gid() const { return allow_gid_; }
 
  private:
-  static bool InGroup(const PeerCredentials& c, gid_t g);
-  uid_t daemon_uid_ = 0;
+  static bool InGroup(const PeerCredentials& c, platform::GroupId g);
+  platform::UserId daemon_uid_ = 0;
   bool allow_gid_set_ = false, admin_gid_set_ = false;
-  gid_t allow_gid_ = 0, admin_gid_ = 0;
+  platform::GroupId allow_gid_ = 0, admin_gid_ = 0;
 };
 
 // fd number -> credentials of the connection on it, and how many connections
@@ -64,7 +65,7 @@ class PeerTable {
   // Looks up a ServerContext::peer() string ("fd:12"). False when unknown.
   bool Lookup(const std::string& peer, PeerCredentials* out) const;
   // Live connections of `uid` (prunes closed ones first).
-  uint32_t LiveConnections(uid_t uid);
+  uint32_t LiveConnections(platform::UserId uid);
 
  private:
   struct Entry {
@@ -72,11 +73,11 @@ class PeerTable {
     dev_t dev = 0;
     ino_t ino = 0;
   };
-  uint32_t PruneAndCountLocked(uid_t uid);
+  uint32_t PruneAndCountLocked(platform::UserId uid);
 
   mutable std::mutex mu_;
-  std::unordered_map<int, Entry> by_fd_;          // Guarded by mu_.
-  std::unordered_map<uid_t, uint32_t> recorded_;  // Guarded by mu_: entries per uid
+  std::unordered_map<int, Entry> by_fd_;                     // Guarded by mu_.
+  std::unordered_map<platform::UserId, uint32_t> recorded_;  // Guarded by mu_: entries per uid
 };
 
 }  // namespace trainstream::daemon

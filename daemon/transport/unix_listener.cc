@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "log_limiter.h"
+#include "trainstream/platform/user.h"
 #include "transport/peer_credentials.h"
 
 namespace trainstream::daemon {
@@ -67,7 +68,7 @@ bool SomeoneListens(const std::string& path, pid_t* pid) {
 
 }  // namespace
 
-Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
+Status UnixListener::Bind(const std::string& path, mode_t mode, platform::GroupId gid,
                           std::unique_ptr<UnixListener>* out) {
   std::unique_ptr<UnixListener> l(new UnixListener());
   sockaddr_un addr;
@@ -124,7 +125,8 @@ Status UnixListener::Bind(const std::string& path, mode_t mode, gid_t gid,
     return Fail(StatusCode::kPermissionDenied,
                 "cannot bind " + path + ": " + std::strerror(bind_errno));
   }
-  if (gid != static_cast<gid_t>(-1) && chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0) {
+  if (gid != static_cast<platform::GroupId>(-1) &&
+      chown(path.c_str(), static_cast<platform::UserId>(-1), gid) != 0) {
     spdlog::warn("cannot give {} to gid {}: {}", path, gid, std::strerror(errno));
   }
   if (chmod(path.c_str(), mode) != 0) {

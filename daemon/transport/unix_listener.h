@@ -24,6 +24,7 @@
 #include <string>
 #include <thread>
 
+#include "trainstream/platform/user.h"
 #include "trainstream/status.h"
 
 namespace grpc {
@@ -51,7 +52,7 @@ class UnixListener {
   // Creates the socket's directory if missing, takes `<path>.lock` (flock), and
   // binds `path` with `mode`, group `gid` when gid != -1 (root only).
   // FAILED_PRECONDITION when another daemon serves the path.
-  static Status Bind(const std::string& path, mode_t mode, gid_t gid,
+  static Status Bind(const std::string& path, mode_t mode, platform::GroupId gid,
                      std::unique_ptr<UnixListener>* out);
 
   // Starts the accept thread; accepted fds go to `server`, which must outlive

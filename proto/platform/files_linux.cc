@@ -95,6 +95,13 @@ int OverwriteFile(const std::string& path, const std::string& text) {
   return err;
 }
 
+int CheckWritableDirectory(const std::string& dir) {
+  struct stat st {};
+  if (stat(dir.c_str(), &st) != 0) return errno;
+  if (!S_ISDIR(st.st_mode)) return ENOTDIR;
+  return access(dir.c_str(), W_OK | X_OK) == 0 ? 0 : errno;
+}
+
 int RemoveFile(const std::string& path) { return unlink(path.c_str()) == 0 ? 0 : errno; }
 
 }  // namespace trainstream::platform

@@ -124,6 +124,21 @@ int OverwriteFile(const std::string& path, const std::string& text) {
   return err;
 }
 
+int CheckWritableDirectory(const std::string& dir) {
+  const DWORD attributes = GetFileAttributesW(Wide(dir).c_str());
+  if (attributes == INVALID_FILE_ATTRIBUTES) return internal::LastErrno();
+  if ((attributes & FILE_ATTRIBUTE_DIRECTORY) == 0) return ENOTDIR;
+  // Rights on Windows come from the folder's DACL and the token's groups and
+  // privileges: asking the file system is the one sure answer.
+  const std::wstring probe =
+      Wide(dir) + L"\\.trainstream-probe-" + std::to_wstring(GetCurrentProcessId());
+  HANDLE file = CreateFileW(probe.c_str(), GENERIC_WRITE, 0, nullptr, CREATE_ALWAYS,
+                            FILE_ATTRIBUTE_TEMPORARY | FILE_FLAG_DELETE_ON_CLOSE, nullptr);
+  if (file == INVALID_HANDLE_VALUE) return internal::LastErrno();
+  CloseHandle(file);
+  return 0;
+}
+
 int RemoveFile(const std::string& path) {
   return DeleteFileW(Wide(path).c_str()) ? 0 : internal::LastErrno();
 }

@@ -9,8 +9,21 @@
 
 namespace trainstream::platform {
 
-int SharedWordWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
-  if (word->load(std::memory_order_acquire) != expected) return EAGAIN;
+namespace {
+
+bool AnyChanged(std::atomic<uint32_t>* const* words, const uint32_t* expected, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (words[i]->load(std::memory_order_acquire) != expected[i]) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+int SharedWordWaitAny(std::atomic<uint32_t>* const* words, const uint32_t* expected, size_t n,
+                      int64_t timeout_ns) {
+  if (n == 0 || n > kMaxSharedWords) return EINVAL;
+  if (AnyChanged(words, expected, n)) return EAGAIN;
   const auto start = std::chrono::steady_clock::now();
   for (int round = 0;; ++round) {
     // A few yields first (a wake that is already on its way), then 1 ms sleeps.
@@ -19,12 +32,16 @@ int SharedWordWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeo
     } else {
       Sleep(1);
     }
-    if (word->load(std::memory_order_acquire) != expected) return 0;
+    if (AnyChanged(words, expected, n)) return 0;
     if (timeout_ns >= 0 &&
         std::chrono::steady_clock::now() - start >= std::chrono::nanoseconds(timeout_ns)) {
       return ETIMEDOUT;
     }
   }
+}
+
+int SharedWordWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
+  return SharedWordWaitAny(&word, &expected, 1, timeout_ns);
 }
 
 void SharedWordWake(std::atomic<uint32_t>*) {}

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <boost/interprocess/exceptions.hpp>
@@ -10,6 +11,7 @@
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <cerrno>
 #include <new>
+#include <string>
 #include <utility>
 
 #include "trainstream/platform/shm.h"
@@ -153,6 +155,77 @@ int ShmFile::GetSize(uint64_t* bytes) const {
   if (fstat(impl_->handle(), &st) != 0) return errno;
   *bytes = static_cast<uint64_t>(st.st_size);
   return 0;
+}
+
+namespace {
+
+// A "system.posix_acl_access" value (the kernel's xattr ACL format, version 2:
+// entries of tag, permission and id): user::`perm`, user:<uid>:`perm`,
+// group::-, mask::`perm`, other::-. (The daemon's shm_segment.cc, moved.)
+std::string AclFor(UserId uid, uint16_t perm) {
+  struct Entry {
+    uint16_t tag, perm;
+    uint32_t id;
+  };
+  constexpr uint16_t kUserObj = 0x01, kUser = 0x02, kGroupObj = 0x04, kMask = 0x10, kOther = 0x20;
+  constexpr uint32_t kUndefined = 0xffffffffu;
+  const uint32_t version = 2;
+  const Entry entries[] = {{kUserObj, perm, kUndefined},
+                           {kUser, perm, static_cast<uint32_t>(uid)},
+                           {kGroupObj, 0, kUndefined},
+                           {kMask, perm, kUndefined},
+                           {kOther, 0, kUndefined}};
+  std::string value(reinterpret_cast<const char*>(&version), sizeof(version));
+  value.append(reinterpret_cast<const char*>(entries), sizeof(entries));
+  return value;
+}
+
+}  // namespace
+
+int ShmFile::OpenForAdoption(const std::string& dir, const std::string& name, ShmFile* out) {
+  int err = Open(dir, name, ShmAccess::kReadWrite, out);
+  if (err == EACCES && geteuid() == 0) {
+    // A client's 0600 session segment and a root daemon without
+    // CAP_DAC_OVERRIDE (the systemd unit): CAP_FOWNER may still name root in
+    // the file's ACL, and then it opens.
+    const std::string acl = AclFor(0, 6);
+    const std::string path = dir + "/" + name;
+    if (setxattr(path.c_str(), "system.posix_acl_access", acl.data(), acl.size(), 0) == 0)
+      err = Open(dir, name, ShmAccess::kReadWrite, out);
+  }
+  return err;
+}
+
+int ShmFile::GiveTo(UserId user) {
+  if (!impl_) return EBADF;
+  return fchown(impl_->handle(), user, static_cast<gid_t>(-1)) == 0 ? 0 : errno;
+}
+
+int ShmFile::Describe(ShmFileFacts* out) const {
+  if (!impl_) return EBADF;
+  struct stat st {};
+  if (fstat(impl_->handle(), &st) != 0) return errno;
+  out->regular = S_ISREG(st.st_mode);
+  out->links = static_cast<uint64_t>(st.st_nlink);
+  out->owner = st.st_uid;
+  out->bytes = static_cast<uint64_t>(st.st_size);
+  return 0;
+}
+
+int ShmFile::ShareReadOnly(const std::string& dir, const std::string& name, UserId reader) {
+  // Ownership and ACLs are POSIX, by path (Note [Segments through
+  // Boost.Interprocess]).
+  const std::string path = dir + "/" + name;
+  if (geteuid() == 0 && reader != 0) {
+    const std::string acl = AclFor(reader, 4);
+    if (chmod(path.c_str(), 0440) == 0 &&
+        setxattr(path.c_str(), "system.posix_acl_access", acl.data(), acl.size(), 0) == 0) {
+      return 0;
+    }
+    // No ACLs here: the old way, the reader's own file at 0400.
+    if (chown(path.c_str(), reader, static_cast<gid_t>(-1)) != 0) return errno;
+  }
+  return chmod(path.c_str(), 0400) == 0 ? 0 : errno;
 }
 
 int ShmFile::native_handle() const { return impl_ ? impl_->handle() : -1; }

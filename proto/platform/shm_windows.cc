@@ -46,6 +46,8 @@
 // past the end.
 // Errors are returned as errno values, translated from GetLastError().
 #include <windows.h>
+// windows.h first: aclapi.h needs its types.
+#include <aclapi.h>
 
 #include <cerrno>
 #include <filesystem>
@@ -148,6 +150,40 @@ int ShmFile::GetSize(uint64_t* bytes) const {
   if (!GetFileSizeEx(impl_->file, &size)) return LastErrno();
   *bytes = static_cast<uint64_t>(size.QuadPart);
   return 0;
+}
+
+int ShmFile::OpenForAdoption(const std::string& dir, const std::string& name, ShmFile* out) {
+  return Open(dir, name, ShmAccess::kReadWrite, out);
+}
+
+int ShmFile::GiveTo(UserId user) {
+  if (!impl_) return EBADF;
+  return user == CurrentUserId() ? 0 : ENOTSUP;
+}
+
+int ShmFile::Describe(ShmFileFacts* out) const {
+  if (!impl_) return EBADF;
+  BY_HANDLE_FILE_INFORMATION info{};
+  if (!GetFileInformationByHandle(impl_->file, &info)) return LastErrno();
+  out->regular = (info.dwFileAttributes & (FILE_ATTRIBUTE_DIRECTORY | FILE_ATTRIBUTE_REPARSE_POINT |
+                                           FILE_ATTRIBUTE_DEVICE)) == 0;
+  out->links = info.nNumberOfLinks;
+  out->bytes = (static_cast<uint64_t>(info.nFileSizeHigh) << 32) | info.nFileSizeLow;
+  // The owner's relative id, as platform/user.h counts users.
+  PSID owner = nullptr;
+  PSECURITY_DESCRIPTOR descriptor = nullptr;
+  if (GetSecurityInfo(impl_->file, SE_FILE_OBJECT, OWNER_SECURITY_INFORMATION, &owner, nullptr,
+                      nullptr, nullptr, &descriptor) != ERROR_SUCCESS) {
+    return EACCES;
+  }
+  const UCHAR count = *GetSidSubAuthorityCount(owner);
+  out->owner = count == 0 ? 0 : static_cast<UserId>(*GetSidSubAuthority(owner, count - 1u));
+  LocalFree(descriptor);
+  return 0;
+}
+
+int ShmFile::ShareReadOnly(const std::string&, const std::string&, UserId reader) {
+  return reader == CurrentUserId() ? 0 : ENOTSUP;
 }
 
 // No descriptor on this side (trainstream/platform/shm.h).

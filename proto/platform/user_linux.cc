@@ -9,6 +9,11 @@
 
 namespace trainstream::platform {
 
+static_assert(sizeof(uid_t) == sizeof(UserId) && sizeof(gid_t) == sizeof(GroupId),
+              "UserId and GroupId are uid_t and gid_t");
+
+UserId CurrentUserId() { return geteuid(); }
+
 bool RunsPrivileged() { return geteuid() == 0; }
 
 std::string DescribeCurrentUser() {

@@ -31,6 +31,14 @@ std::string Utf8(const std::wstring& wide) { return std::filesystem::path(wide).
 
 }  // namespace
 
+UserId CurrentUserId() {
+  const std::vector<unsigned char> user = TokenUser();
+  if (user.empty()) return 0;
+  PSID sid = reinterpret_cast<const TOKEN_USER*>(user.data())->User.Sid;
+  const UCHAR count = *GetSidSubAuthorityCount(sid);
+  return count == 0 ? 0 : static_cast<UserId>(*GetSidSubAuthority(sid, count - 1u));
+}
+
 bool RunsPrivileged() {
   const std::vector<unsigned char> user = TokenUser();
   if (!user.empty() && IsWellKnownSid(reinterpret_cast<const TOKEN_USER*>(user.data())->User.Sid,

@@ -98,3 +98,35 @@ TEST_CASE("a change and a wake through another mapping end the wait", "[shared_w
     CHECK(waited < 2s);
   }
 }
+
+TEST_CASE("a wait on several words ends when any one changes", "[shared_word]") {
+  TwoMappings m;
+  std::atomic<uint32_t>* waiter_words[3] = {m.waiter_word(), m.waiter_word() + 16,
+                                            m.waiter_word() + 32};
+  std::atomic<uint32_t>* last_by_waker = m.waker_word() + 32;
+  const uint32_t expected[3] = {0, 0, 0};
+  // Nothing changes: the timeout (or, where the system cannot wait on several
+  // words, the error the rings then fall back from).
+  const int idle = SharedWordWaitAny(waiter_words, expected, 3, 20'000'000);
+  if (idle != ETIMEDOUT) {
+    CHECK((idle == ENOSYS || idle == EPERM));
+    TS_SKIP("this system cannot wait on several words (errno " + std::to_string(idle) + ")");
+  }
+  int rc = -1;
+  std::chrono::steady_clock::duration waited{};
+  std::thread waiter([&] {
+    const auto start = std::chrono::steady_clock::now();
+    do {
+      rc = SharedWordWaitAny(waiter_words, expected, 3, 10'000'000'000);
+    } while (rc == 0 && waiter_words[2]->load() == 0);
+    waited = std::chrono::steady_clock::now() - start;
+  });
+  std::this_thread::sleep_for(5ms);
+  last_by_waker->store(1);
+  SharedWordWake(last_by_waker);
+  waiter.join();
+  CHECK((rc == 0 || rc == EAGAIN));
+  CHECK(waited < 2s);
+  CHECK(SharedWordWaitAny(waiter_words, expected, 3, 1'000'000'000) == EAGAIN);
+  CHECK(SharedWordWaitAny(waiter_words, expected, 0, 0) == EINVAL);
+}

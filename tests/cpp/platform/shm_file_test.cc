@@ -145,3 +145,26 @@ TEST_CASE("a mapping is locked in RAM, past the default working-set quota", "[sh
   CHECK(static_cast<unsigned char*>(mapping->data())[kLocked - 1] == 0x5a);
   REQUIRE(ShmFile::Remove(dir.path, "locked") == 0);
 }
+
+TEST_CASE("a created segment's facts: regular, one link, this user's, its size", "[shm]") {
+  TempDir dir;
+  ShmFile file;
+  REQUIRE(ShmFile::Create(dir.path, "facts", &file) == 0);
+  REQUIRE(file.Allocate(kBytes) == 0);
+  ShmFileFacts facts;
+  REQUIRE(file.Describe(&facts) == 0);
+  CHECK(facts.regular);
+  CHECK(facts.links == 1);
+  CHECK(facts.owner == CurrentUserId());
+  CHECK(facts.bytes == kBytes);
+  // Giving it to its own user changes nothing, and so does sharing it
+  // read-only with that user; then it still opens for adoption.
+  CHECK(file.GiveTo(CurrentUserId()) == 0);
+  CHECK(ShmFile::ShareReadOnly(dir.path, "facts", CurrentUserId()) == 0);
+  ShmFile again;
+  CHECK(ShmFile::Open(dir.path, "facts", ShmAccess::kReadOnly, &again) == 0);
+  ShmFileFacts facts_again;
+  REQUIRE(again.Describe(&facts_again) == 0);
+  CHECK(facts_again.bytes == kBytes);
+  CHECK(ShmFile::Remove(dir.path, "facts") == 0);
+}

@@ -46,6 +46,11 @@ int ReadFilePrefix(const std::string& path, size_t max_bytes, std::string* out);
 // empty or part written. 0, ENOENT, ELOOP or an errno value.
 int OverwriteFile(const std::string& path, const std::string& text);
 
+// Whether this process may create files in the folder `dir`: 0, ENOENT,
+// ENOTDIR, EACCES or another errno value. Linux: access(W_OK | X_OK) for the
+// effective ids; Windows: a probe file created and removed.
+int CheckWritableDirectory(const std::string& dir);
+
 // Removes the file (or link: never what it points to) at `path`. 0, ENOENT or
 // an errno value.
 int RemoveFile(const std::string& path);

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 namespace trainstream::platform {
@@ -32,5 +33,17 @@ int SharedWordWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeo
 // Wakes every process and thread sleeping on `word` (after the caller changed
 // it). Linux: FUTEX_WAKE; Windows: nothing (the waiters poll).
 void SharedWordWake(std::atomic<uint32_t>* word);
+
+// The most words SharedWordWaitAny takes (FUTEX_WAITV_MAX).
+inline constexpr size_t kMaxSharedWords = 128;
+
+// Sleeps until any `words[i]` no longer holds `expected[i]` (or is woken), at
+// most `timeout_ns` (>= 0), for n <= kMaxSharedWords. Spurious returns are
+// allowed, as for SharedWordWait. Returns 0, ETIMEDOUT, EAGAIN, EINTR, or
+// another errno value when the system cannot wait on several words at once
+// (Linux: futex_waitv is 5.16 and later, and a container's seccomp filter may
+// answer EPERM or ENOSYS): then the caller waits on one word at a time.
+int SharedWordWaitAny(std::atomic<uint32_t>* const* words, const uint32_t* expected, size_t n,
+                      int64_t timeout_ns);
 
 }  // namespace trainstream::platform

@@ -54,6 +54,8 @@
 #include <memory>
 #include <string>
 
+#include "trainstream/platform/user.h"
+
 namespace trainstream::platform {
 
 enum class ShmAccess { kReadOnly, kReadWrite };
@@ -61,6 +63,15 @@ enum class ShmAccess { kReadOnly, kReadWrite };
 // True when segments in `dir` are Boost shared_memory_objects (shm_open's
 // directory, "/dev/shm"); false when they are files opened by path.
 bool IsSharedMemoryDir(const std::string& dir);
+
+// What the daemon checks of a segment file before it adopts one (Note
+// [Segments outlive a crashed daemon]).
+struct ShmFileFacts {
+  bool regular = false;  // a regular file (not a FIFO, a device, a folder)
+  uint64_t links = 0;    // hard links to it (1 for a segment)
+  UserId owner = 0;      // its owner (platform/user.h's ids)
+  uint64_t bytes = 0;
+};
 
 // An open segment file. Owns its handle and closes it on destruction; a mapping
 // made from it stays valid after that. Movable, not copyable.
@@ -92,7 +103,32 @@ class ShmFile {
   // The file's size in bytes. Returns 0 or an errno value.
   int GetSize(uint64_t* bytes) const;
 
-  // The file descriptor, for the POSIX steps Boost has no call for (fchown).
+  // Opens `dir`/`name` read-write for adoption by the daemon. As Open; on
+  // Linux, when a root daemon without CAP_DAC_OVERRIDE (the systemd unit) may
+  // not open a client's 0600 segment, it first names root in the file's ACL
+  // (which CAP_FOWNER allows). 0 or errno.
+  static int OpenForAdoption(const std::string& dir, const std::string& name, ShmFile* out);
+
+  // Gives the file to `user` (a session segment of a root daemon's client:
+  // Note [Who may open a segment]). Linux: fchown. Windows: 0 when `user` is
+  // this process's own (whose DACL the file has from Create); ENOTSUP for
+  // another user, which needs a DACL naming that user's SID (docs/windows.md).
+  int GiveTo(UserId user);
+
+  // The file's facts, from its handle (fstat; GetFileInformationByHandle and
+  // the owner's SID). 0 or errno.
+  int Describe(ShmFileFacts* out) const;
+
+  // Makes `dir`/`name` read-only for everyone who may open it (Note [Why base
+  // segments are read-only], wire/base_manifest.h), and readable by `reader`
+  // when this process is privileged and `reader` is another user. Linux: mode
+  // 0440 with an ACL naming `reader` (or, with no ACLs, `reader`'s own file at
+  // 0400). Windows: nothing to change: the DACL names this process's user
+  // alone, and clients map bases read-only (ENOTSUP for another `reader`).
+  // 0 or errno.
+  static int ShareReadOnly(const std::string& dir, const std::string& name, UserId reader);
+
+  // The file descriptor, for the POSIX steps Boost has no call for.
   // -1 when nothing is open, and always on Windows (no descriptor there; the
   // owner is set by the DACL at creation). Owned by this object.
   int native_handle() const;
