@@ -1,96 +1,77 @@
 // trainstreamd: command line, logging and daemonisation; the daemon itself is
 // RunDaemon (daemon.cc).
-#include <fcntl.h>
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
-#include <sys/resource.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "config.h"
 #include "daemon.h"
+#include "trainstream/platform/background.h"
+#include "trainstream/platform/default_endpoint.h"
+#include "trainstream/platform/service.h"
 #include "trainstream/platform/stop_signals.h"
+#include "trainstream/platform/this_process.h"
 
 namespace {
 
-int g_ready_fd = -1;  // write end of the pipe the waiting parent reads (background mode)
-
-void ReportReady(const char* error) {
-  if (g_ready_fd < 0) return;
-  std::string msg = error == nullptr ? std::string("ok") : std::string(error);
-  ssize_t ignored = write(g_ready_fd, msg.data(), msg.size());
-  (void)ignored;
-  close(g_ready_fd);
-  g_ready_fd = -1;
-  if (error == nullptr) {
-    // Detach from the terminal now that the parent has the result.
-    int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
-    if (devnull >= 0) {
-      dup2(devnull, STDIN_FILENO);
-      dup2(devnull, STDOUT_FILENO);
-      dup2(devnull, STDERR_FILENO);
-      close(devnull);
-    }
-  }
-}
-
-// Background mode: fork before any thread exists; the parent waits for the
-// child to report readiness (or its error) and exits with the result.
-bool Daemonize(int* exit_code) {
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) return false;
-  pid_t pid = fork();
-  if (pid < 0) return false;
-  if (pid > 0) {
-    close(fds[1]);
-    std::string msg;
-    char buf[512];
-    ssize_t n;
-    while ((n = read(fds[0], buf, sizeof(buf))) > 0) msg.append(buf, static_cast<size_t>(n));
-    if (msg == "ok") {
-      *exit_code = 0;
-    } else {
-      std::fprintf(stderr, "trainstreamd: %s\n",
-                   msg.empty() ? "exited during startup" : msg.c_str());
-      *exit_code = 1;
-    }
-    return true;
-  }
-  close(fds[0]);
-  setsid();
-  g_ready_fd = fds[1];
-  return false;
-}
+constexpr char kServiceName[] = "trainstreamd";
 
 // Each connection and each segment holds an fd, and the soft limit is often
 // 1024 under a hard limit of 512Ki: take what we may (Note [Accepting under a
-// connection flood] in unix_listener.h).
+// connection flood] in unix_listener.h). Windows has no such limit.
 void RaiseOpenFileLimit() {
-  rlimit lim{};
-  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
-  if (lim.rlim_cur >= lim.rlim_max) {
-    spdlog::info("open-file limit {} (the hard limit)", static_cast<uint64_t>(lim.rlim_cur));
-    return;
+  uint64_t from = 0, to = 0;
+  const int err = trainstream::platform::RaiseOpenFileLimit(&from, &to);
+  if (err == ENOTSUP) return;
+  if (err != 0) {
+    spdlog::warn("cannot raise the open-file limit from {} to {}: {}", from, to,
+                 std::strerror(err));
+  } else if (from == to) {
+    spdlog::info("open-file limit {} (the hard limit)", from);
+  } else {
+    spdlog::info("raised the open-file limit from {} to the hard limit {}", from, to);
   }
-  const rlim_t old_soft = lim.rlim_cur;
-  lim.rlim_cur = lim.rlim_max;
-  if (setrlimit(RLIMIT_NOFILE, &lim) != 0) {
-    spdlog::warn("cannot raise the open-file limit from {} to {}: {}",
-                 static_cast<uint64_t>(old_soft), static_cast<uint64_t>(lim.rlim_max),
-                 std::strerror(errno));
-    return;
+}
+
+// --install-service: the SCM starts this program with --service and the
+// options given here (Note [The daemon as a Windows service], service.h).
+int InstallService(const std::vector<std::string>& daemon_args) {
+  trainstream::platform::ServiceDefinition def;
+  def.name = kServiceName;
+  def.display_name = "TrainStream daemon";
+  def.description = "TrainStream's per-machine memory and optimizer daemon (trainstreamd)";
+  def.arguments.push_back("--service");
+  def.arguments.insert(def.arguments.end(), daemon_args.begin(), daemon_args.end());
+  std::string error;
+  if (!trainstream::platform::InstallService(def, &error)) {
+    std::fprintf(stderr, "trainstreamd: %s\n", error.c_str());
+    return 1;
   }
-  spdlog::info("raised the open-file limit from {} to the hard limit {}",
-               static_cast<uint64_t>(old_soft), static_cast<uint64_t>(lim.rlim_max));
+  std::printf("installed the service %s; start it with `sc start %s`\n", kServiceName,
+              kServiceName);
+  return 0;
+}
+
+int UninstallService() {
+  bool still_running = false;
+  std::string error;
+  if (!trainstream::platform::UninstallService(kServiceName, &still_running, &error)) {
+    std::fprintf(stderr, "trainstreamd: %s\n", error.c_str());
+    return 1;
+  }
+  std::printf("removed the service %s%s\n", kServiceName,
+              still_running ? " (it still runs: it goes once it stops)" : "");
+  return 0;
 }
 
 }  // namespace
@@ -104,7 +85,7 @@ int main(int argc, char** argv) {
   uint64_t idle_exit = 0;
   uint32_t max_connections_per_uid = 0;
   uint64_t recovery_grace = 0;
-  bool foreground = false;
+  bool foreground = false, as_service = false, install_service = false, uninstall_service = false;
   app.add_option("--config", config_path, "Config file (key = value lines; docs/daemon.md)");
   app.add_option("--socket", socket,
                  "Unix socket to serve (default: /run/trainstream/trainstreamd.sock for root, "
@@ -130,10 +111,27 @@ int main(int argc, char** argv) {
   app.add_option("--recovery-grace", recovery_grace,
                  "Seconds an adopted optimizer state of a dead daemon waits for its client "
                  "(default 300; 0: recovery off, docs/recovery.md)");
+  app.add_flag("--install-service", install_service,
+               "Windows: install trainstreamd as a service (LocalSystem) started with the other "
+               "options given here, then exit");
+  app.add_flag("--uninstall-service", uninstall_service,
+               "Windows: remove the trainstreamd service, then exit");
+  app.add_flag("--service", as_service,
+               "Windows: run as the service (the service control manager passes it; logs go "
+               "to --log-file, by default beside the endpoint file)");
   // A flag given twice takes the last value (wrappers append overrides).
   for (CLI::Option* opt : app.get_options())
     opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   CLI11_PARSE(app, argc, argv);
+  if (uninstall_service) return UninstallService();
+  if (install_service) {
+    // Everything but --install-service itself goes to the service's command line.
+    std::vector<std::string> daemon_args;
+    for (int i = 1; i < argc; ++i) {
+      if (std::string(argv[i]) != "--install-service") daemon_args.push_back(argv[i]);
+    }
+    return InstallService(daemon_args);
+  }
 
   DaemonConfig config;
   if (!config_path.empty()) {
@@ -171,8 +169,20 @@ int main(int argc, char** argv) {
     }
   }
 
-  int exit_code = 0;
-  if (!config.foreground && Daemonize(&exit_code)) return exit_code;
+  // A service has no console: it runs in the foreground of its own process.
+  if (as_service) config.foreground = true;
+  if (!config.foreground) {
+    bool is_parent = false;
+    int exit_code = 0;
+    std::string why;
+    const int err = trainstream::platform::StartInBackground(&is_parent, &exit_code, &why);
+    if (err == ENOTSUP) {
+      std::fprintf(stderr, "trainstreamd: %s\n", why.c_str());
+      return 2;
+    }
+    // Another failure (no pipe, no fork) goes on in this process, as before.
+    if (err == 0 && is_parent) return exit_code;
+  }
 
   // SIGTERM, SIGINT, SIGHUP and SIGUSR2 (a restart: Note [A restart keeps the
   // optimizer state]) arrive through StopSignals, made before any thread starts
@@ -181,12 +191,22 @@ int main(int argc, char** argv) {
   if (int err = trainstream::platform::StopSignals::Create(&stop_signals); err != 0) {
     const std::string msg = std::string("cannot receive signals: ") + std::strerror(err);
     if (config.foreground) std::fprintf(stderr, "trainstreamd: %s\n", msg.c_str());
-    ReportReady(msg.c_str());  // background mode: the waiting parent prints it
+    trainstream::platform::ReportBackgroundReady(msg.c_str());  // the waiting parent prints it
     return 1;
   }
 
   std::vector<spdlog::sink_ptr> sinks;
-  sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+  if (as_service) {
+    // No stderr: the log file, by default beside the endpoint.
+    if (log_file.empty()) {
+      const std::string endpoint = config.socket_path.empty()
+                                       ? trainstream::platform::DefaultDaemonEndpoint()
+                                       : config.socket_path;
+      log_file = std::filesystem::u8path(endpoint).replace_extension(".log").u8string();
+    }
+  } else {
+    sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+  }
   if (!log_file.empty())
     sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_file));
   auto logger = std::make_shared<spdlog::logger>("trainstreamd", sinks.begin(), sinks.end());
@@ -196,5 +216,31 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(logger);
   RaiseOpenFileLimit();
 
-  return trainstream::daemon::RunDaemon(config, stop_signals.get(), ReportReady);
+  if (!as_service) {
+    return trainstream::daemon::RunDaemon(config, stop_signals.get(),
+                                          trainstream::platform::ReportBackgroundReady);
+  }
+  // Note [The daemon as a Windows service] (platform/service.h): the SCM's
+  // stop arrives as a StopRequest, as SIGTERM does, and the SCM shows the
+  // service running once the daemon serves.
+  trainstream::platform::StopSignals* stops = stop_signals.get();
+  std::string error;
+  const int code = trainstream::platform::RunAsService(
+      kServiceName,
+      [stops](trainstream::platform::StopRequest request) { stops->Deliver(std::move(request)); },
+      [&](trainstream::platform::ServiceReporter* reporter) {
+        return trainstream::daemon::RunDaemon(config, stops, [reporter](const char* err) {
+          if (err == nullptr) {
+            reporter->ReportRunning();
+          } else {
+            spdlog::error("{}", err);
+          }
+        });
+      },
+      &error);
+  if (code < 0) {
+    spdlog::error("{}", error);
+    return 2;
+  }
+  return code;
 }

@@ -2,9 +2,10 @@
 # scripts/windows-cross.sh: cross-builds TrainStream's Windows binaries on a
 # Debian 12 machine with MinGW-w64 (issue 23; docs/windows.md). So far it
 # builds the CPU compute kernels (kernels/cpu), the daemon's AdamW engine
-# (daemon/optimizer), the platform seam (proto/platform) and their C++ tests as
-# .exe files, which scripts/windows-check.sh runs under wine64, and the control
-# plane's dependencies, which nothing links yet.
+# (daemon/optimizer), the platform seam (proto/platform), proto/, the client
+# library, trainstreamctl.exe and their C++ tests as .exe files, which
+# scripts/windows-check.sh runs under wine64, and the control plane's
+# dependencies.
 #
 # Steps, each skipped when its result is already there:
 #   1. tools: installs g++-mingw-w64-x86-64-posix and wine64 from the
@@ -30,6 +31,8 @@
 #   TRAINSTREAM_WINDOWS_JOBS   parallel compile jobs (default: nproc)
 #   STEPS                      which steps to run (default "tools catch2 deps kernels")
 #   DEPS                       which dependencies the deps step builds (default: all)
+#   TRAINSTREAM_WINDOWS_WITH_DAEMON  ON: the kernels step also builds daemon/
+#                              (trainstreamd.exe; not complete yet: docs/windows.md)
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -309,6 +312,7 @@ if has_step kernels; then
   cmake -S "$root/cmake/windows" -B "$build" -G Ninja \
     -DCMAKE_TOOLCHAIN_FILE="$toolchain" -DTRAINSTREAM_WINDOWS_PREFIX="$prefix" \
     -DTRAINSTREAM_WINDOWS_WITH_GRPC="$with_grpc" \
+    -DTRAINSTREAM_WINDOWS_WITH_DAEMON="${TRAINSTREAM_WINDOWS_WITH_DAEMON:-OFF}" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}"
   cmake --build "$build" -j "$jobs"
   log "kernels: built in $(($(date +%s) - t0)) s; the tests are in $build/bin:"

@@ -1,7 +1,6 @@
 #include "transport/control_service.h"
 
 #include <spdlog/spdlog.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <set>
@@ -11,6 +10,8 @@
 
 #include "log_safe.h"
 #include "trainstream/platform/control_channel.h"
+#include "trainstream/platform/this_process.h"
+#include "trainstream/platform/user.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -87,7 +88,7 @@ grpc::Status ControlService::Authorize(grpc::ServerContext* ctx, PeerCredentials
                         "trainstreamd cannot identify the caller (peer '" + ctx->peer() + "')");
   }
   if (creds->allowed) return grpc::Status::OK;
-  std::string who = "root, uid " + std::to_string(geteuid());
+  std::string who = "root, uid " + std::to_string(platform::CurrentUserId());
   if (!config_.allow_group.empty()) who += " and members of group '" + config_.allow_group + "'";
   if (!config_.admin_group.empty()) who += " and members of group '" + config_.admin_group + "'";
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
@@ -102,7 +103,7 @@ grpc::Status ControlService::Ping(grpc::ServerContext* ctx, const v1::PingReques
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   resp->set_version(kDaemonVersion);
   resp->set_protocol_version(kProtocolVersion);
-  resp->set_pid(getpid());
+  resp->set_pid(platform::CurrentProcessId());
   resp->set_uptime_s(state_->uptime_s());
   return grpc::Status::OK;
 }
@@ -234,7 +235,7 @@ grpc::Status ControlService::Status(grpc::ServerContext* ctx, const v1::StatusRe
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   resp->set_version(kDaemonVersion);
-  resp->set_pid(getpid());
+  resp->set_pid(platform::CurrentProcessId());
   resp->set_uptime_s(state_->uptime_s());
   resp->set_socket_path(state_->socket_path);
   resp->set_shm_dir(config_.shm_dir);
@@ -259,7 +260,7 @@ grpc::Status ControlService::Shutdown(grpc::ServerContext* ctx, const v1::Shutdo
   PeerCredentials creds;
   if (auto s = Authorize(ctx, &creds); !s.ok()) return s;
   if (!creds.admin) {
-    std::string who = "root, uid " + std::to_string(geteuid());
+    std::string who = "root, uid " + std::to_string(platform::CurrentUserId());
     if (!config_.admin_group.empty()) who += " and members of group '" + config_.admin_group + "'";
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                         "uid " + std::to_string(creds.uid) +

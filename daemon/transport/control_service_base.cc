@@ -1,12 +1,12 @@
 // ControlService's frozen-base RPCs: LoadBase, ReleaseBase, ListBases, DropBase,
 // ShareBaseVram
 // (docs/base-cache.md). The work is BaseCache's; these authorise and translate.
-#include <malloc.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 
 #include "log_safe.h"
+#include "trainstream/platform/machine.h"
 #include "transport/control_service.h"
 
 namespace trainstream::daemon {
@@ -112,7 +112,7 @@ grpc::Status ControlService::LoadBase(grpc::ServerContext* ctx, const v1::LoadBa
   // A header near the tensor cap parses into a few hundred MB of short-lived
   // JSON nodes; hand those pages back now rather than keep them as the daemon's
   // RSS for good (a client could grow it so, one crafted header at a time).
-  malloc_trim(0);
+  platform::ReturnFreedMemory();
   if (st.code() == StatusCode::kCancelled && stopped != nullptr) {
     st = trainstream::Status(StatusCode::kCancelled, std::string(base::kLoadCancelled) + ": " +
                                                          stopped + " (nothing was kept)");

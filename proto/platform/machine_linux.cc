@@ -1,4 +1,5 @@
 // The Linux side of trainstream/platform/machine.h.
+#include <malloc.h>
 #include <sys/resource.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -31,5 +32,7 @@ uint64_t LockedMemoryLimit() {
   if (getrlimit(RLIMIT_MEMLOCK, &rl) != 0) return 0;
   return rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(rl.rlim_cur);
 }
+
+void ReturnFreedMemory() { malloc_trim(0); }
 
 }  // namespace trainstream::platform

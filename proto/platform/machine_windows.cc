@@ -1,4 +1,5 @@
 // The Windows side of trainstream/platform/machine.h.
+#include <malloc.h>
 #include <windows.h>
 
 #include <cstdint>
@@ -28,5 +29,7 @@ int FileSystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* tota
 }
 
 uint64_t LockedMemoryLimit() { return UINT64_MAX; }
+
+void ReturnFreedMemory() { _heapmin(); }
 
 }  // namespace trainstream::platform

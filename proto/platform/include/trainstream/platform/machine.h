@@ -25,4 +25,8 @@ int FileSystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* tota
 // machine's memory. 0 when the system does not say.
 uint64_t LockedMemoryLimit();
 
+// Hands the heap's free pages back to the system now (after a burst of
+// short-lived allocations): malloc_trim(0) on Linux, _heapmin on Windows.
+void ReturnFreedMemory();
+
 }  // namespace trainstream::platform
