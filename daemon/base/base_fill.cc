@@ -1,7 +1,6 @@
 #include "base/base_fill.h"
 
 #include <fcntl.h>
-#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 #include <vector>
 
 #include "trainstream/kernels/quant.h"
+#include "trainstream/platform/threads.h"
 
 namespace trainstream::daemon::base {
 namespace {
@@ -262,7 +262,7 @@ Status Filler::Run(unsigned threads, const std::function<bool(const LoadProgress
       workers.emplace_back([this, k] {
         char name[16];
         std::snprintf(name, sizeof(name), "ts-load-%u", k);
-        pthread_setname_np(pthread_self(), name);
+        platform::NameCurrentThread(name);
         Work();
       });
     } catch (const std::system_error&) {

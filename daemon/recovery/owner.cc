@@ -4,8 +4,8 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <sstream>
+
+#include "trainstream/platform/process_watcher.h"
 
 namespace trainstream::daemon {
 
@@ -22,22 +22,7 @@ OwnerProof ProofOf(const std::string& recovery_token) {
   return out;
 }
 
-uint64_t ProcessStartTime(pid_t pid) {
-  if (pid <= 0) return 0;
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  // "pid (comm) state ppid ...": comm may hold spaces and ')', so fields count
-  // from the last ')'. After it come field 3 (state) .. field 22 (starttime).
-  const size_t close = text.rfind(')');
-  if (close == std::string::npos) return 0;
-  std::istringstream fields(text.substr(close + 1));
-  std::string field;
-  for (int i = 3; i <= 22; ++i) {
-    if (!(fields >> field)) return 0;
-    if (i == 3 && (field == "Z" || field == "X")) return 0;  // exited, not yet reaped
-  }
-  return std::strtoull(field.c_str(), nullptr, 10);
-}
+uint64_t ProcessStartTime(pid_t pid) { return platform::ProcessStartTime(pid); }
 
 bool ProcessAlive(pid_t pid, uint64_t start) {
   const uint64_t now = ProcessStartTime(pid);

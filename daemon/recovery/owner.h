@@ -17,10 +17,10 @@ using OwnerProof = std::array<uint8_t, 32>;
 // the token, so reading the segment does not give the token away.
 OwnerProof ProofOf(const std::string& recovery_token);
 
-// The start time of process `pid` (field 22 of /proc/<pid>/stat, clock ticks
-// since boot), or 0 when there is no such process (or it exited: a zombie).
-// With the pid it names one process for good: a pid reused later has another
-// start time.
+// The start time of process `pid` (platform/process_watcher.h: clock ticks
+// since boot on Linux, the creation time on Windows), or 0 when there is no
+// such process (or it exited: a zombie). With the pid it names one process for
+// good: a pid reused later has another start time.
 uint64_t ProcessStartTime(pid_t pid);
 
 // True while the process (pid, start) recorded by ProcessStartTime runs.

@@ -7,8 +7,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -115,6 +120,24 @@ void ProcessWatcher::Impl::Loop() {
     }
     for (uint64_t key : exited) on_exit(key);
   }
+}
+
+// Moved from the daemon's recovery/owner.cc.
+uint64_t ProcessStartTime(int64_t pid) {
+  if (pid <= 0) return 0;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // "pid (comm) state ppid ...": comm may hold spaces and ')', so fields count
+  // from the last ')'. After it come field 3 (state) .. field 22 (starttime).
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream fields(text.substr(close + 1));
+  std::string field;
+  for (int i = 3; i <= 22; ++i) {
+    if (!(fields >> field)) return 0;
+    if (i == 3 && (field == "Z" || field == "X")) return 0;  // exited, not yet reaped
+  }
+  return std::strtoull(field.c_str(), nullptr, 10);
 }
 
 }  // namespace trainstream::platform

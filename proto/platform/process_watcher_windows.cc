@@ -159,4 +159,21 @@ void ProcessWatcher::Impl::Loop() {
   }
 }
 
+uint64_t ProcessStartTime(int64_t pid) {
+  if (pid <= 0 || pid > 0xffffffffll) return 0;
+  HANDLE process =
+      OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION | SYNCHRONIZE, FALSE, static_cast<DWORD>(pid));
+  if (process == nullptr) return 0;
+  DWORD code = 0;
+  FILETIME created{}, exited{}, kernel{}, user{};
+  uint64_t start = 0;
+  if (GetExitCodeProcess(process, &code) && code == STILL_ACTIVE &&
+      WaitForSingleObject(process, 0) == WAIT_TIMEOUT &&
+      GetProcessTimes(process, &created, &exited, &kernel, &user)) {
+    start = (static_cast<uint64_t>(created.dwHighDateTime) << 32) | created.dwLowDateTime;
+  }
+  CloseHandle(process);
+  return start;
+}
+
 }  // namespace trainstream::platform

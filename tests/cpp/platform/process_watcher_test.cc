@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "catch_compat.h"
 #include "child_process.h"
+#include "trainstream/platform/this_process.h"
 
 using namespace trainstream::platform;
 using testing::ChildProcess;
@@ -103,4 +105,25 @@ TEST_CASE("on_exit may unwatch, and the watcher stops with watches left", "[proc
   CHECK(!exits.WaitFor(2, 300ms));
   watcher.reset();
   CHECK(exits.Seen() == std::vector<uint64_t>{1});
+}
+
+TEST_CASE("a process's start time names it while it runs, and is 0 after", "[process_watcher]") {
+  const uint64_t self = ProcessStartTime(CurrentProcessId());
+  CHECK(self != 0);
+  CHECK(ProcessStartTime(CurrentProcessId()) == self);  // stable
+  CHECK(ProcessStartTime(testing::UnusedPid()) == 0);
+  CHECK(ProcessStartTime(-1) == 0);
+  ChildProcess child;
+  REQUIRE(child.pid() != 0);
+  const uint64_t start = ProcessStartTime(child.pid());
+  CHECK(start != 0);
+  CHECK(start >= self);  // started after this test
+  child.Kill();
+  // Killed but not reaped (a Linux zombie; a Windows handle still open): 0.
+  uint64_t after = start;
+  for (int i = 0; i < 500 && after != 0; ++i) {
+    std::this_thread::sleep_for(10ms);
+    after = ProcessStartTime(child.pid());
+  }
+  CHECK(after == 0);
 }

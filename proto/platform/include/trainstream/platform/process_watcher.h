@@ -38,4 +38,12 @@ class ProcessWatcher {
   std::unique_ptr<Impl> impl_;
 };
 
+// A number that, with the pid, names one process for good: a pid reused later
+// has another (Note [Optimizer state outlives the daemon] keeps it with a
+// state's owner). Linux: the start time in clock ticks since boot (field 22 of
+// /proc/<pid>/stat). Windows: the creation time (100 ns since 1601). 0 when
+// there is no such process or it has exited (a Linux zombie; a Windows process
+// that ended while someone still holds its handle).
+uint64_t ProcessStartTime(int64_t pid);
+
 }  // namespace trainstream::platform
