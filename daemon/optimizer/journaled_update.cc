@@ -33,45 +33,63 @@ int JournalCopies(const kernels::AdamWRange& whole, size_t off, size_t n, Journa
 
 }  // namespace
 
-void SaveJournaled(const kernels::AdamWRange& whole, char* slot, size_t off, size_t n) {
-  JournalCopy copies[4];
-  const int k = JournalCopies(whole, off, n, copies);
-  for (int i = 0; i < k; ++i)
-    std::memcpy(slot + copies[i].slot_offset, copies[i].state, copies[i].bytes);
-}
-
-void RestoreJournaled(const kernels::AdamWRange& whole, const char* slot, size_t off, size_t n) {
+void CommitJournaled(const kernels::AdamWRange& whole, const char* slot, size_t off, size_t n) {
   JournalCopy copies[4];
   const int k = JournalCopies(whole, off, n, copies);
   for (int i = 0; i < k; ++i)
     std::memcpy(copies[i].state, slot + copies[i].slot_offset, copies[i].bytes);
 }
 
+void RecordProgress(wire::ChunkProgress* progress, uint64_t step, size_t done, size_t count) {
+  if (done < count) {
+    progress->done_elems.store(done, std::memory_order_release);
+  } else {
+    progress->done_step.store(step, std::memory_order_release);
+    progress->done_elems.store(0, std::memory_order_release);
+  }
+}
+
 void ApplyJournaled(const JournaledChunk& c, size_t done) {
   const kernels::AdamWRange& whole = c.whole;
-  auto* jh = reinterpret_cast<wire::JournalSlotHeader*>(c.journal_slot);
+  const size_t mb = kernels::DTypeSize(whole.moment_dtype);
+  const wire::JournalSlotLayout jl = wire::JournalSlotLayoutFor(wire::kSubChunkElems, mb);
+  char* slot = c.journal_slot;
+  auto* jh = reinterpret_cast<wire::JournalSlotHeader*>(slot);
   while (done < c.chunk_count) {
     const size_t n = std::min<size_t>(wire::kSubChunkElems, c.chunk_count - done);
     const size_t off = c.chunk_offset + done;
     jh->valid.store(0, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_release);  // invalid before its copy changes
-    SaveJournaled(whole, c.journal_slot, off, n);
+    // The step reads the state and writes the slot (and a weight that is not the
+    // master, which the state's old master can always write again).
+    const kernels::AdamWRange state = whole.Slice(off, n);
+    kernels::AdamWRange r = state;
+    r.from.exp_avg = state.exp_avg;
+    r.from.exp_avg_sq = state.exp_avg_sq;
+    r.exp_avg = slot + jl.exp_avg;
+    r.exp_avg_sq = slot + jl.exp_avg_sq;
+    if (state.master_lo != nullptr) {
+      r.from.master_hi = static_cast<const uint16_t*>(state.param_out);
+      r.from.master_lo = state.master_lo;
+      r.param_out = slot + jl.master;
+      r.master_lo = reinterpret_cast<uint16_t*>(slot + jl.master + wire::kSubChunkElems * 2);
+    } else {
+      r.from.master = state.master;
+      r.master = reinterpret_cast<float*>(slot + jl.master);
+      if (state.param_out == static_cast<void*>(state.master)) r.param_out = r.master;
+    }
+    kernels::RoundingKey key = c.key;
+    key.element_offset = off;
+    kernels::AdamWUpdate(r, c.scalars, key, c.isa);
     jh->entry = c.entry;
     jh->step = c.step;
     jh->offset = off;
     jh->count = n;
     jh->valid.store(1, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_release);  // valid before the state changes
-    kernels::RoundingKey key = c.key;
-    key.element_offset = off;
-    kernels::AdamWUpdate(whole.Slice(off, n), c.scalars, key, c.isa);
+    CommitJournaled(whole, slot, off, n);
     done += n;
-    if (done < c.chunk_count) {
-      c.progress->done_elems.store(done, std::memory_order_release);
-    } else {
-      c.progress->done_step.store(c.step, std::memory_order_release);
-      c.progress->done_elems.store(0, std::memory_order_release);
-    }
+    RecordProgress(c.progress, c.step, done, c.chunk_count);
   }
 }
 
