@@ -25,18 +25,12 @@ void AdamWUpdateScalar(const AdamWRange& r, const AdamWStepScalars& s, RngKey ke
   const bool split = r.master_lo != nullptr;
   const bool out_is_master = !split && r.param_out == static_cast<void*>(r.master);
   auto* hi = static_cast<uint16_t*>(r.param_out);
-  // What the step reads (AdamWRange::from; in place where it names nothing).
-  const AdamWRange::Inputs& f = r.from;
-  const void* m_in = f.exp_avg != nullptr ? f.exp_avg : r.exp_avg;
-  const void* v_in = f.exp_avg_sq != nullptr ? f.exp_avg_sq : r.exp_avg_sq;
-  const float* master_in = f.master != nullptr ? f.master : r.master;
-  const uint16_t* hi_in = f.master_hi != nullptr ? f.master_hi : hi;
-  const uint16_t* lo_in = f.master_lo != nullptr ? f.master_lo : r.master_lo;
+  const AdamWRange::Inputs in = InputsOf(r);
   for (size_t i = 0; i < r.numel; ++i) {
     const float g = Load(r.grad, r.grad_dtype, i);
-    float m = Load(m_in, r.moment_dtype, i);
-    float v = Load(v_in, r.moment_dtype, i);
-    float p = split ? SplitMasterDecode(hi_in[i], lo_in[i]) : master_in[i];
+    float m = Load(in.exp_avg, r.moment_dtype, i);
+    float v = Load(in.exp_avg_sq, r.moment_dtype, i);
+    float p = split ? SplitMasterDecode(in.master_hi[i], in.master_lo[i]) : in.master[i];
     AdamWElement(g, &p, &m, &v, s);
     if (split)
       SplitMasterEncode(p, &hi[i], &r.master_lo[i]);

@@ -38,19 +38,10 @@ struct Pointers {
 
 template <Out kOut>
 inline Pointers PointersOf(const AdamWRange& r) {
-  const AdamWRange::Inputs& f = r.from;
+  const AdamWRange::Inputs in = InputsOf(r);
   void* out = kOut == Out::kNone ? nullptr : r.param_out;
-  return Pointers{r.master,
-                  r.exp_avg,
-                  r.exp_avg_sq,
-                  r.grad,
-                  out,
-                  r.master_lo,
-                  f.master != nullptr ? f.master : r.master,
-                  f.exp_avg != nullptr ? f.exp_avg : r.exp_avg,
-                  f.exp_avg_sq != nullptr ? f.exp_avg_sq : r.exp_avg_sq,
-                  f.master_hi != nullptr ? f.master_hi : static_cast<const uint16_t*>(r.param_out),
-                  f.master_lo != nullptr ? f.master_lo : r.master_lo};
+  return Pointers{r.master,  r.exp_avg,  r.exp_avg_sq,  r.grad,       out,         r.master_lo,
+                  in.master, in.exp_avg, in.exp_avg_sq, in.master_hi, in.master_lo};
 }
 
 // Software prefetch distance in elements (1 KiB of fp32 master; the other streams
