@@ -76,7 +76,7 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
       spdlog::warn(
           "adopted the optimizer state of {} sessions ({} segments, {}) in {} left by a "
           "trainstreamd (pid {}) that did not exit cleanly: {} parameters' updates finished, "
-          "{} torn sub-chunks restored; each waits {} s for its client to re-attach",
+          "{} journaled sub-chunks completed; each waits {} s for its client to re-attach",
           a.states, a.segments, HumanBytes(a.bytes), dir, previous_pid, a.rolled_forward,
           a.restored_subchunks, config.recovery_grace_s);
     }
@@ -111,7 +111,7 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
 // would lose every job's masters and moments. The unit sets RestartKillSignal=SIGUSR2
 // (deploy/trainstreamd.service), and on SIGUSR2 the daemon leaves exactly what a crash leaves: it
 // exits at once, without ending sessions or unlinking segments. The recovery design
-// already makes any moment of death safe (docs/recovery.md: the undo journal, the
+// already makes any moment of death safe (docs/recovery.md: the redo journal, the
 // commit records, roll-forward at adoption), so the next daemon adopts each state and
 // its clients resume as after a SIGKILL; the segments nobody adopts (rings, client
 // regions, bases) are unlinked by that daemon's startup sweep. With recovery_grace 0

@@ -146,7 +146,8 @@ fi
 # one invocation; layers: the 14B widths at SCALE_LAYERS blocks (40), full fine-tune, then
 # the first depth refused at wrap(); 70b: LoRA r=16 on a 72B-shaped NF4 base; load: the
 # 14B checkpoint loaded as NF4 warm and cold beside dd and bitsandbytes (its wheel
-# carried in .whl/); nojournal7b and adamw: the 7B step's regression (below).
+# carried in .whl/); nojournal7b, journal7b and adamw: the 7B step with and without the
+# redo journal, and the host AdamW alone (below).
 if [[ $STAGES == *scale* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
   paging=(.venv/bin/python benchmarks/paging/bench_paging.py --cap-gib 24 --seq 1024
@@ -163,6 +164,8 @@ if [[ $STAGES == *scale* ]]; then
       # journal, and the host AdamW with and without the journal and the split master.
       nojournal7b) cmd=(timeout 200 "${paging[@]}" --cases 7b-full --grad-pool pool
                         --max-warmup 8 --timeout 160 --daemon-args "--recovery-grace 0") ;;
+      journal7b) cmd=(timeout 200 "${paging[@]}" --cases 7b-full --grad-pool pool
+                      --max-warmup 8 --timeout 160) ;;
       adamw)
         build_targets ON ON trainstream-bench-adamw
         for pd in bf16 bf16-split; do for d in 0 1; do

@@ -46,7 +46,7 @@ struct Args {
   std::string mode = "eager";   // eager | deferred (clipping on)
   std::string check = "chunk";  // eager non-finite check: chunk | param
   bool pin = true;
-  bool durable = false;  // commit records and the undo journal (docs/recovery.md)
+  bool durable = false;  // commit records and the redo journal (docs/recovery.md)
   int iters = 10;
   int warmup = 2;
   bool json = false;

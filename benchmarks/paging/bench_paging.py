@@ -349,7 +349,7 @@ def main() -> int:
     ap.add_argument("--budget", default="90%", help="shared-memory budget of the private daemon")
     ap.add_argument("--daemon-args", default="",
                     help="more flags for the private daemon, one string (e.g. '--recovery-grace 0': "
-                         "no undo journal, to time the update without it)")
+                         "no redo journal, to time the update without it)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--jsonl", default=None, help="also append each run's result to this file")
     ap.add_argument("--case", help=argparse.SUPPRESS)

@@ -70,9 +70,15 @@ Status CheckStateSegment(char* base, uint64_t bytes, StateSegmentView* out) {
   if (ro % 64 != 0 || !Within(ro, sizeof(wire::RecoveryHeader), bytes))
     return Bad("recovery_offset out of range");
   auto* rh = reinterpret_cast<wire::RecoveryHeader*>(base + ro);
-  if (rh->magic != wire::kRecoveryMagic ||
-      (rh->version != wire::kRecoveryVersion && rh->version != wire::kRecoveryVersionPooled))
-    return Bad("bad recovery header magic or version");
+  if (rh->magic != wire::kRecoveryMagic) return Bad("bad recovery header magic");
+  if (rh->version == wire::kRecoveryVersionUndo || rh->version == wire::kRecoveryVersionUndoPooled)
+    return Bad("recovery version " + std::to_string(rh->version) +
+               ": written by an older daemon, whose undo journal this one does not read "
+               "(resume from a checkpoint, or recover with that daemon's version)");
+  if (rh->version != wire::kRecoveryVersion && rh->version != wire::kRecoveryVersionPooled)
+    return Bad("unknown recovery version " + std::to_string(rh->version) + " (this daemon reads " +
+               std::to_string(wire::kRecoveryVersion) + " and " +
+               std::to_string(wire::kRecoveryVersionPooled) + ")");
   if ((rh->flags.load(std::memory_order_acquire) & wire::kRecoveryInitialized) == 0)
     return Bad("not initialised (its registration never finished)");
   v.recovery_offset = ro;
@@ -254,10 +260,12 @@ struct Finisher {
     return staging != nullptr || p.master_layout == wire::MasterLayout::kFp32;
   }
 
-  // Puts back every sub-chunk a journal slot says was changing, for parameter
-  // i's update of `step` (its chunks' progress points at it). A master in a
-  // staging segment that is gone cannot be: RollForward reports it lost.
-  void RestoreTorn(uint32_t i, uint64_t step) {
+  // Finishes every sub-chunk whose redo record is whole and not yet recorded, for
+  // parameter i's update of `step` (its chunk's progress points at it): the slot
+  // copied into the state again, then the progress (Note [Redo journal],
+  // optimizer/journaled_update.h). A master in a staging segment that is gone
+  // cannot be: RollForward reports it lost.
+  void CompleteTorn(uint32_t i, uint64_t step) {
     const CheckedParam& p = v.params[i];
     kernels::AdamWRange whole;
     if (!Arrays(p, &whole)) return;
@@ -269,9 +277,13 @@ struct Finisher {
       const uint64_t off = jh->offset, count = jh->count;
       if (count == 0 || count > wire::kSubChunkElems || !Within(off, count, p.numel)) continue;
       const uint64_t c = off / v.chunk_elems;
-      const wire::ChunkProgress& pr = v.progress[p.chunk_first + c];
-      if (pr.done_step.load() >= step || c * v.chunk_elems + pr.done_elems.load() != off) continue;
-      optimizer::RestoreJournaled(whole, slot, off, count);
+      wire::ChunkProgress& pr = v.progress[p.chunk_first + c];
+      const uint64_t done = pr.done_elems.load();
+      if (pr.done_step.load() >= step || c * v.chunk_elems + done != off) continue;
+      const uint64_t chunk_count = std::min<uint64_t>(v.chunk_elems, p.numel - c * v.chunk_elems);
+      if (done + count > chunk_count) continue;
+      optimizer::CommitJournaled(whole, slot, off, count);
+      optimizer::RecordProgress(&pr, step, done + count, chunk_count);
       ++report->restored_subchunks;
     }
   }
@@ -305,7 +317,7 @@ struct Finisher {
     j.isa = kernels::BestIsa();
     j.entry = i;
     j.step = step;
-    j.journal_slot = SlotPointer(0);  // every torn sub-chunk is restored by now
+    j.journal_slot = SlotPointer(0);  // every whole redo record is in the state by now
     for (uint64_t c = 0; c < p.chunks; ++c) {
       wire::ChunkProgress& pr = v.progress[p.chunk_first + c];
       const uint64_t done_step = pr.done_step.load();
@@ -343,10 +355,10 @@ RecoveryReport CompleteUpdates(const StateSegmentView& v, char* staging, uint64_
     mark[i] = v.records[i].mark.load(std::memory_order_acquire);
     applied[i] = v.records[i].applied.load(std::memory_order_acquire);
   }
-  // First every torn sub-chunk, so the roll-forward may reuse a journal slot.
+  // First every whole redo record, so the roll-forward may reuse a journal slot.
   for (uint32_t i = 0; i < n; ++i) {
     const uint64_t step = mark[i] >> 2;
-    if (step > (applied[i] >> 1) && (mark[i] & 3) == wire::kMarkUpdating) f.RestoreTorn(i, step);
+    if (step > (applied[i] >> 1) && (mark[i] & 3) == wire::kMarkUpdating) f.CompleteTorn(i, step);
   }
   for (uint32_t i = 0; i < n; ++i) {
     const CheckedParam& p = v.params[i];

@@ -95,7 +95,7 @@ struct ParamOutcome {
 
 struct RecoveryReport {
   std::vector<ParamOutcome> params;  // manifest order
-  uint64_t restored_subchunks = 0;   // torn sub-chunks put back from the journals
+  uint64_t restored_subchunks = 0;   // sub-chunks completed from whole redo records
   uint64_t rolled_forward = 0;       // parameters whose update was finished here
   // Non-empty: the state cannot be made whole (names the parameter and the
   // step); nothing of it may be used.
@@ -103,7 +103,7 @@ struct RecoveryReport {
   uint64_t lost_step = 0;
 };
 
-// Restores the torn sub-chunks, then finishes every update that had started
+// Completes the sub-chunks with whole redo records, then finishes every update that had started
 // (the Note's rule), reading gradients from and writing weights to the staging
 // segment mapped at `staging` (`staging_bytes` long; null when it is gone: then
 // an update that must be finished is lost). `decision`: the most advanced step

@@ -83,6 +83,14 @@ AdamWRange AdamWRange::Slice(size_t offset, size_t n) const {
   piece.exp_avg = static_cast<char*>(exp_avg) + offset * DTypeSize(moment_dtype);
   piece.exp_avg_sq = static_cast<char*>(exp_avg_sq) + offset * DTypeSize(moment_dtype);
   piece.grad = static_cast<const char*>(grad) + offset * DTypeSize(grad_dtype);
+  const size_t mb = DTypeSize(moment_dtype);
+  if (from.master != nullptr) piece.from.master = from.master + offset;
+  if (from.master_hi != nullptr) piece.from.master_hi = from.master_hi + offset;
+  if (from.master_lo != nullptr) piece.from.master_lo = from.master_lo + offset;
+  if (from.exp_avg != nullptr)
+    piece.from.exp_avg = static_cast<const char*>(from.exp_avg) + offset * mb;
+  if (from.exp_avg_sq != nullptr)
+    piece.from.exp_avg_sq = static_cast<const char*>(from.exp_avg_sq) + offset * mb;
   if (param_out != nullptr) {
     piece.param_out =
         master != nullptr && param_out == static_cast<void*>(master)

@@ -99,13 +99,13 @@ struct Consts {
 template <bool kHardwareBf16, DType kG, DType kM, Out kOut, bool kFromEnd>
 inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t i, bool stream) {
   __m512 g = Load(ptr.grad, kG, i);
-  __m512 m = Load(ptr.exp_avg, kM, i);
-  __m512 v = Load(ptr.exp_avg_sq, kM, i);
+  __m512 m = Load(ptr.exp_avg_in, kM, i);
+  __m512 v = Load(ptr.exp_avg_sq_in, kM, i);
   __m512 p;
   if constexpr (kOut == Out::kSplit)
-    p = LoadSplit(static_cast<const uint16_t*>(ptr.param_out) + i, ptr.master_lo + i);
+    p = LoadSplit(ptr.hi_in + i, ptr.lo_in + i);
   else
-    p = _mm512_loadu_ps(ptr.master + i);
+    p = _mm512_loadu_ps(ptr.master_in + i);
 
   g = _mm512_mul_ps(g, c.grad_scale);
   p = _mm512_mul_ps(p, c.decay);
@@ -159,9 +159,7 @@ inline void Step16(const Pointers& ptr, const Consts& c, uint32_t index, size_t 
 
 template <bool kHardwareBf16, DType kG, DType kM, Out kOut, bool kFromEnd>
 void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t index_lo) {
-  Pointers ptr{
-      r.master,   r.exp_avg, r.exp_avg_sq, r.grad, kOut == Out::kNone ? nullptr : r.param_out,
-      r.master_lo};
+  const Pointers ptr = PointersOf<kOut>(r);
   const Consts c(s, key);
   constexpr size_t kOutBytes = kLanes * (kOut == Out::kF32 ? 4 : 2);
   // A split master's halves are read first: their lines are owned, nothing to stream.

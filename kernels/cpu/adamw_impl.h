@@ -27,6 +27,18 @@ double GradSumSquaresScalar(const void* grad, DType dtype, size_t n);
 double GradSumSquaresAvx2(const void* grad, DType dtype, size_t n);
 double GradSumSquaresAvx512(const void* grad, DType dtype, size_t n);
 
+// What a step reads (AdamWRange::from): each array named there or, where it names
+// nothing, the one the step writes (in place). A split master's high halves are
+// param_out.
+inline AdamWRange::Inputs InputsOf(const AdamWRange& r) {
+  const AdamWRange::Inputs& f = r.from;
+  return {f.master != nullptr ? f.master : r.master,
+          f.master_hi != nullptr ? f.master_hi : static_cast<const uint16_t*>(r.param_out),
+          f.master_lo != nullptr ? f.master_lo : r.master_lo,
+          f.exp_avg != nullptr ? f.exp_avg : r.exp_avg,
+          f.exp_avg_sq != nullptr ? f.exp_avg_sq : r.exp_avg_sq};
+}
+
 // Note [AdamW operation order]: torch 2.11 _single_tensor_adam on CPU runs
 //   param.mul_(1 - lr*wd); exp_avg.lerp_(grad, 1 - beta1);
 //   exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2);

@@ -25,11 +25,12 @@ void AdamWUpdateScalar(const AdamWRange& r, const AdamWStepScalars& s, RngKey ke
   const bool split = r.master_lo != nullptr;
   const bool out_is_master = !split && r.param_out == static_cast<void*>(r.master);
   auto* hi = static_cast<uint16_t*>(r.param_out);
+  const AdamWRange::Inputs in = InputsOf(r);
   for (size_t i = 0; i < r.numel; ++i) {
     const float g = Load(r.grad, r.grad_dtype, i);
-    float m = Load(r.exp_avg, r.moment_dtype, i);
-    float v = Load(r.exp_avg_sq, r.moment_dtype, i);
-    float p = split ? SplitMasterDecode(hi[i], r.master_lo[i]) : r.master[i];
+    float m = Load(in.exp_avg, r.moment_dtype, i);
+    float v = Load(in.exp_avg_sq, r.moment_dtype, i);
+    float p = split ? SplitMasterDecode(in.master_hi[i], in.master_lo[i]) : in.master[i];
     AdamWElement(g, &p, &m, &v, s);
     if (split)
       SplitMasterEncode(p, &hi[i], &r.master_lo[i]);

@@ -178,10 +178,11 @@ def test_register_parameters_layout_and_state_manifest(daemon):
     assert manifest_offset == 4096 and manifest_bytes == 40 + 3 * 176
     mmagic, entries, moment = struct.unpack_from("<III", data, manifest_offset)
     assert (mmagic, entries, moment) == (0x54535347, 3, 2)
-    # The recovery header (wire/state_record.h), after the entries: "TSRC", version 2.
+    # The recovery header (wire/state_record.h), after the entries: "TSRC", version 4
+    # (the redo journal; 5 with a gradient pool).
     (recovery_offset,) = struct.unpack_from("<Q", data, manifest_offset + 32)
     assert recovery_offset >= manifest_offset + manifest_bytes
-    assert struct.unpack_from("<II", data, recovery_offset) == (0x54535243, 2)
+    assert struct.unpack_from("<II", data, recovery_offset) == (0x54535243, 4)
     ids = []
     # Note [One host copy of a trained weight]: where each master is, and what of it the
     # state segment holds (bf16: the low halves, fp32: nothing, fp16: an fp32 master).

@@ -331,8 +331,10 @@ void KillLoop(const Case& c, uint32_t seed) {
   std::mt19937 rng(seed);
   Totals totals;
   // Until the kills have landed inside updates often enough to exercise both
-  // repairs, within a bound (each run takes some milliseconds).
-  while (totals.runs < 400 &&
+  // repairs, within a bound (each run takes some milliseconds). A kill lands
+  // between a redo record's `valid` and its progress (a cache-to-cache copy) in
+  // about one run of 50 to 100 here.
+  while (totals.runs < 2000 &&
          (totals.runs < 20 || totals.restored < 2 || totals.rolled < 2 ||
           (c.max_grad_norm == 0 && totals.killed_mid_step < 2) || totals.recovery_killed < 2)) {
     OneRun(c, ref, &rng, &totals);
@@ -403,7 +405,7 @@ TEST_CASE("A manifest entry whose master layout does not fit its dtype is refuse
   CHECK(st.message().find("entry 0: state arrays out of range") != std::string::npos);
 }
 
-TEST_CASE("A pooled state (version 3) is adopted only with its gradients inside its pool",
+TEST_CASE("A pooled state (version 5) is adopted only with its gradients inside its pool",
           "[recovery][grad_pool]") {
   // docs/staging-pool.md, "Recovery": each record names the pool extent its last
   // submission read; the pool lies where this daemon puts it, inside the staging.
@@ -457,6 +459,15 @@ TEST_CASE("A pooled state (version 3) is adopted only with its gradients inside 
   rh->grad_pool_bytes = mem.layout.staging_bytes;  // past the staging's end
   CHECK(!CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
   rh->grad_pool_bytes = cap;
-  rh->version = 4;
-  CHECK(!CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
+  REQUIRE(CheckStateSegment(mem.state, mem.layout.state_bytes, &view).ok());
+  rh->version = 6;
+  st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+  CHECK(st.message().find("unknown recovery version 6 (this daemon reads 4 and 5)") !=
+        std::string::npos);
+  // An undo journal's segment (versions 2 and 3): its slots mean the opposite; refused.
+  for (uint32_t old : {wire::kRecoveryVersionUndo, wire::kRecoveryVersionUndoPooled}) {
+    rh->version = old;
+    st = CheckStateSegment(mem.state, mem.layout.state_bytes, &view);
+    CHECK(st.message().find("written by an older daemon, whose undo journal") != std::string::npos);
+  }
 }

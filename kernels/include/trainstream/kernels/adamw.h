@@ -72,6 +72,19 @@ struct AdamWRange {
   // (param_out, master_lo), param_out in bf16, both read and written in place.
   uint16_t* master_lo = nullptr;
 
+  // Where the step reads the old master and moments when they are not the arrays it
+  // writes (the redo journal, Note [Redo journal] in trainstream/optimizer/
+  // journaled_update.h): each null member reads the array it names above, in place.
+  // A split master's old value is (master_hi, master_lo); an fp32 one's is master.
+  struct Inputs {
+    const float* master = nullptr;
+    const uint16_t* master_hi = nullptr;
+    const uint16_t* master_lo = nullptr;
+    const void* exp_avg = nullptr;
+    const void* exp_avg_sq = nullptr;
+  };
+  Inputs from;
+
   // Elements [offset, offset + n) of this range, every array advanced alike (a
   // param_out that is the master stays the master).
   AdamWRange Slice(size_t offset, size_t n) const;

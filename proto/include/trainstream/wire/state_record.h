@@ -1,5 +1,5 @@
 // What a state segment keeps so that its optimizer state outlives the daemon:
-// the recovery header, a record per parameter, progress per chunk and an undo
+// the recovery header, a record per parameter, progress per chunk and a redo
 // journal per worker. Daemon only (the segment is the daemon's, 0600); the
 // daemon that adopts a segment checks every field before it uses one.
 //
@@ -15,14 +15,15 @@
 //                      mark = s*4 + kMarkUpdating (in clipping mode for every
 //                      parameter of the step, then the step record's decision,
 //                      before the first update of the step starts)
-//   3. per sub-chunk   master and moments into the worker's journal slot,
-//                      valid = 1, the kernel, then the chunk's progress
+//   3. per sub-chunk   the kernel reads master and moments and writes the new
+//                      values into the worker's journal slot, valid = 1, the
+//                      slot copied into the state, then the chunk's progress
 //   4. after the last  the manifest's torch step, then applied = s*2 + skipped;
 //      chunk           only then PARAM_READY (a client never sees an update a
 //                      crash could take back)
 //   5. step end        the step record (the other of two copies, then the index)
-// A restarted daemon adopting the segment (daemon/recovery/) restores every
-// torn sub-chunk from the journals, then rolls each parameter marked updating
+// A restarted daemon adopting the segment (daemon/recovery/) copies in every
+// whole redo record the progress has not passed, then rolls each parameter marked updating
 // (in clipping mode: of a step whose decision is recorded) forward from its
 // chunks' progress, with the same inputs through the same ApplyJournaled
 // (optimizer/journaled_update.h, in journal slot 0): bit for bit what the dead
@@ -38,11 +39,17 @@
 namespace trainstream::wire {
 
 inline constexpr uint32_t kRecoveryMagic = 0x54535243;  // "TSRC"
-inline constexpr uint32_t kRecoveryVersion = 2;         // 2: ParamRecord holds the ranks' slots
+// 4: the journal slots hold redo records (Note [Redo journal],
+// daemon/optimizer/include/trainstream/optimizer/journaled_update.h).
+inline constexpr uint32_t kRecoveryVersion = 4;
 // A state whose gradients stream through a staging pool (grad_pool.h): each
 // record's grad_offset names the pool extent its last submission read, so a
 // daemon that knows only slots must not adopt it.
-inline constexpr uint32_t kRecoveryVersionPooled = 3;
+inline constexpr uint32_t kRecoveryVersionPooled = 5;
+// Written before the redo journal: the journal slots hold undo records, whose
+// meaning is the opposite (the slot is the old state). Refused by name.
+inline constexpr uint32_t kRecoveryVersionUndo = 2;
+inline constexpr uint32_t kRecoveryVersionUndoPooled = 3;
 // Elements a worker updates between two progress records (the journal's unit).
 inline constexpr uint64_t kSubChunkElems = 4096;
 
