@@ -3,7 +3,7 @@
 //   main thread     startup checks, then waits on StopSignals (signals, and
 //                   wakes from the handlers; platform/stop_signals.h); it alone
 //                   decides when to stop, and runs the shutdown sequence
-//   accept thread   UnixListener: accept(), SO_PEERCRED, hand the fd to gRPC
+//   accept thread   ControlListener: accept(), SO_PEERCRED, hand the fd to gRPC
 //   gRPC threads    the synchronous server's handlers (ControlService); each
 //                   attached session holds one in Attach() for its lifetime
 //   pid watcher     pidfd poll: a dead client's session ends at once
@@ -38,9 +38,9 @@
 #include "trainstream/platform/stop_signals.h"
 #include "trainstream/platform/this_process.h"
 #include "trainstream/platform/user.h"
+#include "transport/control_listener.h"
 #include "transport/control_server.h"
 #include "transport/peer_credentials.h"
-#include "transport/unix_listener.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -151,11 +151,11 @@ int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
   if (!report.error.empty()) return refuse(report.error);
   for (const auto& w : report.warnings) spdlog::warn("{}", w);
 
-  std::unique_ptr<UnixListener> listener;
+  std::unique_ptr<ControlListener> listener;
   const platform::GroupId socket_gid = policy.has_allow_group() && platform::RunsPrivileged()
                                            ? policy.allow_gid()
                                            : static_cast<platform::GroupId>(-1);
-  if (auto s = UnixListener::Bind(config.socket_path, 0660, socket_gid, &listener); !s.ok()) {
+  if (auto s = ControlListener::Bind(config.socket_path, 0660, socket_gid, &listener); !s.ok()) {
     return refuse(s.message());
   }
   // Every segment from here on carries this socket's tag.
@@ -163,6 +163,7 @@ int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
 
   DaemonState state;
   state.socket_path = config.socket_path;
+  state.endpoint_secret = listener->secret();  // "" on Linux (control_listener.h)
   state.stop_signals = stop_signals;
   state.Touch();
   Budget budget(budget_bytes);
@@ -191,18 +192,18 @@ int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
 
   PeerTable peers;
   std::unique_ptr<ControlServer> server;
-  if (auto s = ControlServer::Start(config, &policy, &peers, registry.get(), &budget, &state,
-                                    &bases, &server);
+  if (auto s = ControlServer::Start(config, listener.get(), &policy, &peers, registry.get(),
+                                    &budget, &state, &bases, &server);
       !s.ok()) {
     return refuse(s.message());
   }
 
   LogLimiter not_allowed_log;
   const uint32_t max_per_uid = config.max_connections_per_uid;
-  server->Accept(listener.get(), [&, max_per_uid](int fd, const PeerCredentials& raw) {
+  auto on_accept = [&, max_per_uid](int fd, const PeerCredentials& raw) {
     PeerCredentials creds = raw;
     policy.Apply(&creds);
-    // Note [Accepting under a connection flood] (unix_listener.h).
+    // Note [Accepting under a connection flood] (control_listener.h).
     uint32_t live = 0;
     if (!peers.Admit(fd, creds, max_per_uid, &live)) {
       return "uid " + std::to_string(creds.uid) + " already holds " + std::to_string(live) +
@@ -215,7 +216,8 @@ int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
                    dropped == 0 ? "" : " (" + std::to_string(dropped) + " more not logged)");
     }
     return std::string();
-  });
+  };
+  if (auto s = server->Accept(listener.get(), on_accept); !s.ok()) return refuse(s.message());
   spdlog::info("trainstreamd {} ready: socket={} shm_dir={} budget={} ({} bytes) workers={} pid={}",
                kDaemonVersion, config.socket_path, config.shm_dir, HumanBytes(budget_bytes),
                budget_bytes, state.worker_threads, platform::CurrentProcessId());

@@ -28,7 +28,7 @@ constexpr char kServiceName[] = "trainstreamd";
 
 // Each connection and each segment holds an fd, and the soft limit is often
 // 1024 under a hard limit of 512Ki: take what we may (Note [Accepting under a
-// connection flood] in unix_listener.h). Windows has no such limit.
+// connection flood] in control_listener.h). Windows has no such limit.
 void RaiseOpenFileLimit() {
   uint64_t from = 0, to = 0;
   const int err = trainstream::platform::RaiseOpenFileLimit(&from, &to);

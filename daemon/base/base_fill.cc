@@ -1,8 +1,5 @@
 #include "base/base_fill.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -52,8 +49,7 @@ Status ReadFully(const SourceFile& f, const std::string& tensor, uint64_t offset
   uint64_t done = 0;
   while (done < bytes) {
     if (done != 0 && stop()) return Cancelled();
-    const ssize_t r = pread(f.fd, dst + done, static_cast<size_t>(bytes - done),
-                            static_cast<off_t>(offset + done));
+    const int64_t r = f.file.ReadAt(dst + done, static_cast<size_t>(bytes - done), offset + done);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
       return Status(StatusCode::kDataLoss,
@@ -443,8 +439,7 @@ void Filler::Finish(const Piece& p, uint64_t source_bytes) {
   if (tensors_[p.tensor].pieces_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   // The tensor is complete: its checkpoint pages are not needed again.
   const PlannedTensor& t = plan_.tensors[p.tensor];
-  posix_fadvise(sources_.files[t.file].fd, static_cast<off_t>(t.src.begin),
-                static_cast<off_t>(t.src.bytes()), POSIX_FADV_DONTNEED);
+  sources_.files[t.file].file.DropFromCache(t.src.begin, t.src.bytes());
   tensors_done_.fetch_add(1, std::memory_order_relaxed);
 }
 

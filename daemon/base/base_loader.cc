@@ -91,7 +91,7 @@ Status PlanBase(const ModelSources& sources, BasePlan* plan, const CancelCheck& 
     const SourceFile& f = sources.files[i];
     if (check()) return Cancelled();
     SafetensorsHeader header;
-    Status st = ReadSafetensorsHeader(f.fd, f.path, &header, check);
+    Status st = ReadSafetensorsHeader(f.file, f.path, &header, check);
     if (fired) return Cancelled();
     if (!st.ok()) return st;
     if (plan->tensors.size() + header.tensors.size() > kMaxTensors) {
@@ -101,11 +101,11 @@ Status PlanBase(const ModelSources& sources, BasePlan* plan, const CancelCheck& 
                      " up to and including " + f.path + "; accepted: at most " +
                      std::to_string(kMaxTensors) + " per checkpoint)");
     }
-    h = Mix(h, f.st.st_dev);
-    h = Mix(h, f.st.st_ino);
-    h = Mix(h, static_cast<uint64_t>(f.st.st_size));
-    h = Mix(h, static_cast<uint64_t>(f.st.st_mtim.tv_sec) * 1000000000ull +
-                   static_cast<uint64_t>(f.st.st_mtim.tv_nsec));
+    const platform::ReadOnlyFileFacts& facts = f.file.facts();
+    h = Mix(h, facts.dev);
+    h = Mix(h, facts.ino);
+    h = Mix(h, facts.size);
+    h = Mix(h, facts.mtime_ns);
     h = Mix(h, header.header_hash);
     const std::string shard = f.path.substr(f.path.rfind('/') + 1);
     for (auto& t : header.tensors) {

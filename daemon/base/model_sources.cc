@@ -1,15 +1,11 @@
 #include "base/model_sources.h"
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
 
+#include "trainstream/platform/read_only_file.h"
 #include "trainstream/platform/user.h"
 
 namespace trainstream::daemon::base {
@@ -35,41 +31,37 @@ Status Errno(int err, const std::string& what, const PeerCredentials& caller) {
   return Status(StatusCode::kInvalidArgument, what + ": " + std::strerror(err));
 }
 
-// Opens `name` (relative to `dirfd`, or absolute) as a regular file. O_NONBLOCK
-// so that a FIFO cannot park the daemon's thread in open().
-Status OpenRegular(int dirfd, const std::string& name, const std::string& label,
-                   const PeerCredentials& caller, SourceFile* out) {
-  const int fd = openat(dirfd, name.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-  if (fd < 0) return Errno(errno, label, caller);
-  out->fd = fd;
+// Opens `name` (under the folder `dir`, or absolute when `dir` is null) as a
+// regular file. The seam's open never blocks on a FIFO.
+Status OpenRegular(const platform::ReadOnlyFile* dir, const std::string& name,
+                   const std::string& label, const PeerCredentials& caller, SourceFile* out) {
+  if (int err = platform::ReadOnlyFile::Open(dir, name, &out->file); err != 0)
+    return Errno(err, label, caller);
   out->path = label;
-  if (fstat(fd, &out->st) != 0) return Errno(errno, label, caller);
-  if (!S_ISREG(out->st.st_mode)) {
+  if (!out->file.facts().regular) {
     return Status(StatusCode::kInvalidArgument,
                   label +
                       ": not a regular file (a .safetensors file or a model folder "
                       "is accepted)");
   }
-  // Back to blocking reads.
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   return Status::Ok();
 }
 
-Status OpenFolder(const PeerCredentials& caller, const std::string& dir, int dirfd,
-                  ModelSources* out) {
+Status OpenFolder(const PeerCredentials& caller, const std::string& dir,
+                  const platform::ReadOnlyFile& folder, ModelSources* out) {
+  const std::string sep(1, platform::PathSeparator());
   SourceFile index_file;
-  Status st = OpenRegular(dirfd, kIndexName, dir + "/" + kIndexName, caller, &index_file);
+  Status st = OpenRegular(&folder, kIndexName, dir + sep + kIndexName, caller, &index_file);
   if (st.ok()) {
-    if (static_cast<uint64_t>(index_file.st.st_size) > kMaxIndexBytes) {
+    if (index_file.file.facts().size > kMaxIndexBytes) {
       return Status(StatusCode::kInvalidArgument, index_file.path + ": larger than " +
                                                       std::to_string(kMaxIndexBytes) +
                                                       " bytes; not a shard index");
     }
-    std::string text(static_cast<size_t>(index_file.st.st_size), '\0');
+    std::string text(static_cast<size_t>(index_file.file.facts().size), '\0');
     size_t done = 0;
     while (done < text.size()) {
-      const ssize_t r =
-          pread(index_file.fd, text.data() + done, text.size() - done, static_cast<off_t>(done));
+      const int64_t r = index_file.file.ReadAt(text.data() + done, text.size() - done, done);
       if (r < 0 && errno == EINTR) continue;
       if (r <= 0) return Errno(r < 0 ? errno : EIO, index_file.path, caller);
       done += static_cast<size_t>(r);
@@ -83,7 +75,7 @@ Status OpenFolder(const PeerCredentials& caller, const std::string& dir, int dir
     out->has_index = true;
     for (const auto& shard : out->index.shards) {
       SourceFile f;
-      st = OpenRegular(dirfd, shard, dir + "/" + shard, caller, &f);
+      st = OpenRegular(&folder, shard, dir + sep + shard, caller, &f);
       if (!st.ok()) {
         return Status(st.code(), st.message() + " (a shard named in " + index_file.path + ")");
       }
@@ -93,25 +85,18 @@ Status OpenFolder(const PeerCredentials& caller, const std::string& dir, int dir
   }
   if (st.code() != StatusCode::kNotFound) return st;
   SourceFile single;
-  st = OpenRegular(dirfd, "model.safetensors", dir + "/model.safetensors", caller, &single);
+  st = OpenRegular(&folder, "model.safetensors", dir + sep + "model.safetensors", caller, &single);
   if (st.ok()) {
     out->files.push_back(std::move(single));
     return Status::Ok();
   }
   if (st.code() != StatusCode::kNotFound) return st;
-  const int listfd = dup(dirfd);
-  DIR* d = listfd >= 0 ? fdopendir(listfd) : nullptr;
-  if (d == nullptr) {
-    if (listfd >= 0) close(listfd);
-    return Errno(errno, dir, caller);
-  }
   std::vector<std::string> names;
-  while (dirent* e = readdir(d)) {
-    std::string name = e->d_name;
+  const int list_err = folder.ListNames([&names](const std::string& name) {
     if (EndsWith(name, ".safetensors") && name[0] != '.') names.push_back(name);
-    if (names.size() > kMaxShards) break;
-  }
-  closedir(d);
+    return names.size() <= kMaxShards;
+  });
+  if (list_err != 0) return Errno(list_err, dir, caller);
   if (names.empty()) {
     return Status(StatusCode::kNotFound,
                   dir + ": no " + kIndexName + ", model.safetensors or *.safetensors file");
@@ -123,7 +108,7 @@ Status OpenFolder(const PeerCredentials& caller, const std::string& dir, int dir
   std::sort(names.begin(), names.end());
   for (const auto& name : names) {
     SourceFile f;
-    st = OpenRegular(dirfd, name, dir + "/" + name, caller, &f);
+    st = OpenRegular(&folder, name, dir + sep + name, caller, &f);
     if (!st.ok()) return st;
     out->files.push_back(std::move(f));
   }
@@ -131,60 +116,37 @@ Status OpenFolder(const PeerCredentials& caller, const std::string& dir, int dir
 }
 
 Status OpenAll(const PeerCredentials& caller, const std::string& path, ModelSources* out) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-  if (fd < 0) return Errno(errno, path, caller);
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    close(fd);
+  platform::ReadOnlyFile opened;
+  if (int err = platform::ReadOnlyFile::Open(nullptr, path, &opened); err != 0)
     return Errno(err, path, caller);
-  }
-  if (S_ISDIR(st.st_mode)) {
-    Status s = OpenFolder(caller, path, fd, out);
-    close(fd);
-    return s;
-  }
-  close(fd);
+  if (opened.facts().directory) return OpenFolder(caller, path, opened, out);
   SourceFile f;
-  Status s = OpenRegular(AT_FDCWD, path, path, caller, &f);
-  if (!s.ok()) return s;
+  f.path = path;
+  if (!opened.facts().regular) {
+    return Status(StatusCode::kInvalidArgument,
+                  path +
+                      ": not a regular file (a .safetensors file or a model folder "
+                      "is accepted)");
+  }
+  f.file = std::move(opened);
   out->files.push_back(std::move(f));
   return Status::Ok();
 }
 
 }  // namespace
 
-SourceFile::SourceFile(SourceFile&& o) noexcept : path(std::move(o.path)), fd(o.fd), st(o.st) {
-  o.fd = -1;
-}
-
-SourceFile& SourceFile::operator=(SourceFile&& o) noexcept {
-  if (this != &o) {
-    if (fd >= 0) close(fd);
-    path = std::move(o.path);
-    fd = o.fd;
-    st = o.st;
-    o.fd = -1;
-  }
-  return *this;
-}
-
-SourceFile::~SourceFile() {
-  if (fd >= 0) close(fd);
-}
-
 Status OpenModelAsCaller(const PeerCredentials& caller, const std::string& path,
                          ModelSources* out) {
   *out = ModelSources();
   out->path = path;
-  if (path.empty() || path[0] != '/' || path.find('\0') != std::string::npos ||
+  if (path.empty() || !platform::IsAbsolutePath(path) || path.find('\0') != std::string::npos ||
       path.size() > 4096) {
     return Status(StatusCode::kInvalidArgument,
                   "path: '" + path.substr(0, 200) +
                       "' is not an absolute path (give the .safetensors file or the model "
                       "folder as an absolute path)");
   }
-  const platform::UserId daemon_uid = geteuid();
+  const platform::UserId daemon_uid = platform::CurrentUserId();
   if (daemon_uid != 0 && caller.uid != daemon_uid) {
     return Status(StatusCode::kPermissionDenied,
                   "path: trainstreamd runs as uid " + std::to_string(daemon_uid) +
@@ -196,16 +158,11 @@ Status OpenModelAsCaller(const PeerCredentials& caller, const std::string& path,
   std::thread opener([&] {
     if (daemon_uid == 0 && caller.uid != 0) {
       // Thread-local identity switch; see the Note in model_sources.h.
-      std::vector<platform::GroupId> groups = caller.groups;
-      if (syscall(SYS_setgroups, groups.size(), groups.data()) != 0 ||
-          syscall(SYS_setfsgid, caller.gid) < 0 || syscall(SYS_setfsuid, caller.uid) < 0 ||
-          static_cast<platform::UserId>(syscall(SYS_setfsuid, static_cast<platform::UserId>(-1))) !=
-              caller.uid ||
-          static_cast<platform::GroupId>(
-              syscall(SYS_setfsgid, static_cast<platform::GroupId>(-1))) != caller.gid) {
+      if (int err = platform::TakeFilesystemIdentity(caller.uid, caller.gid, caller.groups);
+          err != 0) {
         result = Status(StatusCode::kInternal, "cannot take uid " + std::to_string(caller.uid) +
                                                    "'s filesystem credentials to open " + path +
-                                                   ": " + std::strerror(errno));
+                                                   ": " + std::strerror(err));
         return;
       }
     }

@@ -17,31 +17,23 @@
 // `model.safetensors`, else every `*.safetensors` file in it.
 #pragma once
 
-#include <sys/stat.h>
-
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "base/safetensors.h"
 #include "caller.h"
+#include "trainstream/platform/read_only_file.h"
 #include "trainstream/status.h"
 
 namespace trainstream::daemon::base {
 
 inline constexpr size_t kMaxShards = 4096;
 
-// One opened file. Owns `fd`.
+// One opened file (move-only: `file` owns its descriptor or handle).
 struct SourceFile {
-  SourceFile() = default;
-  SourceFile(const SourceFile&) = delete;
-  SourceFile& operator=(const SourceFile&) = delete;
-  SourceFile(SourceFile&& o) noexcept;
-  SourceFile& operator=(SourceFile&& o) noexcept;
-  ~SourceFile();
   std::string path;
-  int fd = -1;
-  struct stat st {};
+  platform::ReadOnlyFile file;  // its facts: what it was when opened
 };
 
 struct ModelSources {

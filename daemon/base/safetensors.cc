@@ -1,7 +1,5 @@
 #include "base/safetensors.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -452,14 +450,14 @@ Status ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data
       file_label, std::string_view(reinterpret_cast<const char*>(data) + 8, n), size, out);
 }
 
-Status ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out,
-                             const CancelCheck& cancelled) {
-  const off_t end = lseek(fd, 0, SEEK_END);
-  if (end < 0) return Invalid(file_label + ": cannot seek: " + std::strerror(errno));
-  const uint64_t size = static_cast<uint64_t>(end);
+Status ReadSafetensorsHeader(const platform::ReadOnlyFile& file, const std::string& file_label,
+                             SafetensorsHeader* out, const CancelCheck& cancelled) {
+  uint64_t size = 0;
+  if (int err = file.CurrentSize(&size); err != 0)
+    return Invalid(file_label + ": cannot seek: " + std::strerror(err));
   uint8_t len_bytes[8];
   if (size < 8) return TooShort(file_label, size);
-  if (pread(fd, len_bytes, 8, 0) != 8) {
+  if (file.ReadAt(len_bytes, 8, 0) != 8) {
     return Invalid(file_label + ": cannot read the header length: " + std::strerror(errno));
   }
   uint64_t n = 0;
@@ -467,7 +465,7 @@ Status ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsH
   std::string text(n, '\0');
   uint64_t done = 0;
   while (done < n) {
-    const ssize_t r = pread(fd, text.data() + done, n - done, static_cast<off_t>(8 + done));
+    const int64_t r = file.ReadAt(text.data() + done, n - done, 8 + done);
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) return Invalid(file_label + ": cannot read the header: " + std::strerror(errno));
     done += static_cast<uint64_t>(r);

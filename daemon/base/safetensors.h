@@ -27,6 +27,7 @@
 #include <string_view>
 #include <vector>
 
+#include "trainstream/platform/read_only_file.h"
 #include "trainstream/status.h"
 
 namespace trainstream::daemon::base {
@@ -102,10 +103,10 @@ Status ParseSafetensorsJson(const std::string& file_label, std::string_view json
 Status ParseSafetensorsBuffer(const std::string& file_label, const uint8_t* data, uint64_t size,
                               SafetensorsHeader* out);
 
-// Reads and parses the header of the open file `fd` (pread; the file offset is
-// not moved). `file_label` is the path shown in errors.
-Status ReadSafetensorsHeader(int fd, const std::string& file_label, SafetensorsHeader* out,
-                             const CancelCheck& cancelled = nullptr);
+// Reads and parses the header of the open file `file` (reads at offsets).
+// `file_label` is the path shown in errors.
+Status ReadSafetensorsHeader(const platform::ReadOnlyFile& file, const std::string& file_label,
+                             SafetensorsHeader* out, const CancelCheck& cancelled = nullptr);
 
 // A parsed `model.safetensors.index.json`: tensor name -> shard file name (a
 // plain file name in the same folder: no '/', not "." or ".."), at most

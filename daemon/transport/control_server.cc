@@ -17,13 +17,14 @@ struct ControlServer::Impl {
   bool shut_down = false;
 };
 
-Status ControlServer::Start(const DaemonConfig& config, const AccessPolicy* policy,
-                            PeerTable* peers, SessionRegistry* registry, Budget* budget,
-                            DaemonState* state, base::BaseCache* bases,
+Status ControlServer::Start(const DaemonConfig& config, ControlListener* listener,
+                            const AccessPolicy* policy, PeerTable* peers, SessionRegistry* registry,
+                            Budget* budget, DaemonState* state, base::BaseCache* bases,
                             std::unique_ptr<ControlServer>* out) {
   auto impl = std::make_unique<Impl>(config, policy, peers, registry, budget, state, bases);
   grpc::ServerBuilder builder;
   builder.RegisterService(&impl->service);
+  listener->AddTo(&builder);
   impl->server = builder.BuildAndStart();
   if (!impl->server) return Status(StatusCode::kUnavailable, "cannot start the gRPC server");
   out->reset(new ControlServer(std::move(impl)));
@@ -34,8 +35,8 @@ ControlServer::ControlServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 
 ControlServer::~ControlServer() { Shutdown(std::chrono::milliseconds(0)); }
 
-void ControlServer::Accept(UnixListener* listener, UnixListener::OnAccept on_accept) {
-  listener->Start(impl_->server.get(), std::move(on_accept));
+Status ControlServer::Accept(ControlListener* listener, ControlListener::OnAccept on_accept) {
+  return listener->Start(impl_->server.get(), std::move(on_accept));
 }
 
 void ControlServer::Shutdown(std::chrono::milliseconds grace) {

@@ -1,5 +1,5 @@
 // ControlServer: the gRPC server that answers trainstream.v1.Control on the
-// connections a UnixListener accepts. The process (daemon.cc) starts and stops
+// connections a ControlListener accepts. The process (daemon.cc) starts and stops
 // it through this header, which names no gRPC type (Note [One Status below the
 // transport], trainstream/status.h).
 #pragma once
@@ -13,8 +13,8 @@
 #include "memory/budget.h"
 #include "sessions/session_registry.h"
 #include "trainstream/status.h"
+#include "transport/control_listener.h"
 #include "transport/peer_credentials.h"
-#include "transport/unix_listener.h"
 
 namespace trainstream::daemon {
 
@@ -27,18 +27,20 @@ inline constexpr uint32_t kProtocolVersion = 1;
 
 class ControlServer {
  public:
-  // Starts the server over a ControlService of these parts; every pointer must
-  // be non-null and outlive the server. UNAVAILABLE when gRPC cannot start.
-  static Status Start(const DaemonConfig& config, const AccessPolicy* policy, PeerTable* peers,
-                      SessionRegistry* registry, Budget* budget, DaemonState* state,
-                      base::BaseCache* bases, std::unique_ptr<ControlServer>* out);
+  // Starts the server over a ControlService of these parts, with what
+  // `listener` adds to it (ControlListener::AddTo); every pointer must be
+  // non-null and outlive the server. UNAVAILABLE when gRPC cannot start.
+  static Status Start(const DaemonConfig& config, ControlListener* listener,
+                      const AccessPolicy* policy, PeerTable* peers, SessionRegistry* registry,
+                      Budget* budget, DaemonState* state, base::BaseCache* bases,
+                      std::unique_ptr<ControlServer>* out);
   ControlServer(const ControlServer&) = delete;
   ControlServer& operator=(const ControlServer&) = delete;
   ~ControlServer();
 
-  // Starts `listener`'s accept thread: its connections are served here. The
-  // server must outlive listener->Stop().
-  void Accept(UnixListener* listener, UnixListener::OnAccept on_accept);
+  // Starts `listener` (its accept thread on Linux): its connections are served
+  // here. The server must outlive listener->Stop(). Its error, if any.
+  Status Accept(ControlListener* listener, ControlListener::OnAccept on_accept);
   // Waits up to `grace` for calls in flight, cancels the rest, and returns once
   // every handler has. Idempotent.
   void Shutdown(std::chrono::milliseconds grace);

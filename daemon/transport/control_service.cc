@@ -10,6 +10,7 @@
 
 #include "log_safe.h"
 #include "trainstream/platform/control_channel.h"
+#include "trainstream/platform/process_watcher.h"
 #include "trainstream/platform/this_process.h"
 #include "trainstream/platform/user.h"
 
@@ -138,6 +139,8 @@ grpc::Status ControlService::Attach(
   }
   if (auto s = CheckPrintable(first.attach().job(), "attach.job", "job names"); !s.ok())
     return ToGrpc(s);
+  // Linux: SO_PEERCRED's pid; Windows: the stated one, of this user's process.
+  creds.pid = static_cast<pid_t>(platform::SessionProcess(creds.pid, first.attach().pid()));
   if (auto s = CheckPrintable(first.attach().group().key(), "attach.group.key", "group keys");
       !s.ok())
     return ToGrpc(s);

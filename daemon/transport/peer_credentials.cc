@@ -1,49 +1,31 @@
 #include "transport/peer_credentials.h"
 
-#include <grp.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <utility>
 
+#include "trainstream/platform/socket_peer.h"
 #include "trainstream/platform/user.h"
 
 namespace trainstream::daemon {
 
 bool ReadPeerCredentials(int fd, PeerCredentials* out) {
-  struct ucred cred {};
-  socklen_t len = sizeof(cred);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return false;
-  out->pid = cred.pid;
-  out->uid = cred.uid;
-  out->gid = cred.gid;
-  out->groups.clear();
-#ifdef SO_PEERGROUPS
-  std::vector<platform::GroupId> groups(64);
-  socklen_t glen = static_cast<socklen_t>(groups.size() * sizeof(platform::GroupId));
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen) != 0 && errno == ERANGE) {
-    groups.resize(glen / sizeof(platform::GroupId) + 1);
-    glen = static_cast<socklen_t>(groups.size() * sizeof(platform::GroupId));
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen) != 0) glen = 0;
+  platform::SocketPeer peer;
+  if (const int err = platform::ReadSocketPeer(fd, &peer); err != 0) {
+    errno = err;  // the caller names it
+    return false;
   }
-  groups.resize(glen / sizeof(platform::GroupId));
-  out->groups = std::move(groups);
-#endif
+  out->pid = static_cast<pid_t>(peer.pid);
+  out->uid = peer.uid;
+  out->gid = peer.gid;
+  out->groups = std::move(peer.groups);
   return true;
 }
 
 namespace {
 bool ResolveGroup(const std::string& name, platform::GroupId* gid, std::string* error) {
-  struct group gr {};
-  struct group* result = nullptr;
-  std::vector<char> buf(16384);
-  if (getgrnam_r(name.c_str(), &gr, buf.data(), buf.size(), &result) == 0 && result != nullptr) {
-    *gid = result->gr_gid;
-    return true;
-  }
+  if (platform::LookupGroup(name, gid) == 0) return true;
   // A numeric gid is accepted too.
   char* end = nullptr;
   unsigned long v = std::strtoul(name.c_str(), &end, 10);
@@ -59,7 +41,7 @@ bool ResolveGroup(const std::string& name, platform::GroupId* gid, std::string* 
 
 bool AccessPolicy::Resolve(const std::string& allow_group, const std::string& admin_group,
                            std::string* error) {
-  daemon_uid_ = geteuid();
+  daemon_uid_ = platform::CurrentUserId();
   if (!allow_group.empty()) {
     if (!ResolveGroup(allow_group, &allow_gid_, error)) return false;
     allow_gid_set_ = true;
@@ -87,8 +69,15 @@ void PeerTable::Set(int fd, const PeerCredentials& creds) {
 }
 
 bool PeerTable::Admit(int fd, const PeerCredentials& creds, uint32_t max_per_uid, uint32_t* live) {
-  struct stat st {};
-  const bool identified = fstat(fd, &st) == 0;
+  if (fd == kEveryConnection) {
+    std::lock_guard<std::mutex> lock(mu_);
+    every_connection_ = creds;
+    has_every_connection_ = true;
+    *live = 0;
+    return true;
+  }
+  uint64_t dev = 0, ino = 0;
+  const bool identified = platform::DescriptorIdentity(fd, &dev, &ino) == 0;
   std::lock_guard<std::mutex> lock(mu_);
   // The number may still name a connection gRPC closed: that entry goes first.
   if (auto it = by_fd_.find(fd); it != by_fd_.end()) {
@@ -101,8 +90,8 @@ bool PeerTable::Admit(int fd, const PeerCredentials& creds, uint32_t max_per_uid
   }
   Entry& e = by_fd_[fd];
   e.creds = creds;
-  e.dev = identified ? st.st_dev : 0;
-  e.ino = identified ? st.st_ino : 0;
+  e.dev = identified ? dev : 0;
+  e.ino = identified ? ino : 0;
   *live = ++recorded_[creds.uid];
   return true;
 }
@@ -114,8 +103,9 @@ uint32_t PeerTable::PruneAndCountLocked(platform::UserId uid) {
       ++it;
       continue;
     }
-    struct stat st {};
-    if (fstat(it->first, &st) == 0 && st.st_dev == it->second.dev && st.st_ino == it->second.ino) {
+    uint64_t dev = 0, ino = 0;
+    if (platform::DescriptorIdentity(it->first, &dev, &ino) == 0 && dev == it->second.dev &&
+        ino == it->second.ino) {
       ++count;
       ++it;
     } else {
@@ -132,6 +122,15 @@ uint32_t PeerTable::LiveConnections(platform::UserId uid) {
 }
 
 bool PeerTable::Lookup(const std::string& peer, PeerCredentials* out) const {
+  if (LookupFd(peer, out)) return true;
+  // Note [Callers without a connection identity].
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!has_every_connection_) return false;
+  *out = every_connection_;
+  return true;
+}
+
+bool PeerTable::LookupFd(const std::string& peer, PeerCredentials* out) const {
   // "fd:12" (see Note [Peer credentials for fd channels]).
   size_t colon = peer.rfind(':');
   if (colon == std::string::npos || peer.compare(0, 3, "fd:") != 0) return false;

@@ -55,14 +55,24 @@ class AccessPolicy {
 // connection between the prune and the overwrite. Counting costs one fstat per
 // connection of that uid (~0.3 us each), and runs only when the uid's recorded
 // count has reached the cap.
+//
+// Note [Callers without a connection identity]: where the listener cannot
+// tell connections apart (Windows: gRPC owns the loopback socket, and the
+// endpoint secret, which ControlService::Authorize checks before it looks a
+// caller up, is what proves who calls), it admits kEveryConnection once, and
+// every call not on a recorded fd gets those credentials. The Linux listener
+// never does, so there a call on an unknown fd is still refused.
 class PeerTable {
  public:
+  static constexpr int kEveryConnection = -1;
+
   // Records `fd` for `creds` unless creds.uid already holds `max_per_uid` live
   // connections (0: no cap). False (nothing recorded) when over the cap; then
-  // *live is that uid's count.
+  // *live is that uid's count. kEveryConnection: see the Note; no cap, *live 0.
   bool Admit(int fd, const PeerCredentials& creds, uint32_t max_per_uid, uint32_t* live);
   void Set(int fd, const PeerCredentials& creds);
-  // Looks up a ServerContext::peer() string ("fd:12"). False when unknown.
+  // Looks up a ServerContext::peer() string ("fd:12"); else the
+  // kEveryConnection credentials, when admitted. False when unknown.
   bool Lookup(const std::string& peer, PeerCredentials* out) const;
   // Live connections of `uid` (prunes closed ones first).
   uint32_t LiveConnections(platform::UserId uid);
@@ -70,14 +80,17 @@ class PeerTable {
  private:
   struct Entry {
     PeerCredentials creds;
-    dev_t dev = 0;
-    ino_t ino = 0;
+    uint64_t dev = 0;
+    uint64_t ino = 0;
   };
   uint32_t PruneAndCountLocked(platform::UserId uid);
+  bool LookupFd(const std::string& peer, PeerCredentials* out) const;
 
   mutable std::mutex mu_;
   std::unordered_map<int, Entry> by_fd_;                     // Guarded by mu_.
   std::unordered_map<platform::UserId, uint32_t> recorded_;  // Guarded by mu_: entries per uid
+  PeerCredentials every_connection_;                         // Guarded by mu_.
+  bool has_every_connection_ = false;                        // Guarded by mu_.
 };
 
 }  // namespace trainstream::daemon

@@ -1,5 +1,4 @@
-#include "transport/unix_listener.h"
-
+// The Linux side of transport/control_listener.h: the unix socket.
 #include <fcntl.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_posix.h>
@@ -20,6 +19,7 @@
 
 #include "log_limiter.h"
 #include "trainstream/platform/user.h"
+#include "transport/control_listener.h"
 #include "transport/peer_credentials.h"
 
 namespace trainstream::daemon {
@@ -68,9 +68,9 @@ bool SomeoneListens(const std::string& path, pid_t* pid) {
 
 }  // namespace
 
-Status UnixListener::Bind(const std::string& path, mode_t mode, platform::GroupId gid,
-                          std::unique_ptr<UnixListener>* out) {
-  std::unique_ptr<UnixListener> l(new UnixListener());
+Status ControlListener::Bind(const std::string& path, mode_t mode, platform::GroupId gid,
+                             std::unique_ptr<ControlListener>* out) {
+  std::unique_ptr<ControlListener> l(new ControlListener());
   sockaddr_un addr;
   if (!MakeAddress(path, &addr)) {
     return Fail(
@@ -141,11 +141,14 @@ Status UnixListener::Bind(const std::string& path, mode_t mode, platform::GroupI
   return Status::Ok();
 }
 
-void UnixListener::Start(grpc::Server* server, OnAccept on_accept) {
+void ControlListener::AddTo(grpc::ServerBuilder*) {}
+
+Status ControlListener::Start(grpc::Server* server, OnAccept on_accept) {
   thread_ = std::thread([this, server, on_accept] { AcceptLoop(server, on_accept); });
+  return Status::Ok();
 }
 
-void UnixListener::AcceptLoop(grpc::Server* server, OnAccept on_accept) {
+void ControlListener::AcceptLoop(grpc::Server* server, OnAccept on_accept) {
   // Note [Accepting under a connection flood].
   LogLimiter out_of_fds_log(3, std::chrono::seconds(5));
   LogLimiter refused_log(5, std::chrono::seconds(5));
@@ -218,7 +221,7 @@ void UnixListener::AcceptLoop(grpc::Server* server, OnAccept on_accept) {
   }
 }
 
-int UnixListener::ShedWaitingConnections() {
+int ControlListener::ShedWaitingConnections() {
   if (reserve_fd_ >= 0) {
     close(reserve_fd_);
     reserve_fd_ = -1;
@@ -234,7 +237,7 @@ int UnixListener::ShedWaitingConnections() {
   return shed;
 }
 
-void UnixListener::Stop() {
+void ControlListener::Stop() {
   if (thread_.joinable()) {
     uint64_t one = 1;
     ssize_t ignored = write(stop_fd_, &one, sizeof(one));
@@ -247,14 +250,14 @@ void UnixListener::Stop() {
   }
 }
 
-void UnixListener::RemoveFiles() {
+void ControlListener::RemoveFiles() {
   if (files_removed_ || path_.empty()) return;
   files_removed_ = true;
   unlink(path_.c_str());
   unlink((path_ + ".lock").c_str());
 }
 
-UnixListener::~UnixListener() {
+ControlListener::~ControlListener() {
   Stop();
   RemoveFiles();
   if (stop_fd_ >= 0) close(stop_fd_);

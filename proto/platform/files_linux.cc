@@ -3,6 +3,7 @@
 // shared folder like /dev/shm).
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -103,5 +104,29 @@ int CheckWritableDirectory(const std::string& dir) {
 }
 
 int RemoveFile(const std::string& path) { return unlink(path.c_str()) == 0 ? 0 : errno; }
+
+int MakeDirectories(const std::string& dir) {
+  for (size_t pos = 1; pos != std::string::npos; ++pos) {
+    pos = dir.find('/', pos);
+    const std::string part = dir.substr(0, pos);
+    if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) return errno;
+    if (pos == std::string::npos) break;
+  }
+  return 0;
+}
+
+int LockFile(const std::string& path, intptr_t* handle) {
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return errno;
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    close(fd);
+    return err;
+  }
+  *handle = fd;
+  return 0;
+}
+
+void UnlockFile(intptr_t handle) { close(static_cast<int>(handle)); }
 
 }  // namespace trainstream::platform

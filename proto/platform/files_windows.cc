@@ -143,4 +143,32 @@ int RemoveFile(const std::string& path) {
   return DeleteFileW(Wide(path).c_str()) ? 0 : internal::LastErrno();
 }
 
+int MakeDirectories(const std::string& dir) {
+  std::error_code error;
+  std::filesystem::create_directories(std::filesystem::u8path(dir), error);
+  return error ? (error.value() == ERROR_ACCESS_DENIED ? EACCES : EIO) : 0;
+}
+
+int LockFile(const std::string& path, intptr_t* handle) {
+  internal::OwnerOnly owner;
+  if (int err = owner.Init(); err != 0) return err;
+  HANDLE file = CreateFileW(Wide(path).c_str(), GENERIC_READ | GENERIC_WRITE,
+                            FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
+                            owner.attributes(), OPEN_ALWAYS, FILE_ATTRIBUTE_NORMAL, nullptr);
+  if (file == INVALID_HANDLE_VALUE) return internal::LastErrno();
+  // One byte at 2^62: past any end the file will have, so no read or write of
+  // its text meets the lock.
+  OVERLAPPED at{};
+  at.OffsetHigh = 1u << 30;
+  if (!LockFileEx(file, LOCKFILE_EXCLUSIVE_LOCK | LOCKFILE_FAIL_IMMEDIATELY, 0, 1, 0, &at)) {
+    const DWORD error = GetLastError();
+    CloseHandle(file);
+    return error == ERROR_LOCK_VIOLATION ? EWOULDBLOCK : internal::ErrnoOf(error);
+  }
+  *handle = reinterpret_cast<intptr_t>(file);
+  return 0;
+}
+
+void UnlockFile(intptr_t handle) { CloseHandle(reinterpret_cast<HANDLE>(handle)); }
+
 }  // namespace trainstream::platform

@@ -140,4 +140,6 @@ uint64_t ProcessStartTime(int64_t pid) {
   return std::strtoull(field.c_str(), nullptr, 10);
 }
 
+int64_t SessionProcess(int64_t kernel_pid, int64_t) { return kernel_pid; }
+
 }  // namespace trainstream::platform

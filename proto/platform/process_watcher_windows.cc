@@ -176,4 +176,37 @@ uint64_t ProcessStartTime(int64_t pid) {
   return start;
 }
 
+namespace {
+
+// The user SID of `process`'s token, as bytes; empty when it cannot be read.
+std::vector<char> TokenUserOf(HANDLE process) {
+  std::vector<char> sid;
+  HANDLE token = nullptr;
+  if (!OpenProcessToken(process, TOKEN_QUERY, &token)) return sid;
+  DWORD bytes = 0;
+  GetTokenInformation(token, TokenUser, nullptr, 0, &bytes);
+  std::vector<char> info(bytes);
+  if (bytes != 0 && GetTokenInformation(token, TokenUser, info.data(), bytes, &bytes)) {
+    PSID user = reinterpret_cast<TOKEN_USER*>(info.data())->User.Sid;
+    const char* begin = static_cast<const char*>(user);
+    sid.assign(begin, begin + GetLengthSid(user));
+  }
+  CloseHandle(token);
+  return sid;
+}
+
+}  // namespace
+
+int64_t SessionProcess(int64_t kernel_pid, int64_t stated_pid) {
+  if (kernel_pid != 0) return kernel_pid;
+  if (stated_pid <= 0 || stated_pid > 0xffffffffll) return 0;
+  HANDLE process =
+      OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, FALSE, static_cast<DWORD>(stated_pid));
+  if (process == nullptr) return 0;
+  const std::vector<char> theirs = TokenUserOf(process);
+  CloseHandle(process);
+  const std::vector<char> ours = TokenUserOf(GetCurrentProcess());
+  return !theirs.empty() && theirs == ours ? stated_pid : 0;
+}
+
 }  // namespace trainstream::platform

@@ -1,7 +1,7 @@
 """A connection flood must not wedge the daemon (issue 16, item 5): one uid is
 capped at max_connections_per_uid, running out of fds neither spins the accept
 loop nor floods the log, and the sessions already attached keep being served.
-Note [Accepting under a connection flood] (daemon/transport/unix_listener.h).
+Note [Accepting under a connection flood] (daemon/transport/control_listener.h).
 
 The flood comes from another uid (as a runaway user's would), so these run as
 root like test_daemon_permissions.py."""

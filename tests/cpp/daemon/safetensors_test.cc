@@ -146,19 +146,21 @@ TEST_CASE("Overlaps, holes and trailing bytes in the data area are refused", "[s
   CHECK(Has(e, "trailing bytes"));
 }
 
-TEST_CASE("ReadSafetensorsHeader reads through an fd", "[safetensors]") {
+TEST_CASE("ReadSafetensorsHeader reads through an open file", "[safetensors]") {
   char path[] = "/tmp/ts-st-XXXXXX";
   const int fd = mkstemp(path);
   REQUIRE(fd >= 0);
   const std::string f =
       File(R"({"t":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", std::string(8, '\1'));
   REQUIRE(write(fd, f.data(), f.size()) == static_cast<ssize_t>(f.size()));
+  trainstream::platform::ReadOnlyFile file;
+  REQUIRE(trainstream::platform::ReadOnlyFile::Open(nullptr, path, &file) == 0);
   SafetensorsHeader h;
-  CHECK(Answer(ReadSafetensorsHeader(fd, path, &h)) == "");
+  CHECK(Answer(ReadSafetensorsHeader(file, path, &h)) == "");
   CHECK(h.tensors.at(0).shape == std::vector<int64_t>{2, 2});
   REQUIRE(ftruncate(fd, 12) == 0);
-  CHECK(
-      Has(Answer(ReadSafetensorsHeader(fd, path, &h)), "runs past the end of the file (12 bytes)"));
+  CHECK(Has(Answer(ReadSafetensorsHeader(file, path, &h)),
+            "runs past the end of the file (12 bytes)"));
   close(fd);
   unlink(path);
 }

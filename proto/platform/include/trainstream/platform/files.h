@@ -55,4 +55,17 @@ int CheckWritableDirectory(const std::string& dir);
 // an errno value.
 int RemoveFile(const std::string& path);
 
+// Creates the folder `dir` and whichever of its parents are missing. 0 or an
+// errno value.
+int MakeDirectories(const std::string& dir);
+
+// Takes an exclusive lock on the file `path` (created if missing, readable
+// and writable by this user alone), held until UnlockFile(*handle). 0,
+// EWOULDBLOCK when another holder has it, or an errno value. Linux:
+// flock(LOCK_EX | LOCK_NB). Windows: LockFileEx on one byte far past the end,
+// so this process's other handles still read and rewrite the file
+// (ReadFilePrefix, OverwriteFile) and nothing else is locked out of it.
+int LockFile(const std::string& path, intptr_t* handle);
+void UnlockFile(intptr_t handle);
+
 }  // namespace trainstream::platform

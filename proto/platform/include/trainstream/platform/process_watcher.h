@@ -46,4 +46,12 @@ class ProcessWatcher {
 // that ended while someone still holds its handle).
 uint64_t ProcessStartTime(int64_t pid);
 
+// The client process a session belongs to. Linux: `kernel_pid`, what
+// SO_PEERCRED said, always. Windows, where no kernel names the peer
+// (kernel_pid 0; platform/socket_peer.h): `stated_pid`, the pid the client gave
+// in Attach, when that process runs and runs as this process's user (its
+// token's user SID), so a client cannot tie its session to another user's
+// process; else 0.
+int64_t SessionProcess(int64_t kernel_pid, int64_t stated_pid);
+
 }  // namespace trainstream::platform
