@@ -2,9 +2,11 @@
 # scripts/windows-check.sh: runs the Windows C++ tests that
 # scripts/windows-cross.sh built, under wine64 (issue 23; docs/windows.md).
 # These are the tests of the CPU kernels, the daemon's AdamW engine, the
-# platform seam and proto/ (build-windows/bin/*_test.exe); then, unless TESTS
-# names tests, the service cycle (service_cycle below) with the seam's test
-# service, platform_service_host.exe.
+# platform seam, proto/, the client and the daemon core
+# (build-windows/bin/*_test.exe); then, unless TESTS names tests, the service
+# cycle (service_cycle below) with the seam's test service,
+# platform_service_host.exe, and the real daemon's (daemon_cycle below:
+# trainstreamd.exe, built with TRAINSTREAM_WINDOWS_WITH_DAEMON=ON).
 # Each test picks the instruction sets the CPU has (cpu_features.h), as on
 # Linux; a path the CPU lacks is reported by the test itself.
 #
@@ -57,6 +59,14 @@ fi
 declare -A excluded=(
   [platform_shm_windows_test]="Wine 8.0 keeps no file DACL: it reports one made from the Unix mode, whatever CreateFileW or SetSecurityInfo set"
 )
+# Test cases that need what the Windows daemon does not do yet, each with the
+# reason (docs/windows.md, "Not done yet"); the rest of the test runs.
+declare -A excluded_case=(
+  [daemon_session_registry_test]="SessionRegistry: one uid holds at most kMaxSessionsPerUid sessions"
+)
+declare -A excluded_case_why=(
+  [daemon_session_registry_test]="attaches a second user's session, whose segments must be made for that user (ShmFile::GiveTo answers ENOTSUP on Windows for another user)"
+)
 if [[ -n ${TESTS:-} ]]; then
   tests=()
   for t in $TESTS; do tests+=("$build/bin/${t%.exe}.exe"); done
@@ -78,7 +88,12 @@ failed=()
 for exe in "${tests[@]}"; do
   name=$(basename "$exe" .exe)
   t0=$(date +%s)
-  "$wine" "$exe" > "$logs/$name.log" 2>&1
+  args=()
+  if [[ -n ${excluded_case[$name]:-} ]]; then
+    args=("~${excluded_case[$name]}")
+    echo "SKIP  $name, case \"${excluded_case[$name]}\": ${excluded_case_why[$name]}"
+  fi
+  "$wine" "$exe" "${args[@]}" > "$logs/$name.log" 2>&1
   rc=$?
   seconds=$(($(date +%s) - t0))
   # Catch2's last summary line: "All tests passed (...)" or "test cases: ...".
@@ -135,6 +150,94 @@ ctl_without_daemon() {
   echo "exit: $rc"
   [[ $rc -eq 3 ]] || return 1
 }
+# The real daemon as a service (docs/windows.md): trainstreamd.exe
+# --install-service with its own endpoint and segment folder, sc start, wait
+# for the endpoint file, trainstreamctl ping and status --json, the test client
+# attaching, allocating a region, writing it and detaching, sc stop, no segment
+# left in the folder, --uninstall-service. Each step's output is in
+# <logs>/daemon-cycle.log, the daemon's own log in <logs>/trainstreamd-service.log.
+# wait_for_file FILE: true once FILE exists, within 30 s.
+wait_for_file() {
+  for _ in $(seq 300); do
+    [[ -e $1 ]] && return 0
+    sleep 0.1
+  done
+  return 1
+}
+# wait_for_service_state NAME STATE: true once `sc query NAME` says STATE, within 30 s.
+wait_for_service_state() {
+  for _ in $(seq 300); do
+    "$wine" sc query "$1" 2> /dev/null | grep -q "STATE.*$2" && return 0
+    sleep 0.1
+  done
+  return 1
+}
+# client_session: the test client, fed one command at a time (a region's id is
+# known only once it is allocated); prints each answer.
+client_session() {
+  local client=$build/bin/trainstream-test-client.exe answer region
+  coproc TSCLIENT { "$wine" "$client" 2>&1; }
+  ask() {
+    echo "$1" >&"${TSCLIENT[1]}"
+    IFS= read -r -t 30 answer <&"${TSCLIENT[0]}" || { echo "no answer to: $1"; return 1; }
+    answer=${answer%$'\r'}
+    echo "$1 -> $answer"
+    [[ $answer == *'"ok":true'* ]]
+  }
+  ask "attach windows-check 0" &&
+    ask "alloc 1048576 check" &&
+    region=$(sed -n 's/.*"region_id":\([0-9]*\).*/\1/p' <<< "$answer") &&
+    [[ -n $region ]] &&
+    ask "fill $region 171" &&
+    echo "--- segment files while attached: $(ls "$dir_unix/shm" | paste -sd ' ')" &&
+    ask "detach"
+  local rc=$?
+  echo quit >&"${TSCLIENT[1]}"
+  wait "$TSCLIENT_PID" 2> /dev/null
+  return $rc
+}
+daemon_cycle() {
+  local daemon=$build/bin/trainstreamd.exe ctl=$build/bin/trainstreamctl.exe
+  [[ -e $daemon ]] || { echo "no $daemon (TRAINSTREAM_WINDOWS_WITH_DAEMON=ON scripts/windows-cross.sh)"; return 1; }
+  local dir_unix=$WINEPREFIX/drive_c/trainstream-daemon-$$ dir='C:\trainstream-daemon-'$$
+  local endpoint=$dir'\trainstreamd.endpoint' log=$dir'\trainstreamd.log'
+  rm -rf "$dir_unix"
+  mkdir -p "$dir_unix/shm"
+  export TRAINSTREAM_SOCKET=$endpoint
+  local rc=0
+  "$wine" "$daemon" --install-service --socket "$endpoint" --shm-dir "$dir"'\shm' \
+    --log-file "$log" --budget 256M --threads 1 || return 1
+  if "$wine" sc start trainstreamd && wait_for_file "$dir_unix/trainstreamd.endpoint" &&
+    wait_for_service_state trainstreamd RUNNING; then
+    echo "--- trainstreamctl ping"
+    "$wine" "$ctl" ping || rc=1
+    echo "--- trainstreamctl status --json"
+    "$wine" "$ctl" status --json > "$logs/daemon-status.json" || rc=1
+    cat "$logs/daemon-status.json"
+    echo "--- the test client"
+    client_session || rc=1
+    echo "--- segments while no session is attached: $(ls "$dir_unix/shm" | paste -sd ' ')"
+  else
+    echo "the service did not start (or wrote no endpoint file)"
+    rc=1
+  fi
+  "$wine" sc stop trainstreamd || rc=1
+  wait_for_service_state trainstreamd STOPPED || { echo "the service did not stop"; rc=1; }
+  "$wine" sc query trainstreamd | tee "$logs/daemon-stopped.txt"
+  grep -q "WIN32_EXIT_CODE *: 0 " "$logs/daemon-stopped.txt" || { echo "exit code not 0"; rc=1; }
+  local left
+  left=$(ls -A "$dir_unix/shm" 2> /dev/null | paste -sd ' ')
+  echo "--- left in the segment folder after the stop: ${left:-nothing}"
+  [[ -z $left ]] || rc=1
+  [[ ! -e $dir_unix/trainstreamd.endpoint ]] || { echo "the endpoint file is still there"; rc=1; }
+  "$wine" "$daemon" --uninstall-service || rc=1
+  cp "$dir_unix/trainstreamd.log" "$logs/trainstreamd-service.log" 2> /dev/null
+  echo "--- the daemon's log"
+  tr -d '\r' < "$dir_unix/trainstreamd.log" 2> /dev/null
+  unset TRAINSTREAM_SOCKET
+  rm -rf "$dir_unix"
+  return $rc
+}
 if [[ -z ${TESTS:-} ]]; then
   if ctl_without_daemon > "$logs/ctl-no-daemon.log" 2>&1 &&
     grep -qF "there is no endpoint file C:\\trainstream-check-$$\\trainstreamd.endpoint" \
@@ -150,6 +253,15 @@ if [[ -z ${TESTS:-} ]]; then
   else
     failed+=("service-cycle")
     echo "FAIL  service cycle (log: $logs/service-cycle.log)"
+  fi
+  t0=$(date +%s)
+  if daemon_cycle > "$logs/daemon-cycle.log" 2>&1; then
+    echo "PASS  trainstreamd as a service (install, sc start, ping, status --json, a client" \
+      "attaches, allocates, writes, detaches, sc stop, no segment left, uninstall;" \
+      "$(($(date +%s) - t0)) s)"
+  else
+    failed+=("daemon-cycle")
+    echo "FAIL  trainstreamd as a service (log: $logs/daemon-cycle.log)"
   fi
 fi
 

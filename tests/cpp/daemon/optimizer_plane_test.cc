@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -37,13 +38,13 @@ constexpr size_t kNumel = 5;
 struct FakeRank {
   FakeRank() {
     bytes = wire::ControlLayoutFor(kCapacity).bytes;
-    memory = static_cast<char*>(std::aligned_alloc(64, bytes));
+    memory = static_cast<char*>(::operator new (bytes, std::align_val_t{64}));
     std::memset(memory, 0, bytes);
     layout = wire::InitializeControlRegion(memory, 0, bytes, kCapacity);
     commands = RingView(memory + layout.command_ring_offset);
     completions = RingView(memory + layout.completion_ring_offset);
   }
-  ~FakeRank() { std::free(memory); }
+  ~FakeRank() { ::operator delete (memory, std::align_val_t{64}); }
   // The daemon's copy of the layout (client_rings.h).
   ControlRings rings() const {
     return ControlRings{memory, layout.command_ring_offset, layout.completion_ring_offset,

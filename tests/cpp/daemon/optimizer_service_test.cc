@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -33,7 +34,7 @@ constexpr uint64_t kSession = 7;
 struct Client {
   Client() : service(2) {
     const uint64_t bytes = wire::ControlLayoutFor(kCapacity).bytes;
-    memory = static_cast<char*>(std::aligned_alloc(64, bytes));
+    memory = static_cast<char*>(::operator new (bytes, std::align_val_t{64}));
     std::memset(memory, 0, bytes);
     const wire::ControlLayout l = wire::InitializeControlRegion(memory, kSession, bytes, kCapacity);
     rings = ControlRings{memory, l.command_ring_offset, l.completion_ring_offset, kCapacity};
@@ -52,7 +53,7 @@ struct Client {
   }
   ~Client() {
     service.EndSession(kSession);  // before the memory goes
-    std::free(memory);
+    ::operator delete (memory, std::align_val_t{64});
   }
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;

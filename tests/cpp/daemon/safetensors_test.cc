@@ -147,22 +147,20 @@ TEST_CASE("Overlaps, holes and trailing bytes in the data area are refused", "[s
 }
 
 TEST_CASE("ReadSafetensorsHeader reads through an open file", "[safetensors]") {
-  char path[] = "/tmp/ts-st-XXXXXX";
-  const int fd = mkstemp(path);
-  REQUIRE(fd >= 0);
+  const std::string path = trainstream::daemon::base::testing::NewTemporaryFile("ts-st");
   const std::string f =
       File(R"({"t":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", std::string(8, '\1'));
-  REQUIRE(write(fd, f.data(), f.size()) == static_cast<ssize_t>(f.size()));
+  trainstream::daemon::base::testing::WriteWholeFile(path, f);
   trainstream::platform::ReadOnlyFile file;
   REQUIRE(trainstream::platform::ReadOnlyFile::Open(nullptr, path, &file) == 0);
   SafetensorsHeader h;
   CHECK(Answer(ReadSafetensorsHeader(file, path, &h)) == "");
   CHECK(h.tensors.at(0).shape == std::vector<int64_t>{2, 2});
-  REQUIRE(ftruncate(fd, 12) == 0);
+  std::filesystem::resize_file(path, 12);
   CHECK(Has(Answer(ReadSafetensorsHeader(file, path, &h)),
             "runs past the end of the file (12 bytes)"));
-  close(fd);
-  unlink(path);
+  file = trainstream::platform::ReadOnlyFile();
+  std::remove(path.c_str());
 }
 
 TEST_CASE("The shard index maps tensors to plain file names", "[safetensors]") {

@@ -1,9 +1,8 @@
 // SessionRegistry without the transport: sessions attach (Create) with no
 // stream, register parameters, allocate regions and end, against a real
-// OptimizerService and segments in a temporary /dev/shm folder.
+// OptimizerService and segments in a temporary /dev/shm folder (where there is
+// none, as on Windows, one in the system's temporary folder).
 #include "sessions/session_registry.h"
-
-#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -15,12 +14,27 @@
 #include "catch_compat.h"
 #include "memory/budget.h"
 #include "planes/optimizer_service.h"
+#include "trainstream/platform/this_process.h"
+#include "trainstream/platform/user.h"
 
 using namespace trainstream;
 using namespace trainstream::daemon;
 namespace fs = std::filesystem;
+using trainstream::platform::CurrentUserId;
 
 namespace {
+
+// A new empty folder for one test's segments.
+std::string NewSegmentFolder() {
+  static int made = 0;
+  const fs::path base =
+      fs::is_directory("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
+  const fs::path dir = base / ("ts-registry-" + std::to_string(platform::CurrentProcessId()) + "-" +
+                               std::to_string(++made));
+  fs::remove_all(dir);
+  fs::create_directory(dir);
+  return dir.string();
+}
 
 // Files of this daemon's segments in `dir`.
 size_t SegmentFiles(const std::string& dir) {
@@ -32,8 +46,7 @@ size_t SegmentFiles(const std::string& dir) {
 
 struct Daemon {
   Daemon() : budget(uint64_t{1} << 32), optimizer(2) {
-    char tmpl[] = "/dev/shm/ts-registry-XXXXXX";
-    dir = mkdtemp(tmpl);
+    dir = NewSegmentFolder();
     config.shm_dir = dir;
     config.lock_memory = false;
     registry = std::make_unique<SessionRegistry>(config, &budget, &optimizer);
@@ -45,15 +58,15 @@ struct Daemon {
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
-  static PeerCredentials Caller(uid_t uid) {
+  static PeerCredentials Caller(platform::UserId uid) {
     PeerCredentials c;
-    c.pid = getpid();
+    c.pid = static_cast<pid_t>(platform::CurrentProcessId());
     c.uid = uid;
     c.allowed = true;
     return c;
   }
 
-  Status Attach(uid_t uid, std::shared_ptr<Session>* out) {
+  Status Attach(platform::UserId uid, std::shared_ptr<Session>* out) {
     v1::AttachRequest req;
     req.set_protocol_version(1);
     req.set_job("test");
@@ -88,19 +101,19 @@ struct Daemon {
 TEST_CASE("SessionRegistry: attach, find, end", "[registry]") {
   Daemon d;
   std::shared_ptr<Session> s;
-  REQUIRE(d.Attach(getuid(), &s).ok());
+  REQUIRE(d.Attach(CurrentUserId(), &s).ok());
   REQUIRE(s);
   CHECK(d.registry->size() == 1);
   CHECK(SegmentFiles(d.dir) == 1);  // the control region
 
   std::shared_ptr<Session> found;
-  CHECK(d.registry->Find(s->id, s->token, Daemon::Caller(getuid()), &found).ok());
+  CHECK(d.registry->Find(s->id, s->token, Daemon::Caller(CurrentUserId()), &found).ok());
   CHECK(found == s);
-  CHECK(d.registry->Find(s->id, "wrong", Daemon::Caller(getuid()), &found).code() ==
+  CHECK(d.registry->Find(s->id, "wrong", Daemon::Caller(CurrentUserId()), &found).code() ==
         StatusCode::kPermissionDenied);
-  CHECK(d.registry->Find(s->id, s->token, Daemon::Caller(getuid() + 1000), &found).code() ==
+  CHECK(d.registry->Find(s->id, s->token, Daemon::Caller(CurrentUserId() + 1000), &found).code() ==
         StatusCode::kPermissionDenied);
-  CHECK(d.registry->Find(s->id + 1, s->token, Daemon::Caller(getuid()), &found).code() ==
+  CHECK(d.registry->Find(s->id + 1, s->token, Daemon::Caller(CurrentUserId()), &found).code() ==
         StatusCode::kNotFound);
 
   d.registry->End(s->id, "test over", false);
@@ -110,7 +123,7 @@ TEST_CASE("SessionRegistry: attach, find, end", "[registry]") {
     std::lock_guard<std::mutex> lock(s->mu);
     CHECK(s->closed);
   }
-  CHECK(d.registry->Find(s->id, s->token, Daemon::Caller(getuid()), &found).code() ==
+  CHECK(d.registry->Find(s->id, s->token, Daemon::Caller(CurrentUserId()), &found).code() ==
         StatusCode::kNotFound);
   d.registry->End(s->id, "again", false);  // idempotent
 }
@@ -119,7 +132,7 @@ TEST_CASE("SessionRegistry: register gives slots and a staging region; the end f
           "[registry]") {
   Daemon d;
   std::shared_ptr<Session> s;
-  REQUIRE(d.Attach(getuid(), &s).ok());
+  REQUIRE(d.Attach(CurrentUserId(), &s).ok());
   v1::RegisterParametersResponse resp;
   REQUIRE(d.registry->RegisterParameters(*s, Daemon::OneParam(3, 100), &resp).ok());
   REQUIRE(resp.slots_size() == 1);
@@ -152,26 +165,26 @@ TEST_CASE("SessionRegistry: one uid holds at most kMaxSessionsPerUid sessions", 
   std::vector<std::shared_ptr<Session>> held;
   for (size_t i = 0; i < kMaxSessionsPerUid; ++i) {
     std::shared_ptr<Session> s;
-    REQUIRE(d.Attach(getuid(), &s).ok());
+    REQUIRE(d.Attach(CurrentUserId(), &s).ok());
     held.push_back(std::move(s));
   }
   std::shared_ptr<Session> one_more;
-  Status st = d.Attach(getuid(), &one_more);
+  Status st = d.Attach(CurrentUserId(), &one_more);
   CHECK(st.code() == StatusCode::kResourceExhausted);
   CHECK(st.message().find("detach some first") != std::string::npos);
   // Another uid is not held back by this one's sessions.
   std::shared_ptr<Session> other;
-  CHECK(d.Attach(getuid() + 1000, &other).ok());
+  CHECK(d.Attach(CurrentUserId() + 1000, &other).ok());
   // Ending one makes room again.
   d.registry->End(held.front()->id, "room", false);
-  CHECK(d.Attach(getuid(), &one_more).ok());
+  CHECK(d.Attach(CurrentUserId(), &one_more).ok());
 }
 
 TEST_CASE("SessionRegistry: one session holds at most kMaxRegionsPerSession regions",
           "[registry]") {
   Daemon d;
   std::shared_ptr<Session> s;
-  REQUIRE(d.Attach(getuid(), &s).ok());
+  REQUIRE(d.Attach(CurrentUserId(), &s).ok());
   v1::AllocateRegionRequest req;
   req.set_bytes(64);
   req.set_label("r");
