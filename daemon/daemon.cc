@@ -4,6 +4,7 @@
 //                   wakes from the handlers; platform/stop_signals.h); it alone
 //                   decides when to stop, and runs the shutdown sequence
 //   accept thread   ControlListener: accept(), SO_PEERCRED, hand the fd to gRPC
+//                   (Linux; on Windows gRPC accepts on loopback TCP itself)
 //   gRPC threads    the synchronous server's handlers (ControlService); each
 //                   attached session holds one in Attach() for its lifetime
 //   pid watcher     pidfd poll: a dead client's session ends at once

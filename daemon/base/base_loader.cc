@@ -107,7 +107,7 @@ Status PlanBase(const ModelSources& sources, BasePlan* plan, const CancelCheck& 
     h = Mix(h, facts.size);
     h = Mix(h, facts.mtime_ns);
     h = Mix(h, header.header_hash);
-    const std::string shard = f.path.substr(f.path.rfind('/') + 1);
+    const std::string shard = f.path.substr(f.path.rfind(platform::PathSeparator()) + 1);
     for (auto& t : header.tensors) {
       auto [it, fresh] = seen.emplace(t.name, f.path);
       if (!fresh) {

@@ -11,6 +11,10 @@
 // thread ends after opening; the file descriptors it returns are what the daemon
 // reads. A daemon that is not root cannot switch identity, so it serves only
 // callers of its own uid (everyone else gets PERMISSION_DENIED saying why).
+// The opens, reads and the switch go through platform/read_only_file.h. On
+// Windows every caller is the daemon's own user (the endpoint secret,
+// Note [Callers without a connection identity]), so there is no switch, and
+// links are never followed.
 //
 // Accepted paths: an absolute path to a `.safetensors` file, or to a folder
 // holding `model.safetensors.index.json` (its shards named in weight_map), else

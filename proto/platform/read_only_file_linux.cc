@@ -84,6 +84,8 @@ int ReadOnlyFile::ListNames(const std::function<bool(const std::string& name)>& 
     if (listfd >= 0) close(listfd);
     return err;
   }
+  // The dup shares the folder's offset, which an earlier listing left at its end.
+  rewinddir(d);
   while (dirent* e = readdir(d)) {
     if (!take(e->d_name)) break;
   }
