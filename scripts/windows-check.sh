@@ -153,7 +153,8 @@ ctl_without_daemon() {
 # The real daemon as a service (docs/windows.md): trainstreamd.exe
 # --install-service with its own endpoint and segment folder, sc start, wait
 # for the endpoint file, trainstreamctl ping and status --json, the test client
-# attaching, allocating a region, writing it and detaching, sc stop, no segment
+# attaching, allocating a region, writing it and detaching (and before it,
+# trainstreamctl base load of a small checkpoint, then base drop), sc stop, no segment
 # left in the folder, --uninstall-service. Each step's output is in
 # <logs>/daemon-cycle.log, the daemon's own log in <logs>/trainstreamd-service.log.
 # wait_for_file FILE: true once FILE exists, within 30 s.
@@ -196,6 +197,21 @@ client_session() {
   wait "$TSCLIENT_PID" 2> /dev/null
   return $rc
 }
+# write_checkpoint FILE: a safetensors file of two F32 tensors (80 bytes of data).
+write_checkpoint() {
+  command -v python3 > /dev/null || return 1
+  mkdir -p "$(dirname "$1")"
+  python3 - "$1" << 'PY'
+import json, struct, sys
+header = json.dumps({
+    "model.layers.0.mlp.up_proj.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]},
+    "norm.weight": {"dtype": "F32", "shape": [4], "data_offsets": [64, 80]},
+}).encode()
+header += b" " * (-len(header) % 8)
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<Q", len(header)) + header + struct.pack("<20f", *range(20)))
+PY
+}
 daemon_cycle() {
   local daemon=$build/bin/trainstreamd.exe ctl=$build/bin/trainstreamctl.exe
   [[ -e $daemon ]] || { echo "no $daemon (TRAINSTREAM_WINDOWS_WITH_DAEMON=ON scripts/windows-cross.sh)"; return 1; }
@@ -214,6 +230,14 @@ daemon_cycle() {
     echo "--- trainstreamctl status --json"
     "$wine" "$ctl" status --json > "$logs/daemon-status.json" || rc=1
     cat "$logs/daemon-status.json"
+    echo "--- trainstreamctl base load (a folder holding model.safetensors: 2 F32 tensors)"
+    if write_checkpoint "$dir_unix/model/model.safetensors"; then
+      "$wine" "$ctl" base load "$dir"'\model' --json || rc=1
+      "$wine" "$ctl" base drop "$("$wine" "$ctl" base list --json | tr -d '\r' |
+        sed -n 's/.*"key": *"\([^"]*\)".*/\1/p' | head -1)" || rc=1
+    else
+      echo "no python3 to write the checkpoint: base load not run"
+    fi
     echo "--- the test client"
     client_session || rc=1
     echo "--- segments while no session is attached: $(ls "$dir_unix/shm" | paste -sd ' ')"
