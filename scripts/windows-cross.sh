@@ -3,7 +3,8 @@
 # Debian 12 machine with MinGW-w64 (issue 23; docs/windows.md). So far it
 # builds the CPU compute kernels (kernels/cpu), the daemon's AdamW engine
 # (daemon/optimizer), the platform seam (proto/platform), proto/, the client
-# library, trainstreamctl.exe and their C++ tests as .exe files, which
+# library, trainstreamctl.exe (with TRAINSTREAM_WINDOWS_WITH_DAEMON=ON also
+# trainstreamd.exe) and their C++ tests as .exe files, which
 # scripts/windows-check.sh runs under wine64, and the control plane's
 # dependencies.
 #
@@ -32,7 +33,7 @@
 #   STEPS                      which steps to run (default "tools catch2 deps kernels")
 #   DEPS                       which dependencies the deps step builds (default: all)
 #   TRAINSTREAM_WINDOWS_WITH_DAEMON  ON: the kernels step also builds daemon/
-#                              (trainstreamd.exe; not complete yet: docs/windows.md)
+#                              (trainstreamd.exe and the daemon core's tests that build for Windows)
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
