@@ -5,7 +5,9 @@ this process) at chosen moments and check what it reports.
 
 Lines on stdout (each flushed):
   phase <name> <step>   about to run <name> (backward, step, state_dict, base_load) of
-                        optimizer step <step> (the one in flight)
+                        optimizer step <step> (the one in flight); "between" after
+                        step() returned: <step> is the next one, which is what a
+                        daemon killed from then on can lose (never a kill's target)
   resumed <step> <json> the optimizer resumed after the daemon died (replayed and
                         landed gradients, seconds)
   lost <step> <json>    DaemonError: the state could not be resumed; <json> holds the
@@ -171,6 +173,7 @@ def main(argv=None) -> int:
             seen.report(step)
             say("phase", "step", step)
             opt.step()
+            say("phase", "between", step + 1)
             opt.zero_grad()
             seen.report(step)
             if step % args.ckpt_every == 0:
