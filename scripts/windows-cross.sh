@@ -32,7 +32,7 @@
 #   TRAINSTREAM_WINDOWS_JOBS   parallel compile jobs (default: nproc)
 #   STEPS                      which steps to run (default "tools catch2 deps kernels")
 #   DEPS                       which dependencies the deps step builds (default: all)
-#   TRAINSTREAM_WINDOWS_WITH_DAEMON  ON: the kernels step also builds daemon/
+#   TRAINSTREAM_WINDOWS_WITH_DAEMON  ON (default): the kernels step also builds daemon/
 #                              (trainstreamd.exe and the daemon core's tests that build for Windows)
 set -euo pipefail
 
@@ -313,7 +313,7 @@ if has_step kernels; then
   cmake -S "$root/cmake/windows" -B "$build" -G Ninja \
     -DCMAKE_TOOLCHAIN_FILE="$toolchain" -DTRAINSTREAM_WINDOWS_PREFIX="$prefix" \
     -DTRAINSTREAM_WINDOWS_WITH_GRPC="$with_grpc" \
-    -DTRAINSTREAM_WINDOWS_WITH_DAEMON="${TRAINSTREAM_WINDOWS_WITH_DAEMON:-OFF}" \
+    -DTRAINSTREAM_WINDOWS_WITH_DAEMON="${TRAINSTREAM_WINDOWS_WITH_DAEMON:-ON}" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}"
   cmake --build "$build" -j "$jobs"
   log "kernels: built in $(($(date +%s) - t0)) s; the tests are in $build/bin:"
