@@ -208,6 +208,5 @@ TEST_CASE("SessionRegistry: one session holds at most kMaxRegionsPerSession regi
   CHECK(d.registry->AllocateRegion(*s, req, &region).ok());
   // The control region is the session's, not the client's to free.
   free_req.set_region_id(s->control_region_id);
-  CHECK(d.registry->FreeRegion(*s, free_req, &freed).code() ==
-        StatusCode::kInvalidArgument);
+  CHECK(d.registry->FreeRegion(*s, free_req, &freed).code() == StatusCode::kInvalidArgument);
 }

@@ -42,8 +42,8 @@ inline float PortableFmaf(float a, float b, float c) {
 // wine64: about 1 in 10 float triples of random bits came out differently, and
 // the scalar AdamW path then differed from the AVX2 and AVX-512 paths), so a
 // MinGW-w64 build without FMA uses PortableFmaf. The test is of the C library
-// (the toolchain), not of the operating system, so it names MinGW, not Windows. fused_multiply_add_test checks
-// both functions against the instruction.
+// (the toolchain), not of the operating system, so it names MinGW, not Windows.
+// fused_multiply_add_test checks both functions against the instruction.
 inline float Fmaf(float a, float b, float c) {
 #if defined(__MINGW32__) && !defined(__FMA__)
   return PortableFmaf(a, b, c);
