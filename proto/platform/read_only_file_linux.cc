@@ -9,29 +9,10 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <utility>
 
 #include "trainstream/platform/read_only_file.h"
 
 namespace trainstream::platform {
-
-ReadOnlyFile::~ReadOnlyFile() { Close(); }
-
-ReadOnlyFile::ReadOnlyFile(ReadOnlyFile&& o) noexcept
-    : handle_(o.handle_), path_(std::move(o.path_)), facts_(o.facts_) {
-  o.handle_ = kNone;
-}
-
-ReadOnlyFile& ReadOnlyFile::operator=(ReadOnlyFile&& o) noexcept {
-  if (this != &o) {
-    Close();
-    handle_ = o.handle_;
-    path_ = std::move(o.path_);
-    facts_ = o.facts_;
-    o.handle_ = kNone;
-  }
-  return *this;
-}
 
 void ReadOnlyFile::Close() {
   if (handle_ != kNone) close(static_cast<int>(handle_));

@@ -31,24 +31,6 @@ uint64_t UnixNanoseconds(const FILETIME& t) {
 
 }  // namespace
 
-ReadOnlyFile::~ReadOnlyFile() { Close(); }
-
-ReadOnlyFile::ReadOnlyFile(ReadOnlyFile&& o) noexcept
-    : handle_(o.handle_), path_(std::move(o.path_)), facts_(o.facts_) {
-  o.handle_ = kNone;
-}
-
-ReadOnlyFile& ReadOnlyFile::operator=(ReadOnlyFile&& o) noexcept {
-  if (this != &o) {
-    Close();
-    handle_ = o.handle_;
-    path_ = std::move(o.path_);
-    facts_ = o.facts_;
-    o.handle_ = kNone;
-  }
-  return *this;
-}
-
 void ReadOnlyFile::Close() {
   if (handle_ != kNone) CloseHandle(AsHandle(handle_));
   handle_ = kNone;

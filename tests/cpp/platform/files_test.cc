@@ -8,35 +8,17 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "catch_compat.h"
+#include "temp_folder.h"
 
 using namespace trainstream::platform;
 namespace fs = std::filesystem;
+using trainstream::platform::testing::TempFolder;
 
 namespace {
-
-// A fresh folder under the temporary one, removed with its contents.
-struct TempFolder {
-  fs::path path;
-  TempFolder() {
-    std::random_device seed;
-    path = fs::temp_directory_path() / ("ts-files-" + std::to_string(seed()));
-    fs::create_directory(path);
-  }
-  ~TempFolder() {
-    std::error_code ignored;
-    fs::remove_all(path, ignored);
-  }
-  std::string Write(const std::string& name, const std::string& text) const {
-    std::ofstream(path / name, std::ios::binary) << text;
-    return (path / name).u8string();
-  }
-  std::string operator/(const std::string& name) const { return (path / name).u8string(); }
-};
 
 const DirectoryEntry* Find(const std::vector<DirectoryEntry>& entries, const std::string& name) {
   auto it = std::find_if(entries.begin(), entries.end(),
@@ -47,7 +29,7 @@ const DirectoryEntry* Find(const std::vector<DirectoryEntry>& entries, const std
 }  // namespace
 
 TEST_CASE("a listing names each entry once with its kind and size", "[files]") {
-  TempFolder folder;
+  TempFolder folder("ts-files-");
   folder.Write("trainstream-a", "hello");
   folder.Write("empty", "");
   fs::create_directory(folder.path / "sub");
@@ -67,7 +49,7 @@ TEST_CASE("a listing names each entry once with its kind and size", "[files]") {
 }
 
 TEST_CASE("an empty, a missing and a non-folder listing", "[files]") {
-  TempFolder folder;
+  TempFolder folder("ts-files-");
   std::vector<DirectoryEntry> entries{{"stale", FileKind::kOther, 1}};
   CHECK(ListDirectory(folder.path.u8string(), &entries) == 0);
   CHECK(entries.empty());
@@ -76,7 +58,7 @@ TEST_CASE("an empty, a missing and a non-folder listing", "[files]") {
 }
 
 TEST_CASE("reading a file's start", "[files]") {
-  TempFolder folder;
+  TempFolder folder("ts-files-");
   const std::string path = folder.Write("f", std::string("ab\0cd", 5));
   std::string text = "stale";
   REQUIRE(ReadFilePrefix(path, 4096, &text) == 0);
@@ -92,7 +74,7 @@ TEST_CASE("reading a file's start", "[files]") {
 }
 
 TEST_CASE("overwriting keeps the file and leaves only the new text", "[files]") {
-  TempFolder folder;
+  TempFolder folder("ts-files-");
   const std::string path = folder.Write("lock", "pid=123456\nshm_dir=/dev/shm\n");
   REQUIRE(OverwriteFile(path, "pid=7\n") == 0);
   std::string text;
@@ -105,7 +87,7 @@ TEST_CASE("overwriting keeps the file and leaves only the new text", "[files]") 
 }
 
 TEST_CASE("removing a file, then a missing one", "[files]") {
-  TempFolder folder;
+  TempFolder folder("ts-files-");
   const std::string path = folder.Write("segment", "x");
   CHECK(RemoveFile(path) == 0);
   CHECK_FALSE(fs::exists(fs::u8path(path)));

@@ -8,40 +8,20 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "catch_compat.h"
+#include "temp_folder.h"
 #include "trainstream/platform/files.h"
 
 using namespace trainstream::platform;
 namespace fs = std::filesystem;
-
-namespace {
-
-// A fresh folder under the temporary one, removed with its contents.
-struct TempFolder {
-  fs::path path;
-  TempFolder() {
-    std::random_device seed;
-    path = fs::temp_directory_path() / ("ts-read-only-" + std::to_string(seed()));
-    fs::create_directory(path);
-  }
-  ~TempFolder() {
-    std::error_code ignored;
-    fs::remove_all(path, ignored);
-  }
-  void Write(const std::string& name, const std::string& text) const {
-    std::ofstream(path / name, std::ios::binary) << text;
-  }
-};
-
-}  // namespace
+using trainstream::platform::testing::TempFolder;
 
 TEST_CASE("a file under an opened folder reads at offsets", "[read_only_file]") {
-  TempFolder folder;
+  TempFolder folder("ts-read-only-");
   folder.Write("model.safetensors", "0123456789");
   fs::create_directory(folder.path / "sub");
   ReadOnlyFile dir;
@@ -73,7 +53,7 @@ TEST_CASE("a file under an opened folder reads at offsets", "[read_only_file]") 
 }
 
 TEST_CASE("two opens of one file have one identity; another file has its own", "[read_only_file]") {
-  TempFolder folder;
+  TempFolder folder("ts-read-only-");
   folder.Write("a", "a");
   folder.Write("b", "b");
   ReadOnlyFile a1, a2, b;
@@ -92,7 +72,7 @@ TEST_CASE("two opens of one file have one identity; another file has its own", "
 
 TEST_CASE("the size now follows the file; the facts keep the size at the open",
           "[read_only_file]") {
-  TempFolder folder;
+  TempFolder folder("ts-read-only-");
   folder.Write("grows", "12345");
   const fs::path path = folder.path / "grows";
   ReadOnlyFile file;
@@ -110,7 +90,7 @@ TEST_CASE("the size now follows the file; the facts keep the size at the open",
 }
 
 TEST_CASE("a folder lists each name until the caller stops", "[read_only_file]") {
-  TempFolder folder;
+  TempFolder folder("ts-read-only-");
   for (const char* name : {"x.safetensors", "y.safetensors", "z.txt"}) folder.Write(name, "-");
   ReadOnlyFile dir;
   REQUIRE(ReadOnlyFile::Open(nullptr, folder.path.u8string(), &dir) == 0);
@@ -136,7 +116,7 @@ TEST_CASE("absolute paths are the system's", "[read_only_file]") {
 }
 
 TEST_CASE("a lock file is held by one holder at a time", "[read_only_file][files]") {
-  TempFolder folder;
+  TempFolder folder("ts-read-only-");
   const std::string dir = (folder.path / "a" / "b").u8string();
   REQUIRE(MakeDirectories(dir) == 0);
   CHECK(fs::is_directory(dir));
