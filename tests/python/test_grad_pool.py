@@ -92,8 +92,37 @@ def test_the_pool_trains_bit_identically_to_gradient_slots(daemon, pool):
     _same(got, want)
     assert slots["grad_pool_bytes"] == 0
     assert pooled["grad_pool_bytes"] >= LARGEST
-    # Whether a pool of one largest gradient makes backward wait depends on how fast the
-    # daemon frees it (the clean-clone CI rehearsal saw 0 waits once): not asserted.
+    # Whether a pool of one largest gradient makes backward wait here depends on how fast
+    # the daemon frees it (0 waits once in a CI rehearsal): the next test makes it wait.
+
+
+def test_a_full_pool_makes_backward_wait_until_the_daemon_frees_room(daemon_factory):
+    # The daemon is stopped for 0.5 s from the start of the second step's backward, so
+    # it releases no extent meanwhile; the tied embedding's gradient, the pool's whole
+    # size and the last to finish, cannot fit beside any earlier one, so backward must
+    # wait for room. It then trains as gradient slots do.
+    d = daemon_factory()
+    want, _ = _train(d, 0, steps=2)
+    model = _model()
+    opt = trainstream.OffloadAdamW(_groups(model), lr=3e-3, socket=d.socket, grad_pool=LARGEST)
+    timer = threading.Timer(0.5, os.kill, (d.proc.pid, signal.SIGCONT))
+    try:
+        for i, (x, y) in enumerate(text_batches(TEXT, CFG, batch=4, steps=2)):
+            if i == 1:
+                os.kill(d.proc.pid, signal.SIGSTOP)
+                timer.start()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        timer.cancel()
+        os.kill(d.proc.pid, signal.SIGCONT)  # again, harmless, should the loop have failed
+    stats = opt.stats()
+    opt.detach()
+    assert stats["grad_pool_bytes"] >= LARGEST
+    assert stats["pool_waits"] >= 1
+    assert stats["pool_wait_s"] > 0.1  # most of the 0.5 s the daemon was stopped
+    _same(model, want)
 
 
 @pytest.mark.parametrize("case", ["accumulation", "split", "bf16", "grad_post_step"])
