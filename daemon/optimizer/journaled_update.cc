@@ -63,16 +63,6 @@ void RecordProgress(wire::ChunkProgress* progress, uint64_t step, size_t done, s
   }
 }
 
-// Note [Prefetching across sub-chunks]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The kernel prefetches each stream it reads 256 elements ahead. Called once per
-// 4096-element sub-chunk, it would stop prefetching at 3840 and leave the copy into
-// the state and the next call's first 256 elements with no read in flight: the
-// update is bound by DRAM reads, and each sub-chunk boundary stalled them. The
-// range therefore says the rest of the chunk may be prefetched
-// (AdamWRange::prefetch_numel), so the next sub-chunk's first lines arrive while
-// the slot is copied. Results are the same either way; only the timing changes
-// (7B step on the GPU host: docs/staging-pool.md, "The journal").
 void ApplyJournaled(const JournaledChunk& c, size_t done) {
   const kernels::AdamWRange& whole = c.whole;
   const SlotArrays sa = SlotArraysFor(whole.moment_dtype);
@@ -87,7 +77,6 @@ void ApplyJournaled(const JournaledChunk& c, size_t done) {
     // master, which the state's old master can always write again).
     const kernels::AdamWRange state = whole.Slice(off, n);
     kernels::AdamWRange r = state;
-    r.prefetch_numel = c.chunk_count - done;  // Note [Prefetching across sub-chunks]
     r.from.exp_avg = state.exp_avg;
     r.from.exp_avg_sq = state.exp_avg_sq;
     r.exp_avg = slot + sa.exp_avg;

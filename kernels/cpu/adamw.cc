@@ -78,7 +78,6 @@ internal::UpdateFn UpdateFor(Isa isa) {
 AdamWRange AdamWRange::Slice(size_t offset, size_t n) const {
   AdamWRange piece = *this;
   piece.numel = n;
-  piece.prefetch_numel = prefetch_numel > offset + n ? prefetch_numel - offset : 0;
   piece.master = master != nullptr ? master + offset : nullptr;
   piece.master_lo = master_lo != nullptr ? master_lo + offset : nullptr;
   piece.exp_avg = static_cast<char*>(exp_avg) + offset * DTypeSize(moment_dtype);

@@ -7,8 +7,6 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
-
 #include "adamw_impl.h"
 #include "adamw_vector_inl.h"
 
@@ -166,12 +164,11 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   const bool stream = kOut != Out::kNone && kOut != Out::kSplit &&
                       reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
   const size_t full = r.numel - r.numel % kLanes;
-  const size_t readable = std::max(r.numel, r.prefetch_numel);
   size_t i = 0;
   // Two vectors (one 64-byte line of fp32 master) per iteration, prefetching
   // the lines kPrefetchElems ahead of each read stream.
   for (; i + 2 * kLanes <= full; i += 2 * kLanes) {
-    if (i + kPrefetchElems < readable) PrefetchAhead<kG, kM, kOut>(ptr, i + kPrefetchElems);
+    if (i + kPrefetchElems < r.numel) PrefetchAhead<kG, kM, kOut>(ptr, i + kPrefetchElems);
     Step8<kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i, stream);
     Step8<kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i + kLanes, stream);
   }

@@ -9,8 +9,6 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
-
 #include "adamw_impl.h"
 #include "adamw_vector_inl.h"
 #include "trainstream/kernels/cpu_features.h"
@@ -168,11 +166,10 @@ void Update(const AdamWRange& r, const AdamWStepScalars& s, RngKey key, uint32_t
   const bool stream = kOut != Out::kNone && kOut != Out::kSplit &&
                       reinterpret_cast<uintptr_t>(ptr.param_out) % kOutBytes == 0;
   const size_t full = r.numel - r.numel % kLanes;
-  const size_t readable = std::max(r.numel, r.prefetch_numel);
   // One vector = one 64-byte line of fp32 master per iteration; 2-byte streams
   // get a prefetch every other iteration.
   for (size_t i = 0; i < full; i += kLanes) {
-    if (i + kPrefetchElems < readable) PrefetchAhead<kG, kM, kOut>(ptr, i + kPrefetchElems);
+    if (i + kPrefetchElems < r.numel) PrefetchAhead<kG, kM, kOut>(ptr, i + kPrefetchElems);
     Step16<kHardwareBf16, kG, kM, kOut, kFromEnd>(ptr, c, index_lo, i, stream);
   }
   if (stream) _mm_sfence();  // order the streamed stores before completion is signalled

@@ -85,14 +85,6 @@ struct AdamWRange {
   };
   Inputs from;
 
-  // How far the kernel may prefetch what it reads (the inputs above and grad), in
-  // elements from the range's start; 0 means numel. The redo journal updates a chunk
-  // in 4096-element sub-chunks, one call each: without this, every call would stop
-  // prefetching 256 elements before its end and start its successor with the
-  // streams cold (Note [Prefetching across sub-chunks] in journaled_update.cc).
-  // A prefetch never faults, but should touch only memory the caller owns.
-  size_t prefetch_numel = 0;
-
   // Elements [offset, offset + n) of this range, every array advanced alike (a
   // param_out that is the master stays the master).
   AdamWRange Slice(size_t offset, size_t n) const;
