@@ -15,7 +15,7 @@
 namespace trainstream::platform {
 namespace {
 
-std::wstring Wide(const std::string& path) { return std::filesystem::u8path(path).wstring(); }
+using internal::WidePath;
 
 FileKind KindOf(DWORD attributes) {
   if ((attributes & FILE_ATTRIBUTE_REPARSE_POINT) != 0) return FileKind::kLink;
@@ -28,7 +28,7 @@ FileKind KindOf(DWORD attributes) {
 // opener (the daemon's own handles on segments and the lock file). Returns
 // the handle, or INVALID_HANDLE_VALUE with *err set.
 HANDLE OpenRegular(const std::string& path, DWORD access, int* err) {
-  const std::wstring wide = Wide(path);
+  const std::wstring wide = WidePath(path);
   const DWORD attributes = GetFileAttributesW(wide.c_str());
   if (attributes == INVALID_FILE_ATTRIBUTES) {
     *err = internal::LastErrno();
@@ -61,29 +61,19 @@ HANDLE OpenRegular(const std::string& path, DWORD access, int* err) {
 
 int ListDirectory(const std::string& dir, std::vector<DirectoryEntry>* out) {
   out->clear();
-  const DWORD attributes = GetFileAttributesW(Wide(dir).c_str());
+  const DWORD attributes = GetFileAttributesW(WidePath(dir).c_str());
   if (attributes == INVALID_FILE_ATTRIBUTES) return internal::LastErrno();
   if ((attributes & FILE_ATTRIBUTE_DIRECTORY) == 0) return ENOTDIR;
-  WIN32_FIND_DATAW found{};
-  const std::wstring pattern = Wide(dir) + L"\\*";
-  HANDLE search =
-      FindFirstFileExW(pattern.c_str(), FindExInfoBasic, &found, FindExSearchNameMatch, nullptr, 0);
-  if (search == INVALID_HANDLE_VALUE) {
-    // An empty folder on a file system without "." and "..".
-    return GetLastError() == ERROR_FILE_NOT_FOUND ? 0 : internal::LastErrno();
-  }
-  do {
+  return internal::ForEachFound(dir, [out](const WIN32_FIND_DATAW& found) {
     const std::wstring name = found.cFileName;
-    if (name == L"." || name == L"..") continue;
+    if (name == L"." || name == L"..") return true;
     DirectoryEntry entry{std::filesystem::path(name).u8string(), KindOf(found.dwFileAttributes), 0};
     if (entry.kind == FileKind::kRegular) {
       entry.size = (static_cast<uint64_t>(found.nFileSizeHigh) << 32) | found.nFileSizeLow;
     }
     out->push_back(std::move(entry));
-  } while (FindNextFileW(search, &found));
-  const DWORD last = GetLastError();
-  FindClose(search);
-  return last == ERROR_NO_MORE_FILES ? 0 : internal::ErrnoOf(last);
+    return true;
+  });
 }
 
 int ReadFilePrefix(const std::string& path, size_t max_bytes, std::string* out) {
@@ -125,13 +115,13 @@ int OverwriteFile(const std::string& path, const std::string& text) {
 }
 
 int CheckWritableDirectory(const std::string& dir) {
-  const DWORD attributes = GetFileAttributesW(Wide(dir).c_str());
+  const DWORD attributes = GetFileAttributesW(WidePath(dir).c_str());
   if (attributes == INVALID_FILE_ATTRIBUTES) return internal::LastErrno();
   if ((attributes & FILE_ATTRIBUTE_DIRECTORY) == 0) return ENOTDIR;
   // Rights on Windows come from the folder's DACL and the token's groups and
   // privileges: asking the file system is the one sure answer.
   const std::wstring probe =
-      Wide(dir) + L"\\.trainstream-probe-" + std::to_wstring(GetCurrentProcessId());
+      WidePath(dir) + L"\\.trainstream-probe-" + std::to_wstring(GetCurrentProcessId());
   HANDLE file = CreateFileW(probe.c_str(), GENERIC_WRITE, 0, nullptr, CREATE_ALWAYS,
                             FILE_ATTRIBUTE_TEMPORARY | FILE_FLAG_DELETE_ON_CLOSE, nullptr);
   if (file == INVALID_HANDLE_VALUE) return internal::LastErrno();
@@ -140,7 +130,7 @@ int CheckWritableDirectory(const std::string& dir) {
 }
 
 int RemoveFile(const std::string& path) {
-  return DeleteFileW(Wide(path).c_str()) ? 0 : internal::LastErrno();
+  return DeleteFileW(WidePath(path).c_str()) ? 0 : internal::LastErrno();
 }
 
 int MakeDirectories(const std::string& dir) {
@@ -152,7 +142,7 @@ int MakeDirectories(const std::string& dir) {
 int LockFile(const std::string& path, intptr_t* handle) {
   internal::OwnerOnly owner;
   if (int err = owner.Init(); err != 0) return err;
-  HANDLE file = CreateFileW(Wide(path).c_str(), GENERIC_READ | GENERIC_WRITE,
+  HANDLE file = CreateFileW(WidePath(path).c_str(), GENERIC_READ | GENERIC_WRITE,
                             FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
                             owner.attributes(), OPEN_ALWAYS, FILE_ATTRIBUTE_NORMAL, nullptr);
   if (file == INVALID_HANDLE_VALUE) return internal::LastErrno();

@@ -3,7 +3,6 @@
 #include <windows.h>
 
 #include <cstdint>
-#include <filesystem>
 #include <string>
 
 #include "trainstream/platform/machine.h"
@@ -18,7 +17,7 @@ uint64_t PhysicalMemoryBytes() {
 }
 
 int FileSystemSpace(const std::string& dir, uint64_t* free_bytes, uint64_t* total_bytes) {
-  const std::wstring wide = std::filesystem::u8path(dir).wstring();
+  const std::wstring wide = internal::WidePath(dir);
   ULARGE_INTEGER available{}, total{};
   if (!GetDiskFreeSpaceExW(wide.c_str(), &available, &total, nullptr)) {
     return internal::LastErrno();

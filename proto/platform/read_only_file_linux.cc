@@ -67,11 +67,18 @@ int ReadOnlyFile::ListNames(const std::function<bool(const std::string& name)>& 
   }
   // The dup shares the folder's offset, which an earlier listing left at its end.
   rewinddir(d);
-  while (dirent* e = readdir(d)) {
+  int err = 0;
+  for (;;) {
+    errno = 0;  // readdir's end and its failure both return null
+    const dirent* e = readdir(d);
+    if (e == nullptr) {
+      err = errno;
+      break;
+    }
     if (!take(e->d_name)) break;
   }
   closedir(d);
-  return 0;
+  return err;
 }
 
 void ReadOnlyFile::DropFromCache(uint64_t offset, uint64_t bytes) const {

@@ -18,7 +18,7 @@
 namespace trainstream::platform {
 namespace {
 
-std::wstring Wide(const std::string& path) { return std::filesystem::u8path(path).wstring(); }
+using internal::WidePath;
 
 HANDLE AsHandle(intptr_t h) { return reinterpret_cast<HANDLE>(h); }
 
@@ -41,7 +41,7 @@ int ReadOnlyFile::Open(const ReadOnlyFile* dir, const std::string& name, ReadOnl
   std::string path = name;
   if (dir != nullptr && !IsAbsolutePath(name)) path = dir->path_ + "\\" + name;
   HANDLE file = CreateFileW(
-      Wide(path).c_str(), GENERIC_READ, FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
+      WidePath(path).c_str(), GENERIC_READ, FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
       nullptr, OPEN_EXISTING, FILE_FLAG_OPEN_REPARSE_POINT | FILE_FLAG_BACKUP_SEMANTICS, nullptr);
   if (file == INVALID_HANDLE_VALUE) return internal::LastErrno();
   out->handle_ = reinterpret_cast<intptr_t>(file);
@@ -87,18 +87,9 @@ int ReadOnlyFile::CurrentSize(uint64_t* size) const {
 }
 
 int ReadOnlyFile::ListNames(const std::function<bool(const std::string& name)>& take) const {
-  WIN32_FIND_DATAW found{};
-  const std::wstring pattern = Wide(path_) + L"\\*";
-  HANDLE search =
-      FindFirstFileExW(pattern.c_str(), FindExInfoBasic, &found, FindExSearchNameMatch, nullptr, 0);
-  if (search == INVALID_HANDLE_VALUE) {
-    return GetLastError() == ERROR_FILE_NOT_FOUND ? 0 : internal::LastErrno();
-  }
-  do {
-    if (!take(std::filesystem::path(found.cFileName).u8string())) break;
-  } while (FindNextFileW(search, &found));
-  FindClose(search);
-  return 0;
+  return internal::ForEachFound(path_, [&take](const WIN32_FIND_DATAW& found) {
+    return take(std::filesystem::path(found.cFileName).u8string());
+  });
 }
 
 void ReadOnlyFile::DropFromCache(uint64_t, uint64_t) const {}

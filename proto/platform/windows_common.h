@@ -1,12 +1,16 @@
 // What the Windows sides of the seam share (not part of its interface):
-// Win32 errors as errno values, and the owner-only security descriptor of the
-// files they create (segments, shm_windows.cc; the endpoint file,
-// endpoint_windows.cc).
+// Win32 errors as errno values, UTF-8 paths in wide form, the walk over a
+// folder's entries (files_windows.cc, read_only_file_windows.cc), and the
+// owner-only security descriptor of the files they create (segments,
+// shm_windows.cc; the endpoint file, endpoint_windows.cc).
 #pragma once
 
 #include <windows.h>
 
 #include <cerrno>
+#include <filesystem>
+#include <functional>
+#include <string>
 #include <vector>
 
 namespace trainstream::platform::internal {
@@ -44,6 +48,36 @@ inline int ErrnoOf(DWORD error) {
 }
 
 inline int LastErrno() { return ErrnoOf(GetLastError()); }
+
+// A UTF-8 path in the form the wide Win32 calls take.
+inline std::wstring WidePath(const std::string& utf8) {
+  return std::filesystem::u8path(utf8).wstring();
+}
+
+// Gives each entry of the folder `dir` (the system's "." and ".." among them)
+// to `take` until it returns false. 0, or an errno value: the folder could not
+// be listed, or the listing failed part way (the entries before the failure
+// were given).
+inline int ForEachFound(const std::string& dir,
+                        const std::function<bool(const WIN32_FIND_DATAW& found)>& take) {
+  WIN32_FIND_DATAW found{};
+  const std::wstring pattern = WidePath(dir) + L"\\*";
+  HANDLE search =
+      FindFirstFileExW(pattern.c_str(), FindExInfoBasic, &found, FindExSearchNameMatch, nullptr, 0);
+  if (search == INVALID_HANDLE_VALUE) {
+    // An empty folder on a file system without "." and "..".
+    return GetLastError() == ERROR_FILE_NOT_FOUND ? 0 : LastErrno();
+  }
+  DWORD last = ERROR_NO_MORE_FILES;
+  while (take(found)) {
+    if (!FindNextFileW(search, &found)) {
+      last = GetLastError();
+      break;
+    }
+  }
+  FindClose(search);
+  return last == ERROR_NO_MORE_FILES ? 0 : ErrnoOf(last);
+}
 
 // The owner-only security descriptor of a new segment or endpoint file (Note
 // [Segments on Windows are files with an owner-only DACL], shm_windows.cc). The buffers back

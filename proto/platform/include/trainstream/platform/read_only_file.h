@@ -63,7 +63,8 @@ class ReadOnlyFile {
   int CurrentSize(uint64_t* size) const;
 
   // Calls `take` with each name in this folder, in the system's order, until
-  // it returns false. 0 or an errno value.
+  // it returns false. 0 or an errno value, also when the listing fails part
+  // way (the names before the failure were given).
   int ListNames(const std::function<bool(const std::string& name)>& take) const;
 
   // Tells the system that [offset, offset + bytes) will not be read again.
