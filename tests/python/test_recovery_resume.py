@@ -147,3 +147,45 @@ def test_reconnect_false_raises_at_once(daemon_factory):
     with pytest.raises(trainstream.DaemonError, match="optimizer state it held .* is lost"):
         opt.step()
     assert time.monotonic() - t0 < 2
+
+
+def test_daemon_found_dead_at_any_ask_in_step_is_resumed(daemon_factory):
+    # step() asks whether the daemon lives before it posts anything. Step k kills the
+    # daemon at its k-th ask (as a kill between two asks would land), and each ask
+    # must resume: the CI kill loop once lost step 36 of a clipped run to an ask made
+    # outside the recovery.
+    _, model, batches = _setup(seed=5)
+    ref_weights, ref_state = _reference(daemon_factory, model, batches, max_grad_norm=0.1)
+    d = daemon_factory()
+    ours, opt = _wrap(copy.deepcopy(model), d.socket, max_grad_norm=0.1)
+    session = opt._backend._session
+    in_step = {"asks": None, "kill_at": 0}
+
+    def require_attached(original=session.require_attached):
+        nonlocal d
+        if in_step["asks"] is not None:
+            in_step["asks"] += 1
+            if in_step["asks"] == in_step["kill_at"]:
+                d = _restart(d, daemon_factory)
+                deadline = time.monotonic() + 10
+                while session._session.alive()[0] and time.monotonic() < deadline:
+                    time.sleep(0.005)  # until the client has seen the session's end
+                assert not session._session.alive()[0]
+        return original()
+    session.require_attached = require_attached
+
+    kills = 0
+    for i, (x, y) in enumerate(batches):
+        ours(x, y).backward()
+        in_step.update(asks=0, kill_at=i)  # step 0 kills nowhere
+        before = opt.stats()["recoveries"]
+        opt.step()
+        killed = 0 < in_step["kill_at"] <= in_step["asks"]
+        in_step["asks"] = None
+        kills += killed
+        assert opt.stats()["recoveries"] - before == killed, i
+        opt.zero_grad()
+    assert kills >= 1
+    for n, p in ours.named_parameters():
+        assert torch.equal(p.detach(), ref_weights[n]), n
+    _same_state(opt.state_dict(), ref_state)

@@ -203,11 +203,13 @@ class ParamTable:
                 "to wrap() for clipping, or grad_post='step' to hand gradients over in step()")
 
 
-def begin_step(table: "ParamTable", session, closure) -> Tuple[Any, int]:
-    """What every backend's ``step()`` does first: the session must be attached, the
-    closure (if any) runs with gradients enabled, and every group's hyper-parameters
-    are checked again. Returns the closure's loss and the number of the step taken."""
-    session.require_attached()
+def begin_step(table: "ParamTable", require_attached, closure) -> Tuple[Any, int]:
+    """What every backend's ``step()`` does first: ``require_attached()`` (the session
+    must be attached and its daemon alive; a backend that resumes after the daemon died
+    passes its resumable form), the closure (if any) runs with gradients enabled, and
+    every group's hyper-parameters are checked again. Returns the closure's loss and the
+    number of the step taken."""
+    require_attached()
     loss = None
     if closure is not None:
         with torch.enable_grad():

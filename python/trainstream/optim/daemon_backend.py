@@ -263,8 +263,10 @@ class DaemonBackend(RecoveryMixin, StateDictMixin, WeightWritesMixin):
     # ------------------------------------------------------------------ step
     def step(self, closure):
         t = self._table
-        self._resumable(self._session.require_attached)
-        loss, step = begin_step(t, self._session, closure)
+        # Every ask whether the daemon lives is resumable: one outside _resumable lost
+        # a step to a daemon killed between two asks (the CI kill loop, step 36).
+        loss, step = begin_step(t, lambda: self._resumable(self._session.require_attached),
+                                closure)
         if t.replicated():
             # A paged weight's gradient is its external one (p.grad never holds it).
             grads = (e.external_grad if e.external else e.param.grad

@@ -229,7 +229,7 @@ class ZeroCopyBackend:
 
     def step(self, closure):
         t = self._table
-        loss, step = begin_step(t, self._session, closure)
+        loss, step = begin_step(t, self._session.require_attached, closure)
         entries = list(t.entries.values())
         result = self._update(entries)
         for e in entries:
