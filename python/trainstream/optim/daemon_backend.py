@@ -146,7 +146,7 @@ class DaemonBackend(RecoveryMixin, StateDictMixin, WeightWritesMixin):
                     e.param_slot.copy_(e.param.detach().reshape(-1))
             # Every slot is written before the daemon initialises the masters from them.
             for s in slots:
-                session.plane.post_state(True, s["param_id"], FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
+                session.post_state(True, s["param_id"], FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
         session.sync()
         for s in slots:  # the masters are these weights
             t.by_id[s["param_id"]].mark_weight()

@@ -175,6 +175,12 @@ class DaemonSession:
         except C().DaemonGone as e:
             raise self.gone(str(e)) from None
 
+    def post_state(self, *args) -> int:
+        """Posts a state command (DataPlane.post_state's arguments). A ring that fills
+        because the daemon died raises DaemonError (SessionLost when the state may be
+        resumed), as a gradient's post does, rather than the ring's own error."""
+        return self.data_plane(self.plane.post_state, *args)
+
     # Note [After the daemon is gone]
     # Once the daemon has died (or ended the session), nothing this optimizer holds
     # there comes back, so every later call raises the same DaemonError, saying so and
@@ -417,7 +423,7 @@ class DaemonSession:
             for i, t in enumerate(data):
                 view[i].copy_(t.reshape(-1).to(torch.float32))
         for i, field_id in enumerate(fields):
-            self.plane.post_state(load, e.param_id, field_id, region.region_id, 4 * n * i, 4 * n, 0)
+            self.post_state(load, e.param_id, field_id, region.region_id, 4 * n * i, 4 * n, 0)
         self.sync()
         return None if load else [view[i].clone().view(e.param.shape) for i in range(len(fields))]
 
@@ -440,9 +446,9 @@ class DaemonSession:
                 view.copy_(e.param.detach().reshape(-1))
         for e in entries:
             if e.param_id in offsets:
-                self.plane.post_state(True, e.param_id, FIELD_WEIGHTS, region.region_id,
+                self.post_state(True, e.param_id, FIELD_WEIGHTS, region.region_id,
                                       offsets[e.param_id],
                                       e.param.numel() * e.param.element_size(), 0)
             else:
-                self.plane.post_state(True, e.param_id, FIELD_WEIGHTS, 0, 0, 0, 0)
+                self.post_state(True, e.param_id, FIELD_WEIGHTS, 0, 0, 0, 0)
         self.sync()

@@ -30,7 +30,7 @@ class StateDictMixin:
 
     def _export_step(self, e: ParamEntry) -> int:
         seq_box = {}
-        self._session.plane.post_state(False, e.param_id, FIELD_STEP, 0, 0, 0, 0)
+        self._session.post_state(False, e.param_id, FIELD_STEP, 0, 0, 0, 0)
 
         def want(c):
             if c["opcode"] == OP_STATE_DONE and c["param_id"] == e.param_id:
@@ -82,7 +82,7 @@ class StateDictMixin:
                                 [master, s["exp_avg"], s["exp_avg_sq"]])
             step = s["step"]
             step = int(step.item() if torch.is_tensor(step) else step)
-            session.plane.post_state(True, e.param_id, FIELD_STEP, 0, 0, 0, step)
+            session.post_state(True, e.param_id, FIELD_STEP, 0, 0, 0, step)
         session.sync()
         for e, _ in loaded:  # the saved weights, as the daemon wrote them from the masters
             if e.param.data_ptr() != e.param_slot.data_ptr():
