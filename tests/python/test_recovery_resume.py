@@ -189,3 +189,78 @@ def test_daemon_found_dead_at_any_ask_in_step_is_resumed(daemon_factory):
     for n, p in ours.named_parameters():
         assert torch.equal(p.detach(), ref_weights[n]), n
     _same_state(opt.state_dict(), ref_state)
+
+
+class _AttachFailsOnce:
+    """A daemon client whose next attach raises ``error`` once (as a daemon killed again
+    while it answers the resume's Attach would), then attaches as usual."""
+
+    def __init__(self, client, error):
+        self._client, self._error = client, error
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def attach(self, *args):
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._client.attach(*args)
+
+
+def _attach_fails_once(monkeypatch, error):
+    from trainstream._native import daemon as native_daemon
+    calls = {"connects": 0}
+    real = native_daemon.connect
+
+    def connect(*args, **kwargs):
+        calls["connects"] += 1
+        return _AttachFailsOnce(real(*args, **kwargs), error if calls["connects"] == 1 else None)
+    monkeypatch.setattr(native_daemon, "connect", connect)
+    return calls
+
+
+def test_a_resume_whose_attach_fails_tries_again(daemon_factory, monkeypatch):
+    # gRPC's UNKNOWN/INTERNAL (a daemon killed again mid-Attach) is retried within
+    # timeout_s, as UNAVAILABLE is: step() resumes once and the run stays bit-identical.
+    from trainstream._native import control
+    _, model, batches = _setup(seed=6)
+    ref_weights, ref_state = _reference(daemon_factory, model, batches)
+    d = daemon_factory()
+    ours, opt = _wrap(copy.deepcopy(model), d.socket)
+    calls = None
+    for i, (x, y) in enumerate(batches):
+        ours(x, y).backward()
+        if i == 2:
+            calls = _attach_fails_once(monkeypatch, control().Internal("Stream removed"))
+            d = _restart(d, daemon_factory, delay=0.1)
+        opt.step()
+        opt.zero_grad()
+    assert calls["connects"] == 2
+    assert opt.stats()["recoveries"] == 1
+    for n, p in ours.named_parameters():
+        assert torch.equal(p.detach(), ref_weights[n]), n
+    _same_state(opt.state_dict(), ref_state)
+
+
+def test_a_resume_that_raised_part_way_is_tried_again_not_called_detached(daemon_factory,
+                                                                           monkeypatch):
+    # An error the resume does not retry reaches the caller once; the next call resumes
+    # (it used to say "OffloadAdamW is detached; call attach() first").
+    _, model, batches = _setup(seed=7)
+    d = daemon_factory()
+    ours, opt = _wrap(model, d.socket)
+    ours(*batches[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    ours(*batches[1]).backward()
+    _attach_fails_once(monkeypatch, RuntimeError("simulated failure while resuming"))
+    d = _restart(d, daemon_factory, delay=0.1)
+    with pytest.raises(RuntimeError, match="simulated failure while resuming"):
+        opt.step()
+    opt.step()  # resumes with the daemon that came back
+    opt.zero_grad()
+    assert opt.stats()["recoveries"] == 1
+    ours(*batches[2]).backward()
+    opt.step()
+    assert opt.stats()["steps"] == 3

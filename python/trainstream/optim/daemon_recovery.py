@@ -53,25 +53,27 @@ class RecoveryMixin:
         missing = [e.name for e in t.entries.values()
                    if e.grad_slot is not None and e.param_id not in applied]
         if missing:
-            raise DaemonError(f"the TrainStream daemon came back without the state of "
-                              f"{len(missing)} parameter(s) ({', '.join(missing[:3])}): step "
-                              f"{step} and the state after step {step - 1} are lost; "
-                              "load_state_dict() of your last checkpoint is the way on")
+            raise self._unresumable(
+                f"the TrainStream daemon came back without the state of {len(missing)} "
+                f"parameter(s) ({', '.join(missing[:3])}): step {step} and the state after "
+                f"step {step - 1} are lost; load_state_dict() of your last checkpoint is the "
+                "way on")
         self._check_pools(info)
         r = self._replies_for(step)
         replayed = landed = 0
         plane = session.plane
         pooled = []
         for e in t.entries.values():
-            if e.posted_step != step:
-                continue
+            if e.posted_step != step or e.param_id in r.rejected:
+                continue  # (a rejected gradient is out of the step: step() reports it)
             a = applied[e.param_id]
             if a["applied_step"] == step:
                 landed += 1
-                if e.param_id not in r.ready and not a["skipped"] \
-                        and e.param.data_ptr() != e.param_slot.data_ptr():
-                    plane.copy_param(e.param, e.param_slot)
-                    e.mark_weight()
+                if e.param_id not in r.ready and not a["skipped"]:
+                    self._took_weight(e)  # as _take does for a PARAM_READY
+                    if e.param.data_ptr() != e.param_slot.data_ptr():
+                        plane.copy_param(e.param, e.param_slot)
+                        e.mark_weight()
                 # No PARAM_READY comes for it: taken, as land() or _finish_step would.
                 r.ready.add(e.param_id)
                 t.in_flight.pop(id(e.param), None)
@@ -84,8 +86,9 @@ class RecoveryMixin:
                 self._post_grad(e, e.posted_grad if e.posted_grad is not None else e.grad_slot,
                                 replay=True)
             else:
-                raise DaemonError(f"the TrainStream daemon came back with {e.name} at step "
-                                  f"{a['applied_step']}, past this optimizer's step {step}")
+                raise self._unresumable(
+                    f"the TrainStream daemon came back with {e.name} at step "
+                    f"{a['applied_step']}, past this optimizer's step {step}")
         self._repost_pooled(pooled, step)
         if info["completed_step"] == step:  # its STEP_DONE went out and was lost
             r.result.update(opcode=OP_STEP_DONE, step=step, seq=0, param_id=0,
@@ -102,6 +105,13 @@ class RecoveryMixin:
         t.event("resumed after the daemon died", step=step, replayed=replayed, landed=landed,
                 rolled_forward=info["rolled_forward"], seconds=round(info["seconds"], 3))
 
+    def _unresumable(self, why: str) -> DaemonError:
+        """The error for a daemon that came back with state this optimizer cannot take.
+        The session stays over (Note [After the daemon is gone]): every later call raises
+        the same error instead of training against state that is not this optimizer's."""
+        self._session.mark_gone(why)
+        return DaemonError(why)
+
     def _check_pools(self, info) -> None:
         """Every pool is where it was: the adopting daemon answers its registration's."""
         by_segment = {}
@@ -112,9 +122,9 @@ class RecoveryMixin:
                    for reg in info["registrations"] if reg["grad_pool_bytes"]}
         for pool in by_segment.values():
             if (pool.offset, pool.capacity) not in granted:
-                raise DaemonError("the TrainStream daemon came back without this optimizer's "
-                                  "gradient pool; load_state_dict() of your last checkpoint is "
-                                  "the way on")
+                raise self._unresumable(
+                    "the TrainStream daemon came back without this optimizer's gradient pool; "
+                    "load_state_dict() of your last checkpoint is the way on")
 
     def _repost_pooled(self, entries, step: int) -> None:
         """Posts again the pooled gradients that did not land, each from the extent it was

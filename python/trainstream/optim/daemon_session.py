@@ -89,6 +89,7 @@ class DaemonSession:
         self._backlog = []  # the old session's replies
         self._daemon_gone = None
         self._probed_step = 0
+        self._recovery_token = b""  # a detached optimizer has nothing to resume
         self.plane = None
         self._scratch = None
         self._regions.clear()
@@ -214,6 +215,11 @@ class DaemonSession:
                 "current weights with fresh moments")
         return DaemonError(self._daemon_gone)
 
+    def mark_gone(self, why: str) -> None:
+        """Ends this optimizer's use of the session with ``why`` (a daemon that came back
+        with state it cannot take): every later call raises DaemonError(why)."""
+        self._daemon_gone = why
+
     def ensure_alive(self, in_backward: bool = False) -> None:
         """Raises DaemonError when the daemon is known to be gone, asking the session
         first (in backward, only at the first gradient of a step: Note [After the
@@ -242,6 +248,10 @@ class DaemonSession:
         if self.plane is None and self._daemon_gone is not None:
             raise DaemonError(self._daemon_gone)  # a reconnection that could not resume
         if self.plane is None:
+            if self._session is None and self.resumable and self._recovery_token:
+                # A reconnection that raised part way (a daemon killed again while it
+                # resumed): the next call tries again, it is not a detach.
+                raise SessionLost("a reconnection to the TrainStream daemon did not finish")
             raise TrainStreamError("OffloadAdamW is detached; call attach() first")
         self.ensure_alive()
 
@@ -370,7 +380,10 @@ class DaemonSession:
                     "on (or detach() and attach() to go on from the current weights with fresh "
                     "moments)")
                 raise DaemonError(self._daemon_gone) from None
-            except (DaemonError, c.Unavailable, c.ResourceExhausted) as e:
+            except (DaemonError, c.Unavailable, c.ResourceExhausted, c.DeadlineExceeded,
+                    c.Internal) as e:
+                # (A daemon killed again while it answers Attach ends the call with
+                # UNKNOWN or INTERNAL: the next one may be the one that stays.)
                 last = str(e)
                 time.sleep(0.02)
         self._client, self._session = client, session
