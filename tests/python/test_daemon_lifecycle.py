@@ -122,12 +122,13 @@ def test_shutdown_rpc_stops_the_daemon(daemon_factory):
 
 
 def test_idle_exit(daemon_factory):
-    d = daemon_factory("--idle-exit", "1")
+    # 3 s: the client must start and attach before the idle clock runs out.
+    d = daemon_factory("--idle-exit", "3")
     c = d.client()
     assert c.send("attach idle 0")["ok"]
     start = time.monotonic()
     # An attached session keeps it alive past the idle timeout.
-    wait_until(lambda: time.monotonic() - start > 1.5, 3, what="time to pass")
+    wait_until(lambda: time.monotonic() - start > 4.0, 6, what="time to pass")
     assert d.proc.poll() is None
     assert c.send("detach")["ok"]
     assert d.proc.wait(timeout=10) == 0

@@ -114,7 +114,7 @@ def test_no_daemon_coming_back_names_the_step(daemon_factory):
     with pytest.raises(trainstream.DaemonError, match=r"step 2 \(in flight when the daemon "
                        r"died\) and the optimizer state after step 1 are lost"):
         opt.step()
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # timeout_s (2 s) and the reconnect's own: no hang
 
 
 def test_state_the_new_daemon_cannot_resume_names_the_step(daemon_factory):

@@ -130,7 +130,13 @@ def end_together(args, opt, rank: int) -> None:
             raise trainstream.DaemonError("the other ranks did not finish")
         opt.synchronize()
         time.sleep(0.02)
-    time.sleep(0.2)  # the last rank to arrive must see the others' marks too
+    # Second phase, with no daemon call: no rank detaches (ending the group) before
+    # every rank has left the first, however long one of them stalls.
+    open(f"{mark}{rank}.seen", "w").close()
+    while not all(os.path.exists(f"{mark}{r}.seen") for r in range(world)):
+        if time.monotonic() > deadline:
+            raise trainstream.DaemonError("the other ranks did not finish")
+        time.sleep(0.02)
 
 
 class Recoveries:
