@@ -85,10 +85,24 @@ def test_gpu_mode_is_bit_identical_to_the_daemons_engine(daemon, moment_dtype, p
     (p_cpu, s_cpu), (p_gpu, s_gpu) = results
     for i, (a, b) in enumerate(zip(p_cpu, p_gpu)):
         assert torch.equal(a, b), f"param {i}: max diff {(a.float() - b.float()).abs().max()}"
+    ties = 0
     for k in s_cpu:
-        for field in ("exp_avg", "exp_avg_sq", "master_weight"):
+        for field in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(s_cpu[k][field].cpu(), s_gpu[k][field].cpu()), (k, field)
+        a, b = s_cpu[k]["master_weight"].cpu(), s_gpu[k]["master_weight"].cpu()
+        if param_dtype == torch.float32:
+            assert torch.equal(a, b), (k, "master_weight")
+        else:
+            # CPU mode keeps a bf16 parameter's master split (Note [Split master],
+            # kernels/bf16.h): a rounding tie that went up moves its master one fp32 ulp
+            # away from zero (about one element in 2^17 a step); GPU mode's master is
+            # whole. So a master may differ by an ulp or two, in a few elements.
+            ulps = (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+            assert int(ulps.max()) <= 2, (k, int(ulps.max()))
+            ties += int((ulps != 0).sum())
         assert float(s_cpu[k]["step"]) == float(s_gpu[k]["step"]) == 8.0
+    total = sum(s["master_weight"].numel() for s in s_cpu.values())
+    assert ties <= max(8, total * 8 // 2**14), (ties, total)  # 8 steps: ~8 in 2^17 each
 
 
 @cuda
