@@ -23,6 +23,22 @@ N = 70_000  # two chunks of the engine's 64 Ki
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
+def _wait(plane, want, timeout=20.0):
+    """The first completion on ``plane`` that ``want`` takes, within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        c = plane.poll(100)
+        if c is not None and want(c):
+            return c
+    raise AssertionError("no such completion")
+
+
+def _sync(plane) -> None:
+    """Waits until the daemon has done every command posted on ``plane``."""
+    seq = plane.post_sync()
+    _wait(plane, lambda c: c["opcode"] == OP_SYNC_DONE and c["seq"] == seq)
+
+
 class Trainee:
     """One session training one fp32 parameter by hand over the rings."""
 
@@ -42,16 +58,10 @@ class Trainee:
         self.sync()
 
     def sync(self):
-        seq = self.plane.post_sync()
-        self.wait(lambda c: c["opcode"] == OP_SYNC_DONE and c["seq"] == seq)
+        _sync(self.plane)
 
     def wait(self, want, timeout=20.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            c = self.plane.poll(100)
-            if c is not None and want(c):
-                return c
-        raise AssertionError("no such completion")
+        return _wait(self.plane, want, timeout)
 
     def step(self, step: int):
         g = torch.sin(torch.arange(N, dtype=torch.float32) * 0.001 + step)
@@ -198,17 +208,6 @@ def _group_sessions(socket: str, timeout_s: float = 5.0):
     return client, members, sessions
 
 
-def _synced(plane) -> None:
-    """Waits until the daemon has done every command posted on ``plane``."""
-    seq = plane.post_sync()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        c = plane.poll(100)
-        if c is not None and c["opcode"] == OP_SYNC_DONE and c["seq"] == seq:
-            return
-    raise AssertionError("the daemon did not answer a sync within 30 s")
-
-
 def test_a_group_resumes_with_every_rank_or_none(daemon_factory):
     import threading
     first = daemon_factory()
@@ -218,7 +217,7 @@ def test_a_group_resumes_with_every_rank_or_none(daemon_factory):
     token = sessions[0].recovery_token
     plane = C().DataPlane(sessions[0].control.address, sessions[0].control.size, 10000)
     plane.post_state(True, 0, FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
-    _synced(plane)
+    _sync(plane)
     kill(first)
     second = daemon_factory(socket=first.socket, shm_dir=first.shm_dir)
     client = control().Client.connect(second.socket, 2000)
@@ -251,7 +250,7 @@ def test_a_group_rank_that_does_not_come_back_fails_the_resume(daemon_factory):
     token = sessions[0].recovery_token
     plane = C().DataPlane(sessions[0].control.address, sessions[0].control.size, 10000)
     plane.post_state(True, 0, FIELD_PARAM_FROM_SLOT, 0, 0, 0, 0)
-    _synced(plane)  # the state is initialised (adoptable), not just posted
+    _sync(plane)  # the state is initialised (adoptable), not just posted
     kill(first)
     second = daemon_factory(socket=first.socket, shm_dir=first.shm_dir)
     client = control().Client.connect(second.socket, 2000)

@@ -48,6 +48,13 @@ def _restart(d, daemon_factory, delay=0.0):
     return daemon_factory(socket=d.socket, shm_dir=d.shm_dir, wait=False)
 
 
+def _same_run(model, opt, ref_weights, ref_state):
+    """The weights and optimizer state are bit-identical to the uninterrupted run's."""
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref_weights[n]), n
+    _same_state(opt.state_dict(), ref_state)
+
+
 def _same_state(a, b):
     assert a["state"].keys() == b["state"].keys()
     for k in a["state"]:
@@ -76,9 +83,7 @@ def test_resumed_run_is_bit_identical(daemon_factory, kill_at):
     stats = opt.stats()
     assert stats["recoveries"] == 1
     assert stats["replayed_grads"] + stats["landed_grads"] > 0 or kill_at == "before_state_dict"
-    for n, p in ours.named_parameters():
-        assert torch.equal(p.detach(), ref_weights[n]), n
-    _same_state(opt.state_dict(), ref_state)
+    _same_run(ours, opt, ref_weights, ref_state)
     assert "adopted the optimizer state of 1 sessions" in d.log()
 
 
@@ -94,9 +99,7 @@ def test_clipped_run_resumes_bit_identical(daemon_factory):
         opt.step()
         opt.zero_grad()
     assert opt.stats()["recoveries"] == 2
-    for n, p in ours.named_parameters():
-        assert torch.equal(p.detach(), ref_weights[n]), n
-    _same_state(opt.state_dict(), ref_state)
+    _same_run(ours, opt, ref_weights, ref_state)
 
 
 def test_no_daemon_coming_back_names_the_step(daemon_factory):
@@ -186,9 +189,7 @@ def test_daemon_found_dead_at_any_ask_in_step_is_resumed(daemon_factory):
         assert opt.stats()["recoveries"] - before == killed, i
         opt.zero_grad()
     assert kills >= 1
-    for n, p in ours.named_parameters():
-        assert torch.equal(p.detach(), ref_weights[n]), n
-    _same_state(opt.state_dict(), ref_state)
+    _same_run(ours, opt, ref_weights, ref_state)
 
 
 class _AttachFailsOnce:
@@ -238,9 +239,7 @@ def test_a_resume_whose_attach_fails_tries_again(daemon_factory, monkeypatch):
         opt.zero_grad()
     assert calls["connects"] == 2
     assert opt.stats()["recoveries"] == 1
-    for n, p in ours.named_parameters():
-        assert torch.equal(p.detach(), ref_weights[n]), n
-    _same_state(opt.state_dict(), ref_state)
+    _same_run(ours, opt, ref_weights, ref_state)
 
 
 def test_a_resume_that_raised_part_way_is_tried_again_not_called_detached(daemon_factory,

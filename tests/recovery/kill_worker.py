@@ -123,20 +123,19 @@ def end_together(args, opt, rank: int) -> None:
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     world = int(os.environ["WORLD_SIZE"])
     mark = f"{args.ckpt}.{run}.done"
-    open(f"{mark}{rank}", "w").close()
     deadline = time.monotonic() + args.timeout_s
-    while not all(os.path.exists(f"{mark}{r}") for r in range(world)):
-        if time.monotonic() > deadline:
-            raise trainstream.DaemonError("the other ranks did not finish")
-        opt.synchronize()
-        time.sleep(0.02)
+
+    def barrier(suffix: str, meanwhile) -> None:
+        open(f"{mark}{rank}{suffix}", "w").close()
+        while not all(os.path.exists(f"{mark}{r}{suffix}") for r in range(world)):
+            if time.monotonic() > deadline:
+                raise trainstream.DaemonError("the other ranks did not finish")
+            meanwhile()
+            time.sleep(0.02)
+    barrier("", opt.synchronize)
     # Second phase, with no daemon call: no rank detaches (ending the group) before
     # every rank has left the first, however long one of them stalls.
-    open(f"{mark}{rank}.seen", "w").close()
-    while not all(os.path.exists(f"{mark}{r}.seen") for r in range(world)):
-        if time.monotonic() > deadline:
-            raise trainstream.DaemonError("the other ranks did not finish")
-        time.sleep(0.02)
+    barrier(".seen", lambda: None)
 
 
 class Recoveries:

@@ -227,7 +227,7 @@ class DaemonSession:
         if self._daemon_gone is not None:
             raise DaemonError(self._daemon_gone)
         if self._session is None:
-            if self.resumable and self._recovery_token:
+            if self._reconnection_unfinished():
                 raise SessionLost("a reconnection to the TrainStream daemon did not finish")
             return
         if in_backward:
@@ -244,14 +244,16 @@ class DaemonSession:
             self.wait(lambda c: False, keep=STEP_REPLIES)
         raise self.gone(why or "the session is closed")
 
+    def _reconnection_unfinished(self) -> bool:
+        """A reconnection raised part way (a daemon killed again while it resumed): the
+        next call tries again (SessionLost); the optimizer is not detached."""
+        return self._session is None and self.resumable and bool(self._recovery_token)
+
     def require_attached(self) -> None:
-        if self.plane is None and self._daemon_gone is not None:
-            raise DaemonError(self._daemon_gone)  # a reconnection that could not resume
-        if self.plane is None:
-            if self._session is None and self.resumable and self._recovery_token:
-                # A reconnection that raised part way (a daemon killed again while it
-                # resumed): the next call tries again, it is not a detach.
-                raise SessionLost("a reconnection to the TrainStream daemon did not finish")
+        # Without a plane: a reconnection that could not resume (ensure_alive raises its
+        # DaemonError) or that did not finish (SessionLost), else a detach.
+        if self.plane is None and self._daemon_gone is None \
+                and not self._reconnection_unfinished():
             raise TrainStreamError("OffloadAdamW is detached; call attach() first")
         self.ensure_alive()
 
@@ -460,8 +462,7 @@ class DaemonSession:
         for e in entries:
             if e.param_id in offsets:
                 self.post_state(True, e.param_id, FIELD_WEIGHTS, region.region_id,
-                                      offsets[e.param_id],
-                                      e.param.numel() * e.param.element_size(), 0)
+                                offsets[e.param_id], e.param.numel() * e.param.element_size(), 0)
             else:
                 self.post_state(True, e.param_id, FIELD_WEIGHTS, 0, 0, 0, 0)
         self.sync()
