@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import trainstream
+from conftest import wait_until
 from tiny_gpt import GPTConfig, TinyGPT, text_batches
 from trainstream.errors import DaemonError
 from trainstream.optim.grad_pool import grad_pool_bytes
@@ -62,6 +63,26 @@ def _same(a, b):
         assert torch.equal(x, y)
 
 
+def _pool_waits(opt) -> int:
+    """How often backward has waited for room, counted as each wait begins (the stats'
+    pool_waits counts it when it ends)."""
+    pools = {id(e.pool): e.pool for e in opt._table.entries.values() if e.pool is not None}
+    return sum(p.waits for p in pools.values())
+
+
+def _when_waiting(opt, then) -> threading.Thread:
+    """A started thread that runs ``then()`` once backward next waits for room."""
+    before = _pool_waits(opt)
+
+    def run():
+        wait_until(lambda: _pool_waits(opt) > before, 30,
+                   what="backward to wait for room in the gradient pool")
+        then()
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
 def test_the_size_rule():
     assert grad_pool_bytes([100, 5000], 0, None, False) == 0
     assert grad_pool_bytes([100, 5000], "auto", 1.0, False) == 0  # clipping: slots
@@ -97,31 +118,32 @@ def test_the_pool_trains_bit_identically_to_gradient_slots(daemon, pool):
 
 
 def test_a_full_pool_makes_backward_wait_until_the_daemon_frees_room(daemon_factory):
-    # The daemon is stopped for 0.5 s from the start of the second step's backward, so
-    # it releases no extent meanwhile; the tied embedding's gradient, the pool's whole
-    # size and the last to finish, cannot fit beside any earlier one, so backward must
-    # wait for room. It then trains as gradient slots do.
+    # The daemon is paused before the second step's forward, so it releases no extent;
+    # the tied embedding's gradient, the pool's whole size and the last to finish,
+    # cannot fit beside any earlier one, so backward must wait for room. The daemon
+    # resumes 0.3 s after that wait began; backward then goes on, and the run trains as
+    # gradient slots do.
     d = daemon_factory()
     want, _ = _train(d, 0, steps=2)
     model = _model()
     opt = trainstream.OffloadAdamW(_groups(model), lr=3e-3, socket=d.socket, grad_pool=LARGEST)
-    timer = threading.Timer(0.5, os.kill, (d.proc.pid, signal.SIGCONT))
     try:
         for i, (x, y) in enumerate(text_batches(TEXT, CFG, batch=4, steps=2)):
             if i == 1:
-                os.kill(d.proc.pid, signal.SIGSTOP)
-                timer.start()
+                d.pause()
+                t = _when_waiting(opt, lambda: (time.sleep(0.3), d.resume()))
             model(x, y).backward()
+            if i == 1:
+                t.join()
             opt.step()
             opt.zero_grad()
     finally:
-        timer.cancel()
-        os.kill(d.proc.pid, signal.SIGCONT)  # again, harmless, should the loop have failed
+        d.resume()  # again, harmless, should the loop have failed
     stats = opt.stats()
     opt.detach()
     assert stats["grad_pool_bytes"] >= LARGEST
     assert stats["pool_waits"] >= 1
-    assert stats["pool_wait_s"] > 0.1  # most of the 0.5 s the daemon was stopped
+    assert stats["pool_wait_s"] >= 0.3  # the wait lasted until the daemon resumed
     _same(model, want)
 
 
@@ -156,58 +178,73 @@ def test_a_daemon_that_stops_or_dies_ends_a_wait_for_room_in_daemon_error(daemon
     model(x, y).backward()
     opt.step()
     opt.zero_grad()
-    os.kill(d.proc.pid, sig)
+    if sig == signal.SIGSTOP:
+        d.pause()
+    else:
+        os.kill(d.proc.pid, sig)
     try:
         with pytest.raises(DaemonError):
             model(x, y).backward()
             opt.step()
     finally:
         if sig == signal.SIGSTOP:
-            os.kill(d.proc.pid, signal.SIGCONT)
+            d.resume()
 
 
 @pytest.mark.parametrize("pool", ["auto", 2 * LARGEST])
 def test_gradients_that_did_not_land_are_posted_again_from_their_extents(daemon_factory, pool):
-    # Note [Resuming after the daemon died]: the daemon is stopped before backward and
-    # SIGKILLed 0.5 s later, so the gradients of step 3 sit in the pool unprocessed (with
-    # the small pool, backward is waiting for room when the daemon dies: the wait's
-    # liveness probe finds it gone). The next daemon adopts the state, the client posts
-    # each one again from the extent it was copied to, and the run equals one with
-    # gradient slots that was never interrupted.
+    # Note [Resuming after the daemon died]: the daemon is paused (every thread stopped,
+    # Note [A paused daemon is stopped in every thread]) before step 3's forward, so none
+    # of that step's gradients is applied, then SIGKILLed: with the pool of a whole step
+    # once backward has posted all of them, with the small pool once backward waits for
+    # room (the wait's liveness probe then finds the daemon gone and resumes; the rest
+    # of backward posts to the next daemon). The next daemon adopts the state, the client
+    # posts each gradient again from the extent it was copied to, and the run equals one
+    # with gradient slots that was never interrupted. Nothing here depends on timing.
+    def posted(opt, step):
+        return sum(e.posted_step == step for e in opt._table.entries.values())
+
     def run(d, grad_pool, kill):
         model = _model()
         opt = trainstream.OffloadAdamW(_groups(model), lr=3e-3, socket=d.socket,
                                        grad_pool=grad_pool, timeout_s=30)
-        for i, (x, y) in enumerate(text_batches(TEXT, CFG, batch=4, steps=5)):
-            restarted = {}
-            if i == 2 and kill:
-                os.kill(d.proc.pid, signal.SIGSTOP)
+        killed = {}
 
-                def restart(old=d, restarted=restarted):
-                    time.sleep(0.5)
-                    old.proc.kill()
-                    old.proc.wait()
-                    restarted["d"] = daemon_factory(socket=old.socket, shm_dir=old.shm_dir,
-                                                    wait=False)
-                t = threading.Thread(target=restart)
-                t.start()
-            model(x, y).backward()
+        def restart(old):
+            old.proc.kill()
+            old.proc.wait()
+            killed["posted"] = posted(opt, 3)
+            killed["d"] = daemon_factory(socket=old.socket, shm_dir=old.shm_dir, wait=False)
+
+        for i, (x, y) in enumerate(text_batches(TEXT, CFG, batch=4, steps=5)):
             if i == 2 and kill:
-                t.join()
-                d = restarted["d"]
+                d.pause()
+                if grad_pool == "auto":
+                    model(x, y).backward()
+                    restart(d)
+                else:  # killed while backward waits for room
+                    t = _when_waiting(opt, lambda old=d: restart(old))
+                    model(x, y).backward()
+                    t.join()
+                d = killed["d"]
+            else:
+                model(x, y).backward()
             opt.step()
             opt.zero_grad()
         stats = opt.stats()
         opt.detach()
-        return model, stats
+        return model, stats, killed.get("posted")
 
-    want, _ = run(daemon_factory(), 0, False)
-    got, stats = run(daemon_factory(), pool, True)
+    n = len(list(_model().parameters()))
+    want, _, _ = run(daemon_factory(), 0, False)
+    got, stats, posted_when_killed = run(daemon_factory(), pool, True)
     _same(got, want)
-    assert stats["recoveries"] == 1 and stats["grad_pool_bytes"] > 0
-    assert stats["replayed_grads"] > 0
+    seen = (posted_when_killed, stats)
+    assert stats["recoveries"] == 1 and stats["grad_pool_bytes"] > 0, seen
+    assert stats["landed_grads"] == 0, seen  # paused before the step's first gradient
+    # Each gradient posted to the dead daemon is posted again; the rest went to the next.
+    assert stats["replayed_grads"] == posted_when_killed, seen
     if pool == "auto":  # the pool holds the whole step: every gradient was posted
-        assert stats["replayed_grads"] == len(list(_model().parameters()))
-        assert stats["landed_grads"] == 0
+        assert posted_when_killed == n and stats["pool_waits"] == 0, seen
     else:
-        assert stats["pool_waits"] > 0
+        assert 0 < posted_when_killed < n and stats["pool_waits"] > 0, seen
