@@ -67,8 +67,8 @@ def test_attach_allocate_free_detach(daemon):
     # detach ends the stream; the daemon's teardown follows (unlink, unmap, then the
     # budget), so each is waited for, not read right after the files go.
     wait_until(lambda: daemon.segment_files() == [], 20, what="segments to go after detach")
-    wait_until(lambda: (lambda s: s["sessions"] == [] and s["budget"]["used"] == 0)(
-        daemon.status()), 20, what="the session and its budget to be released")
+    wait_until(lambda: daemon.status()["sessions"] == [], 20, what="the session to go")
+    wait_until(lambda: daemon.status()["budget"]["used"] == 0, 20, what="its budget back")
 
 
 def test_out_of_range_input_names_the_field_and_others_keep_working(daemon):
