@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 20's step goal ("no worse than today's 1.73 s") on one machine: the 7B full
+# fine-tune of this tree, with and without recovery's journal, beside the same case run by
+# the tree the issue was filed against (5a66be0: gradient and weight slots, no journal, no
+# split master), in the order ORDER gives, every run on the same warm machine.
+#
+#   git archive 5a66be0 --prefix=.baseline-5a66be0/ | tar -x     # here, then on the GPU host:
+#   BASELINE_DIR=.baseline-5a66be0 ORDER="base journal nojournal" \
+#     bash benchmarks/paging/issue20_baseline.sh
+#
+# ORDER words: base (the old tree), journal (this tree, defaults), nojournal (this tree,
+# --recovery-grace 0), threadsN (this tree, defaults, the daemon with N AdamW threads).
+# Each run's last lines go to $OUT/issue20.log and its step times to $OUT/issue20.jsonl.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+OUT=${OUT:-$PWD/gpu-check-out}
+BASELINE_DIR=${BASELINE_DIR:?the old tree, from git archive}
+mkdir -p "$OUT"
+rc=0
+log() { echo "$*" | tee -a "$OUT/issue20.log"; }
+
+# Build both trees once (a warm machine keeps build-gpu/ of each).
+if [[ ${BUILD:-1} == 1 ]]; then
+  OUT=$OUT STAGES=lean bash scripts/gpu-check.sh > "$OUT/issue20-build.log" 2>&1 || rc=1
+  ln -sfn "$ROOT/.deps" "$BASELINE_DIR/.deps"
+  (cd "$BASELINE_DIR" && OUT=$OUT/baseline-build STAGES=lean bash scripts/gpu-check.sh) \
+    >> "$OUT/issue20-build.log" 2>&1 || rc=1
+  tail -3 "$OUT/issue20-build.log" | tee -a "$OUT/issue20.log"
+fi
+# shellcheck disable=SC1091
+source .deps/unpack.sh
+
+flags=(--cases 7b-full --cap-gib 24 --seq 1024 --max-warmup 8 --timeout 170)
+for what in ${ORDER:-base journal nojournal}; do
+  pkill -x trainstreamd 2>/dev/null; sleep 1
+  tree=$ROOT extra=(--grad-pool pool)
+  case $what in
+    base) tree=$(cd "$BASELINE_DIR" && pwd) extra=() ;;
+    journal) ;;
+    nojournal) extra+=(--daemon-args "--recovery-grace 0") ;;
+    threads*) extra+=(--daemon-args "--threads ${what#threads}") ;;
+    *) log "ORDER: unknown word $what"; rc=1; continue ;;
+  esac
+  log "== $what ($(date -u +%T), $(free -g | awk '/Mem/ {print $7}') GiB available)"
+  (cd "$tree" && PYTHONPATH=$tree/build-gpu/python TRAINSTREAM_BUILD_DIR=$tree/build-gpu \
+     timeout 220 .venv/bin/python benchmarks/paging/bench_paging.py "${flags[@]}" "${extra[@]}") \
+    > "$OUT/issue20-run.log" 2>&1 || { rc=1; log "$what failed"; }
+  python3 - "$what" "$OUT/issue20-run.log" "$OUT/issue20.jsonl" <<'EOF' | tee -a "$OUT/issue20.log"
+import json, re, sys
+what, path, out = sys.argv[1:]
+text = open(path).read()
+found = None
+for m in re.finditer(r'^\{\n.*?^\}$', text, re.S | re.M):  # the per-case JSON
+    try:
+        r = json.loads(m.group(0))
+    except ValueError:
+        continue
+    if r.get("case") == "7b-full":
+        found = r
+if found is None:
+    print(f"{what}: no result; last lines:\n" + "\n".join(text.splitlines()[-15:]))
+    sys.exit(0)
+keep = {k: found.get(k) for k in ("step_s", "step_times", "peak_vram_gib", "error",
+                                   "daemon_shm_gib", "host_bytes_per_trained_param",
+                                   "pool_waits", "pool_wait_s", "warmup_steps")}
+keep["what"] = what
+open(out, "a").write(json.dumps(keep) + "\n")
+print(json.dumps(keep))
+EOF
+done
+exit $rc
