@@ -9,10 +9,13 @@
 #     bash benchmarks/paging/issue20_baseline.sh
 #
 # ORDER words: base (the old tree), journal (this tree, defaults), nojournal (this tree,
-# --recovery-grace 0), threadsN (this tree, defaults, the daemon with N AdamW threads).
+# --recovery-grace 0), threadsN (this tree, defaults, the daemon with N AdamW threads),
+# slots (this tree, journal off, a gradient slot per parameter as the old tree had: tells
+# the pool's share of a difference from the split master's), poolN (this tree, journal
+# off, an N GiB gradient pool instead of the sized 2 GiB).
 # Each run's last lines go to $OUT/issue20.log and its step times to $OUT/issue20.jsonl.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit
 ROOT=$PWD
 OUT=${OUT:-$PWD/gpu-check-out}
 BASELINE_DIR=${BASELINE_DIR:?the old tree, from git archive}
@@ -40,6 +43,8 @@ for what in ${ORDER:-base journal nojournal}; do
     journal) ;;
     nojournal) extra+=(--daemon-args "--recovery-grace 0") ;;
     threads*) extra+=(--daemon-args "--threads ${what#threads}") ;;
+    slots) extra=(--grad-pool slots --daemon-args "--recovery-grace 0") ;;
+    pool[0-9]*) extra=(--grad-pool "$(( ${what#pool} << 30 ))" --daemon-args "--recovery-grace 0") ;;
     *) log "ORDER: unknown word $what"; rc=1; continue ;;
   esac
   log "== $what ($(date -u +%T), $(free -g | awk '/Mem/ {print $7}') GiB available)"
