@@ -1,6 +1,7 @@
-"""README.md's head-to-head section from the H200 results files that
+"""README.md's head-to-head section from the results files that
 docs/benchmarks/sources.json names (issue 22): merges them (a later result replaces an
-earlier one of the same scenario, engine and cap), leaves out the results that file
+earlier one of the same scenario, engine, cap and GPU; runs on different GPUs get tables
+of their own: Note [One machine per table], report.py), leaves out the results that file
 names with its reasons, writes docs/benchmarks/results.json, results.md and the charts,
 and prints the README section on stdout.
 

@@ -17,23 +17,50 @@ def load(path: str) -> dict:
         return json.load(f)
 
 
+def machine_name(m: Optional[dict]) -> str:
+    """A machine's short name in tables and chart titles: its GPU's, else "no GPU"."""
+    if not m or m.get("error"):
+        return "an undescribed machine"
+    return m.get("gpu") or "no GPU"
+
+
 def merge(docs: List[dict]) -> dict:
     """One document from several runs: the first's machine and command (the others'
     commands listed too); a result of a later document replaces an earlier one of the
-    same scenario, engine and cap."""
+    same scenario, engine, cap and machine. Each result keeps the name of the machine it
+    ran on (``machine_name``; ``machines`` maps each name to its description), so runs
+    on different GPUs stay in tables of their own (Note [One machine per table])."""
     if not docs:
         raise ValueError("nothing to merge: give at least one results.json")
     out = dict(docs[0])
     out["commands"] = [d.get("command") for d in docs]
-    out["scenarios"], out["engines"] = {}, {}
+    out["scenarios"], out["engines"], out["machines"] = {}, {}, {}
     keyed: Dict[tuple, dict] = {}
     for d in docs:
         out["scenarios"].update(d.get("scenarios", {}))
         out["engines"].update(d.get("engines", {}))
         for r in d.get("results", []):
-            keyed[(r["scenario"], r["engine"], r.get("capped"))] = r
+            name = r.get("machine_name") or machine_name(d.get("machine"))
+            out["machines"].setdefault(name, (d.get("machines") or {}).get(name, d.get("machine", {})))
+            keyed[(r["scenario"], r["engine"], r.get("capped"), name)] = dict(r, machine_name=name)
     out["results"] = list(keyed.values())
     return out
+
+
+# Note [One machine per table]
+# Step times from two kinds of GPU are not comparable (the device tool gives an H100 host
+# or an H200 one), so a merged document never puts them in one table or chart panel:
+# groups() splits each scenario and cap by the GPU its results ran on, and the headings
+# name it once a document holds more than one. Hosts of one kind are grouped together
+# although they differ too (two H100 hosts by up to 10-15% on the 7B step:
+# docs/staging-pool.md); each results file names its host's measured PCIe and cores. A
+# document of one machine reads as it always did.
+def _machines(doc: dict) -> List[str]:
+    names = list(doc.get("machines") or {})
+    for r in doc.get("results", []):
+        if r.get("machine_name") and r["machine_name"] not in names:
+            names.append(r["machine_name"])
+    return names
 
 
 def _gib(n: Optional[float]) -> str:
@@ -54,17 +81,20 @@ def one_line(r: dict) -> str:
 
 
 def groups(doc: dict):
-    """(scenario, capped, [results run]) in the document's scenario order."""
+    """(scenario, capped, [results run]) in the document's scenario order, one group per
+    machine as well where the results ran on several (Note [One machine per table])."""
     order = list(doc.get("scenarios", {}))
+    machines = _machines(doc) or [None]
     seen = {}
     for r in doc["results"]:
         if r["status"] == "n/a":
             continue
-        seen.setdefault((r["scenario"], bool(r.get("capped"))), []).append(r)
+        seen.setdefault((r["scenario"], bool(r.get("capped")), r.get("machine_name")), []).append(r)
     for sc in order:
-        for capped in (True, False):
-            if (sc, capped) in seen:
-                yield sc, capped, seen[(sc, capped)]
+        for m in machines + [None]:  # a machine's capped and uncapped tables together
+            for capped in (True, False):
+                if (sc, capped, m) in seen:
+                    yield sc, capped, seen.pop((sc, capped, m))
 
 
 def _outcome(r: dict, fastest: Optional[float]) -> str:
@@ -93,10 +123,13 @@ def _short_reason(reason: str) -> str:
 
 
 def _cap_text(doc: dict, capped: bool, results: List[dict]) -> str:
+    on = ""
+    if len(_machines(doc)) > 1 and results and results[0].get("machine_name"):
+        on = f", on {results[0]['machine_name']}"
     if not capped:
-        return "uncapped"
+        return "uncapped" + on
     cap = next((r.get("cap_gib") for r in results if r.get("cap_gib")), None)
-    return f"{cap:g} GiB VRAM cap" if cap else "capped"
+    return (f"{cap:g} GiB VRAM cap" if cap else "capped") + on
 
 
 def table(doc: dict, sc: str, capped: bool, results: List[dict]) -> str:
@@ -142,8 +175,17 @@ def trainstream_against_peers(results: List[dict]) -> Optional[str]:
             f"peer's step ({peer['label']}, {peer['step_s']:.3f} s): {verdict}")
 
 
+def machine_lines(doc: dict) -> List[str]:
+    """The machine line, or one per machine (each starts with its GPU, the name its
+    tables' headings use) where the document holds several."""
+    names = _machines(doc)
+    if len(names) <= 1:
+        return [machine_line(doc.get("machine", {}))]
+    return [machine_line(doc["machines"].get(name, {})) for name in names]
+
+
 def markdown(doc: dict) -> str:
-    parts = [f"Command: `{doc.get('command', '')}`", "", machine_line(doc.get("machine", {})), ""]
+    parts = [f"Command: `{doc.get('command', '')}`", "", *_paragraphs(machine_lines(doc))]
     for sc, capped, results in groups(doc):
         parts += [table(doc, sc, capped, results), ""]
         line = trainstream_against_peers(results)
@@ -157,14 +199,25 @@ def markdown(doc: dict) -> str:
 
 def not_run(doc: dict) -> List[str]:
     """One line per engine that could not run at all (not installed, needs CUDA, an
-    import error), with the reason; an engine counted once."""
+    import error), with the reason; an engine counted once (once per GPU where the
+    document holds several: Note [One machine per table])."""
     out, seen = [], set()
+    several = len(_machines(doc)) > 1
     for r in doc["results"]:
         if r["status"] in ("not installed", "needs CUDA") or (
                 r["status"] == "error" and r.get("reason", "").startswith("import ")):
-            if r["engine"] not in seen:
-                seen.add(r["engine"])
-                out.append(f"{r.get('label', r['engine'])}: {r.get('reason', r['status'])}")
+            key = (r["engine"], r.get("machine_name"))
+            if key not in seen:
+                seen.add(key)
+                on = f", on {r['machine_name']}" if several and r.get("machine_name") else ""
+                out.append(f"{r.get('label', r['engine'])}{on}: {r.get('reason', r['status'])}")
+    return out
+
+
+def _paragraphs(lines: List[str]) -> List[str]:
+    out: List[str] = []
+    for line in lines:
+        out += [line, ""]
     return out
 
 
@@ -263,7 +316,7 @@ def readme(doc: dict, quality: Optional[dict], charts_prefix: str) -> str:
     """The README's results section, made from the JSON alone."""
     cmds = doc.get("commands") or [doc.get("command")]
     parts = ["## Against other libraries (benchmarks/compare.py)", "",
-             machine_line(doc.get("machine", {})), "",
+             *_paragraphs(machine_lines(doc)),
              "Reproduce with" + (" (one command per device call):" if len(cmds) > 1 else ":"), "",
              "```bash", *[c for c in cmds if c], "```", "", FAIRNESS, ""]
     for sc, capped, results in groups(doc):

@@ -160,6 +160,39 @@ def test_merge_keeps_the_later_result_of_a_run():
         report.merge([])
 
 
+def test_merge_keeps_runs_of_different_gpus_in_tables_of_their_own():
+    # Note [One machine per table]: an H100 run and an H200 run of one scenario are two
+    # tables (and two chart panels), each named by its GPU, and neither replaces the other.
+    sys.path.insert(0, str(BENCH))
+    from headtohead import report
+
+    def run(gpu, step):
+        return {"command": gpu, "machine": {"gpu": gpu, "cpu_cores": 16},
+                "scenarios": {"s": {"kind": "lora", "params": 10, "batch": 1, "seq": 8}},
+                "engines": {"e": "E"},
+                "results": [{"scenario": "s", "engine": "e", "label": "E", "capped": True,
+                             "cap_gib": 24, "status": "ok", "step_s": step, "losses": [2.0, 1.0]}]}
+    m = report.merge([run("NVIDIA H200", 1.0), run("NVIDIA H100 80GB HBM3", 2.0)])
+    assert sorted(r["step_s"] for r in m["results"]) == [1.0, 2.0]
+    assert list(m["machines"]) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    groups = list(report.groups(m))
+    assert [[r["machine_name"] for r in g[2]] for g in groups] == [["NVIDIA H200"], ["NVIDIA H100 80GB HBM3"]]
+    text = report.markdown(m)
+    assert "24 GiB VRAM cap, on NVIDIA H200" in text and "24 GiB VRAM cap, on NVIDIA H100 80GB HBM3" in text
+    assert "Machine: NVIDIA H200 (" in text and "Machine: NVIDIA H100 80GB HBM3 (" in text
+    missing = dict(run("NVIDIA H100 80GB HBM3", 2.0), results=[
+        {"scenario": "s", "engine": "u", "label": "U", "capped": True, "status": "not installed",
+         "reason": "No module named 'u'"}])
+    assert report.not_run(report.merge([run("NVIDIA H200", 1.0), missing])) == [
+        "U, on NVIDIA H100 80GB HBM3: No module named 'u'"]
+    # Merging the merged document again changes nothing; one machine reads as before.
+    again = report.merge([m])
+    assert [len(g[2]) for g in report.groups(again)] == [1, 1]
+    one = report.merge([run("NVIDIA H200", 1.0), run("NVIDIA H200", 3.0)])
+    assert [r["step_s"] for r in one["results"]] == [3.0]
+    assert ", on " not in report.markdown(one) and report.markdown(one).count("Machine:") == 1
+
+
 def test_checkpoint_tokenizer_has_a_pad_token_of_its_own(tmp_path):
     # Unsloth's fix_pad_token refuses a tokenizer whose pad is its end of text and
     # which has no pad-named special token (seen on the H200: "Could not find a valid
@@ -216,5 +249,7 @@ def test_readme_results_leave_out_what_sources_json_says():
     for r in doc["results"]:
         if r["source"].startswith("results-h200-2026-12-02-s11-"):
             assert not r["engine"].endswith("_ckpt") and not r["engine"].startswith("trainstream"), r
-    keys = [(r["scenario"], r["engine"], r.get("capped")) for r in doc["results"]]
+    keys = [(r["scenario"], r["engine"], r.get("capped"), r["machine_name"]) for r in doc["results"]]
     assert len(keys) == len(set(keys))
+    for r in doc["results"]:  # each result names the GPU of the file it came from
+        assert ("H100" in r["machine_name"]) == r["source"].startswith("results-h100-"), r["source"]
