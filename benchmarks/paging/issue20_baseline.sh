@@ -22,6 +22,9 @@ BASELINE_DIR=${BASELINE_DIR:?the old tree, from git archive}
 mkdir -p "$OUT"
 rc=0
 log() { echo "$*" | tee -a "$OUT/issue20.log"; }
+# What could make one host's runs differ: NUMA nodes (where the daemon's pages and its
+# AdamW threads land), transparent huge pages, the CPU.
+log "host: $(nproc) cores, $(lscpu 2>/dev/null | awk -F: '/^NUMA node\(s\)|^Model name/ {gsub(/^ +/, "", $2); printf "%s; ", $2}')THP $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
 
 # Build both trees once (a warm machine keeps build-gpu/ of each).
 if [[ ${BUILD:-1} == 1 ]]; then
