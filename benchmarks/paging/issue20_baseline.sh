@@ -4,7 +4,8 @@
 # the tree the issue was filed against (5a66be0: gradient and weight slots, no journal, no
 # split master), in the order ORDER gives, every run on the same warm machine.
 #
-#   git archive 5a66be0 --prefix=.baseline-5a66be0/ | tar -x     # here, then on the GPU host:
+#   git archive 5a66be0 --prefix=.baseline-5a66be0/ | tar -x     # here (git-ignored), then
+#   on the GPU host, with carry: [".deps", ".baseline-5a66be0"] (6 MB):
 #   BASELINE_DIR=.baseline-5a66be0 ORDER="base journal nojournal" \
 #     bash benchmarks/paging/issue20_baseline.sh
 #
