@@ -18,7 +18,8 @@ def load(path: str) -> dict:
 
 
 def machine_name(m: Optional[dict]) -> str:
-    """A machine's short name in tables and chart titles: its GPU's, else "no GPU"."""
+    """A machine's short name in tables and chart titles: its GPU's ("no GPU" without
+    one, "an undescribed machine" when the run could not describe it)."""
     if not m or m.get("error"):
         return "an undescribed machine"
     return m.get("gpu") or "no GPU"
@@ -56,11 +57,14 @@ def merge(docs: List[dict]) -> dict:
 # docs/staging-pool.md); each results file names its host's measured PCIe and cores. A
 # document of one machine reads as it always did.
 def _machines(doc: dict) -> List[str]:
-    names = list(doc.get("machines") or {})
-    for r in doc.get("results", []):
-        if r.get("machine_name") and r["machine_name"] not in names:
-            names.append(r["machine_name"])
-    return names
+    """The machines of a merged document, in the order merge() met them (none for one
+    run's results.json, which names no machine per result)."""
+    return list(doc.get("machines") or {})
+
+
+def _on(doc: dict, name: Optional[str]) -> str:
+    """", on <GPU>" where the document holds several machines, else nothing."""
+    return f", on {name}" if name and len(_machines(doc)) > 1 else ""
 
 
 def _gib(n: Optional[float]) -> str:
@@ -84,14 +88,13 @@ def groups(doc: dict):
     """(scenario, capped, [results run]) in the document's scenario order, one group per
     machine as well where the results ran on several (Note [One machine per table])."""
     order = list(doc.get("scenarios", {}))
-    machines = _machines(doc) or [None]
     seen = {}
     for r in doc["results"]:
         if r["status"] == "n/a":
             continue
         seen.setdefault((r["scenario"], bool(r.get("capped")), r.get("machine_name")), []).append(r)
     for sc in order:
-        for m in machines + [None]:  # a machine's capped and uncapped tables together
+        for m in _machines(doc) + [None]:  # a machine's capped and uncapped tables together
             for capped in (True, False):
                 if (sc, capped, m) in seen:
                     yield sc, capped, seen.pop((sc, capped, m))
@@ -123,9 +126,7 @@ def _short_reason(reason: str) -> str:
 
 
 def _cap_text(doc: dict, capped: bool, results: List[dict]) -> str:
-    on = ""
-    if len(_machines(doc)) > 1 and results and results[0].get("machine_name"):
-        on = f", on {results[0]['machine_name']}"
+    on = _on(doc, results[0].get("machine_name") if results else None)
     if not capped:
         return "uncapped" + on
     cap = next((r.get("cap_gib") for r in results if r.get("cap_gib")), None)
@@ -202,15 +203,14 @@ def not_run(doc: dict) -> List[str]:
     import error), with the reason; an engine counted once (once per GPU where the
     document holds several: Note [One machine per table])."""
     out, seen = [], set()
-    several = len(_machines(doc)) > 1
     for r in doc["results"]:
         if r["status"] in ("not installed", "needs CUDA") or (
                 r["status"] == "error" and r.get("reason", "").startswith("import ")):
             key = (r["engine"], r.get("machine_name"))
             if key not in seen:
                 seen.add(key)
-                on = f", on {r['machine_name']}" if several and r.get("machine_name") else ""
-                out.append(f"{r.get('label', r['engine'])}{on}: {r.get('reason', r['status'])}")
+                out.append(f"{r.get('label', r['engine'])}{_on(doc, r.get('machine_name'))}: "
+                           f"{r.get('reason', r['status'])}")
     return out
 
 

@@ -56,6 +56,7 @@ for what in ${ORDER:-base journal nojournal}; do
      timeout 220 .venv/bin/python benchmarks/paging/bench_paging.py "${flags[@]}" "${extra[@]}") \
     > "$OUT/issue20-run.log" 2>&1 || { rc=1; log "$what failed"; }
   python3 - "$what" "$OUT/issue20-run.log" "$OUT/issue20.jsonl" <<'EOF' | tee -a "$OUT/issue20.log"
+# The run's printed JSON, not bench_paging's --jsonl: the filed tree's has no --jsonl.
 import json, re, sys
 what, path, out = sys.argv[1:]
 text = open(path).read()
