@@ -31,17 +31,22 @@ def _left_out(name: str, engine: str, rules: List[dict]) -> str:
 
 def select(sources: dict, root: str = REPO) -> dict:
     """The merged document: every named file's results less the rules' left-outs
-    (each result keeps its file's name under ``source``)."""
+    (each result keeps its file's name under ``source``). A file named as
+    ``{"file": path, "host": label}`` ran on a host whose tables are kept apart from
+    other hosts of its GPU: its results' machine is "<GPU>, <label>" (Note [One machine
+    per table], report.py)."""
     docs = []
-    for rel in sources["files"]:
+    for entry in sources["files"]:
+        rel, host = (entry, None) if isinstance(entry, str) else (entry["file"], entry["host"])
         doc = report.load(os.path.join(root, rel))
         name = os.path.basename(rel)
+        machine = report.machine_name(doc.get("machine")) + (f", {host}" if host else "")
         kept = []
         for r in doc["results"]:
             wanted = r["scenario"] in sources.get("scenarios", [r["scenario"]])
             if wanted and not _left_out(name, r["engine"], sources.get("left_out", [])):
-                kept.append(dict(r, source=name))
-        docs.append(dict(doc, results=kept))
+                kept.append(dict(r, source=name, machine_name=machine))
+        docs.append(dict(doc, results=kept, machines={machine: doc.get("machine", {})}))
     return report.merge(docs)
 
 

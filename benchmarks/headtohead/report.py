@@ -54,7 +54,10 @@ def merge(docs: List[dict]) -> dict:
 # groups() splits each scenario and cap by the GPU its results ran on, and the headings
 # name it once a document holds more than one. Hosts of one kind are grouped together
 # although they differ too (two H100 hosts by up to 10-15% on the 7B step:
-# docs/staging-pool.md); each results file names its host's measured PCIe and cores. A
+# docs/staging-pool.md); each results file names its host's measured PCIe and cores. Where
+# one host ran visibly faster than another of its GPU (session 21's H200 ran Unsloth's
+# 512-token step, which never nears the cap, 1.6x as fast as session 13's), docs/benchmarks/sources.json names that
+# host's files with a label and their tables stand apart ("NVIDIA H200, <label>"). A
 # document of one machine reads as it always did.
 def _machines(doc: dict) -> List[str]:
     """The machines of a merged document, in the order merge() met them (none for one
@@ -182,7 +185,14 @@ def machine_lines(doc: dict) -> List[str]:
     names = _machines(doc)
     if len(names) <= 1:
         return [machine_line(doc.get("machine", {}))]
-    return [machine_line(doc["machines"].get(name, {})) for name in names]
+    lines = []
+    for name in names:
+        m = doc["machines"].get(name, {})
+        line = machine_line(m)
+        if name != machine_name(m):  # a host told apart from others of its GPU
+            line = line.replace("Machine:", f"Machine of the tables on {name}:", 1)
+        lines.append(line)
+    return lines
 
 
 def markdown(doc: dict) -> str:

@@ -253,3 +253,14 @@ def test_readme_results_leave_out_what_sources_json_says():
     assert len(keys) == len(set(keys))
     for r in doc["results"]:  # each result names the GPU of the file it came from
         assert ("H100" in r["machine_name"]) == r["source"].startswith("results-h100-"), r["source"]
+    # A file named with a host label keeps its results in tables of that host alone.
+    hosts = {os.path.basename(e["file"]): e["host"] for e in sources["files"] if isinstance(e, dict)}
+    assert hosts, "sources.json labels no host"
+    for r in doc["results"]:
+        host = hosts.get(r["source"])
+        assert r["machine_name"].endswith(f", {host}") if host else "," not in r["machine_name"], r
+    labelled = {r["machine_name"] for r in doc["results"] if r["source"] in hosts}
+    assert labelled and labelled <= set(doc["machines"])
+    text = readme_results.report.markdown(doc)
+    for name in labelled:
+        assert f"Machine of the tables on {name}:" in text and f", on {name}" in text
