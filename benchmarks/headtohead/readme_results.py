@@ -46,7 +46,7 @@ def select(sources: dict, root: str = REPO) -> dict:
             wanted = r["scenario"] in sources.get("scenarios", [r["scenario"]])
             if wanted and not _left_out(name, r["engine"], sources.get("left_out", [])):
                 kept.append(dict(r, source=name, machine_name=machine))
-        docs.append(dict(doc, results=kept, machines={machine: doc.get("machine", {})}))
+        docs.append(dict(doc, results=kept))
     return report.merge(docs)
 
 

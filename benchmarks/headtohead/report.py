@@ -188,10 +188,9 @@ def machine_lines(doc: dict) -> List[str]:
     lines = []
     for name in names:
         m = doc["machines"].get(name, {})
-        line = machine_line(m)
-        if name != machine_name(m):  # a host told apart from others of its GPU
-            line = line.replace("Machine:", f"Machine of the tables on {name}:", 1)
-        lines.append(line)
+        # A host told apart from others of its GPU says which tables are its.
+        heading = "Machine" if name == machine_name(m) else f"Machine of the tables on {name}"
+        lines.append(machine_line(m, heading))
     return lines
 
 
@@ -231,14 +230,14 @@ def _paragraphs(lines: List[str]) -> List[str]:
     return out
 
 
-def machine_line(m: dict) -> str:
+def machine_line(m: dict, heading: str = "Machine") -> str:
     if not m or m.get("error"):
-        return f"Machine: not described ({m.get('error', 'no record') if m else 'no record'})"
+        return f"{heading}: not described ({m.get('error', 'no record') if m else 'no record'})"
     gpu = (f"{m['gpu']} ({m.get('vram_bytes', 0) / 1e9:.0f} GB), driver {m.get('driver', '?')}"
            if m.get("gpu") else "no GPU")
     pcie = (f"; pinned PCIe H2D {m['pcie_h2d_gb_s']} GB/s, D2H {m['pcie_d2h_gb_s']} GB/s"
             if m.get("pcie_h2d_gb_s") else "")
-    return (f"Machine: {gpu}; {m.get('cpu', '?')}, {m.get('cpu_cores')} cores; "
+    return (f"{heading}: {gpu}; {m.get('cpu', '?')}, {m.get('cpu_cores')} cores; "
             f"{m.get('ram_bytes', 0) / GIB:.0f} GiB RAM{pcie}; torch {m.get('torch')} "
             f"(CUDA {m.get('cuda')}), Python {m.get('python')}")
 
