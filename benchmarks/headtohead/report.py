@@ -321,8 +321,10 @@ FAIRNESS = ("Each engine ran in a fresh process on the same random-weight checkp
             "shared memory. docs/benchmarks-compare.md has the rules.")
 
 
-def readme(doc: dict, quality: Optional[dict], charts_prefix: str) -> str:
-    """The README's results section, made from the JSON alone."""
+def readme(doc: dict, quality: Optional[dict], charts_prefix: str,
+           unmeasured: Optional[List[str]] = None) -> str:
+    """The README's results section, made from the JSON alone (``unmeasured``: the
+    lines of coverage.py naming what no run has measured yet)."""
     cmds = doc.get("commands") or [doc.get("command")]
     parts = ["## Against other libraries (benchmarks/compare.py)", "",
              *_paragraphs(machine_lines(doc)),
@@ -341,6 +343,9 @@ def readme(doc: dict, quality: Optional[dict], charts_prefix: str) -> str:
     missing = not_run(doc)
     if missing:
         parts += ["Could not run here:", ""] + [f"- {m}" for m in missing] + [""]
+    if unmeasured:
+        parts += ["Not measured yet on any host (`python benchmarks/headtohead/coverage.py` prints "
+                  "the device calls that would measure them):", ""] + [f"- {m}" for m in unmeasured] + [""]
     if quality:
         parts += ["### Quality of each quantized base (benchmarks/quality.py)", "", quality_table(quality), ""]
     return "\n".join(parts)

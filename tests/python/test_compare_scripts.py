@@ -264,3 +264,78 @@ def test_readme_results_leave_out_what_sources_json_says():
     text = readme_results.report.markdown(doc)
     for name in labelled:
         assert f"Machine of the tables on {name}:" in text and f", on {name}" in text
+
+
+def _coverage():
+    sys.path.insert(0, str(BENCH))
+    from headtohead import coverage
+    return coverage
+
+
+def _doc(*results):
+    return {"results": [dict(zip(("scenario", "engine", "capped", "status", "wall_s"), r)) for r in results]}
+
+
+def test_coverage_counts_a_cell_once_an_engine_reached_an_outcome_in_it():
+    coverage = _coverage()
+    doc = _doc(("full1.5b", "stock", True, "oom", 20.0), ("full1.5b", "stock", False, "ok", 21.0),
+               ("full1.5b", "fsdp2_offload", True, "not installed", 1.0),
+               ("full1.5b", "deepspeed_zero2", True, "timeout", 130.0),
+               ("full1.5b", "deepspeed_zero3", True, "error", 5.0))
+    doc["results"][-1]["reason"] = "import deepspeed: No module named 'deepspeed'"
+    cells = coverage.unmeasured(doc, ["full1.5b", "lora14b"])
+    assert ("full1.5b", "stock", True) not in cells and ("full1.5b", "stock", False) not in cells
+    assert ("full1.5b", "deepspeed_zero2", True) not in cells        # timed out: an outcome
+    assert ("full1.5b", "fsdp2_offload", True) in cells              # not installed: still open
+    assert ("full1.5b", "deepspeed_zero3", True) in cells            # an import error: still open
+    assert not [c for c in cells if c[0] == "full1.5b" and c[1] in ("bnb_qlora", "unsloth")]
+    assert ("lora14b", "bnb_qlora", True) in cells and ("lora14b", "trainstream_nf4", False) in cells
+    assert not [c for c in cells if c[0] == "lora14b" and c[1] == "trainstream_gpu_bf16"]
+    lines = coverage.lines(doc, cells)
+    assert lines[0].startswith("`full1.5b`, capped: ") and "FSDP2" in lines[0]
+    assert not any("Stock PyTorch, fused AdamW;" in line for line in lines if "full1.5b" in line)
+
+
+def test_coverage_plans_each_open_cell_once_within_a_call():
+    coverage = _coverage()
+    from headtohead.engines import parse_engines
+    doc = _doc(("lora14b", "deepspeed_zero3", True, "ok", 141.0), ("lora14b", "fsdp2_offload", True, "ok", 99.0),
+               ("lora14b", "trainstream", True, "ok", 69.0), ("lora14b_2k", "torchao_offload", True, "oom", 8.0))
+    cells = coverage.unmeasured(doc, ["lora14b", "lora14b_2k"])
+    calls = coverage.plan(doc, cells, call_s=300)
+    planned = [(c["scenario"], e, c["capped"]) for c in calls for e in c["engines"]]
+    assert sorted(planned) == sorted(cells)
+    walls = coverage.wall_estimates(doc)
+    assert coverage.estimate(walls, "lora14b", "deepspeed_zero3") == 141.0
+    assert coverage.estimate(walls, "lora14b", "trainstream_nf4") == 69.0        # its auto's
+    assert coverage.estimate(walls, "lora14b_2k", "torchao_offload_ckpt") == 8.0  # checkpointing toggled
+    assert coverage.estimate(walls, "lora14b_2k", "fsdp2_offload") == 99.0       # the 512-token run's
+    assert coverage.estimate(walls, "lora14b_2k", "unsloth") == coverage.GUESS_S
+    for c in calls:
+        assert len(c["engines"]) == 1 or c["estimate_s"] <= 300, c
+        assert c["lean"] == any(e.startswith("trainstream") for e in c["engines"])
+        cmd = coverage.command(c, 300)
+        assert ('STAGES="lean compare"' in cmd) == c["lean"]
+        assert ("--uncapped" in cmd) != c["capped"]
+        assert parse_engines(cmd.split("--engines ")[1].split('"')[0]) and f"--timeout {c['timeout_s']}" in cmd
+        assert c["timeout_s"] >= 60
+
+
+def test_readme_section_is_the_one_readme_results_makes():
+    # The README's head-to-head section, its list of cells not yet measured included, is
+    # what readme_results.py makes of sources.json: a results file added there without
+    # regenerating the README fails here.
+    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(BENCH / "headtohead"))
+    import readme_results
+    with open(REPO / "docs" / "benchmarks" / "sources.json") as f:
+        sources = json.load(f)
+    doc = readme_results.select(sources)
+    doc["charts"] = {p.stem: p.name for p in (REPO / "docs" / "benchmarks").glob("*.png")}
+    quality = readme_results.report.load(str(REPO / sources["quality"]))
+    text = readme_results.section(sources, doc, quality, "docs/benchmarks/")
+    body = text[text.index("Machine"):text.index("### Quality of each quantized base")]
+    readme = (REPO / "README.md").read_text()
+    assert body in readme, "README.md's head-to-head section is stale: regenerate it (docs/benchmarks-compare.md)"
+    assert "Not measured yet on any host" in body or not readme_results.coverage.unmeasured(
+        doc, sources["scenarios"])

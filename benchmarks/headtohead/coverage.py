@@ -1,0 +1,168 @@
+"""What the head-to-head has not measured yet, and the device calls that would measure it
+(issue 22).
+
+A cell is one scenario, engine and cap (24 GiB or uncapped). It counts as measured once
+some run reached an outcome in it on any host: a step time, or running out of memory or
+time, or an error in the engine's own code. "not installed" and "needs CUDA" say nothing
+about the engine, so they leave the cell open; "n/a" cells (an adapter-only engine in a
+full fine-tune) are never open. The README lists the open cells (readme_results.py puts
+them in its section, so the list stays as true as the tables), and
+
+    python benchmarks/headtohead/coverage.py [--call-s 540]
+
+prints them with the scripts/gpu-check.sh commands that would close them: one command
+per scenario and cap, split where the engines' past wall times (the slowest seen in that
+scenario, or a guess where none ran) would not fit one device call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))
+from headtohead.engines import ENGINES  # noqa: E402
+from headtohead.scenarios import SCENARIOS  # noqa: E402
+
+# Outcomes that say how the engine fares; the others ("not installed", "needs CUDA", an
+# import error) only say the host lacked it.
+_DECISIVE = ("ok", "oom", "timeout", "killed", "error")
+GUESS_S = 150.0       # an engine's wall time where neither it nor a sibling ever ran
+SETUP_S = 40.0        # each call's own cost: wheels installed, the machine measured
+LEAN_S = 150.0        # the "lean" build of the package, for calls with TrainStream engines
+CAPS = ((True, "capped"), (False, "uncapped"))
+
+Cell = Tuple[str, str, bool]   # scenario, engine, capped
+
+
+def _decisive(r: dict) -> bool:
+    return r["status"] in _DECISIVE and not (
+        r["status"] == "error" and r.get("reason", "").startswith("import "))
+
+
+def unmeasured(doc: dict, scenarios: List[str]) -> List[Cell]:
+    """The open cells of ``scenarios``, in scenario, cap and engine-table order."""
+    done = {(r["scenario"], r["engine"], bool(r.get("capped"))) for r in doc["results"] if _decisive(r)}
+    out = []
+    for sc in scenarios:
+        kind = SCENARIOS[sc].kind
+        for capped, _ in CAPS:
+            out += [(sc, e.name, capped) for e in ENGINES.values()
+                    if kind in e.kinds and (sc, e.name, capped) not in done]
+    return out
+
+
+def wall_estimates(doc: dict) -> Dict[Tuple[str, str], float]:
+    """(scenario, engine) -> the slowest wall time any of its runs took (either cap)."""
+    out: Dict[Tuple[str, str], float] = {}
+    for r in doc["results"]:
+        if r.get("wall_s"):
+            key = (r["scenario"], r["engine"])
+            out[key] = max(out.get(key, 0.0), float(r["wall_s"]))
+    return out
+
+
+def _sibling(engine: str) -> str:
+    """The same library with checkpointing toggled (TrainStream's formats: its auto)."""
+    if engine.endswith("_ckpt"):
+        return engine[:-len("_ckpt")]
+    if engine.startswith("trainstream_"):
+        return "trainstream"
+    return engine + "_ckpt"
+
+
+def estimate(walls: Dict[Tuple[str, str], float], scenario: str, engine: str) -> float:
+    """An engine's expected wall time in a scenario: its own slowest run there, else its
+    sibling's (checkpointing toggled), else its own in a scenario of the same kind and
+    model, else GUESS_S."""
+    if (scenario, engine) in walls:
+        return walls[(scenario, engine)]
+    if (scenario, _sibling(engine)) in walls:
+        return walls[(scenario, _sibling(engine))]
+    sc = SCENARIOS[scenario]
+    alike = [w for (s, e), w in walls.items() if e == engine and s != scenario
+             and SCENARIOS[s].size == sc.size and SCENARIOS[s].kind == sc.kind]
+    return max(alike) if alike else GUESS_S
+
+
+def plan(doc: dict, cells: List[Cell], call_s: float = 540.0) -> List[dict]:
+    """Device calls that run ``cells``: one per scenario and cap, split where the
+    estimated walls pass ``call_s``. Each call: scenario, capped, engines, estimate_s,
+    timeout_s (per engine: 1.5x the slowest estimate, at least 60 s)."""
+    walls = wall_estimates(doc)
+    calls: List[dict] = []
+    for sc in dict.fromkeys(c[0] for c in cells):
+        for capped, _ in CAPS:
+            todo = [e for s, e, c in cells if s == sc and c == capped]
+            current: dict = {}
+            for e in todo:
+                est = estimate(walls, sc, e) + (LEAN_S if ENGINES[e].trainstream and not (
+                    current and current["lean"]) else 0.0)
+                if not current or current["estimate_s"] + est > call_s:
+                    current = {"scenario": sc, "capped": capped, "engines": [], "lean": False,
+                               "estimate_s": SETUP_S}
+                    est = estimate(walls, sc, e) + (LEAN_S if ENGINES[e].trainstream else 0.0)
+                    calls.append(current)
+                current["engines"].append(e)
+                current["lean"] = current["lean"] or ENGINES[e].trainstream
+                current["estimate_s"] += est
+            for call in calls:
+                if call["scenario"] == sc and call["capped"] == capped:
+                    call["timeout_s"] = int(max(60.0, 1.5 * max(estimate(walls, sc, e)
+                                                                for e in call["engines"])))
+    return calls
+
+
+def command(call: dict, call_s: float = 540.0) -> str:
+    """The scripts/gpu-check.sh line of one call ("lean" first where a TrainStream
+    engine is among them: it builds the package; on a warm host that built it, drop it)."""
+    return (f'STAGES="{"lean " if call["lean"] else ""}compare" COMPARE_TIMEOUT={int(call_s) + 20} '
+            f'COMPARE_ARGS="--scenarios {call["scenario"]}{"" if call["capped"] else " --uncapped"} '
+            f'--timeout {call["timeout_s"]} --keep-ckpt --engines {",".join(call["engines"])}" '
+            f'bash scripts/gpu-check.sh   # about {call["estimate_s"]:.0f} s')
+
+
+def lines(doc: dict, cells: List[Cell]) -> List[str]:
+    """One README line per scenario and cap with open cells, naming the engines."""
+    labels = {**{n: e.label for n, e in ENGINES.items()}, **doc.get("engines", {})}
+    out = []
+    for sc in dict.fromkeys(c[0] for c in cells):
+        for capped, cap in CAPS:
+            names = [labels.get(e, e) for s, e, c in cells if s == sc and c == capped]
+            if names:
+                out.append(f"`{sc}`, {cap}: " + "; ".join(names))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sources", default=os.path.join(REPO, "docs", "benchmarks", "sources.json"))
+    ap.add_argument("--call-s", type=float, default=540.0,
+                    help="seconds of engines one device call may hold (default 540)")
+    args = ap.parse_args()
+    if args.call_s < 60:
+        ap.error(f"--call-s {args.call_s}: must be at least 60 (the engines' setup alone takes 10-40 s)")
+    from headtohead import readme_results
+    with open(args.sources) as f:
+        sources = json.load(f)
+    doc = readme_results.select(sources)
+    cells = unmeasured(doc, sources["scenarios"])
+    if not cells:
+        print("every cell is measured")
+        return
+    print(f"{len(cells)} cells not measured on any host:")
+    for line in lines(doc, cells):
+        print(f"  {line}")
+    calls = plan(doc, cells, args.call_s)
+    print(f"\n{len(calls)} device calls, about {sum(c['estimate_s'] for c in calls) / 60:.0f} minutes "
+          f"(carry [\".deps\", \".whl\"]):")
+    for call in calls:
+        print(command(call, args.call_s))
+
+
+if __name__ == "__main__":
+    main()
