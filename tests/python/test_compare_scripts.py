@@ -234,16 +234,21 @@ def test_quality_measures_every_format_before_and_after_lora(tmp_path):
     assert "| base format | perplexity before LoRA |" in proc.stdout
 
 
-def test_readme_results_leave_out_what_sources_json_says():
-    # README.md's head-to-head tables come from docs/benchmarks/sources.json: session 11's
-    # checkpointed runs were not checkpointed and its TrainStream ran before the loss fix,
-    # so neither may reach the README; every result names the file it came from.
+def _readme_results():
+    """readme_results.py, sources.json, and the document it makes of it."""
     sys.path.insert(0, str(BENCH))
     sys.path.insert(0, str(BENCH / "headtohead"))
     import readme_results
     with open(REPO / "docs" / "benchmarks" / "sources.json") as f:
         sources = json.load(f)
-    doc = readme_results.select(sources)
+    return readme_results, sources, readme_results.select(sources)
+
+
+def test_readme_results_leave_out_what_sources_json_says():
+    # README.md's head-to-head tables come from docs/benchmarks/sources.json: session 11's
+    # checkpointed runs were not checkpointed and its TrainStream ran before the loss fix,
+    # so neither may reach the README; every result names the file it came from.
+    readme_results, sources, doc = _readme_results()
     assert doc["results"]
     assert {r["scenario"] for r in doc["results"]} <= set(sources["scenarios"])
     for r in doc["results"]:
@@ -325,12 +330,7 @@ def test_readme_section_is_the_one_readme_results_makes():
     # The README's head-to-head section, its list of cells not yet measured included, is
     # what readme_results.py makes of sources.json: a results file added there without
     # regenerating the README fails here.
-    sys.path.insert(0, str(BENCH))
-    sys.path.insert(0, str(BENCH / "headtohead"))
-    import readme_results
-    with open(REPO / "docs" / "benchmarks" / "sources.json") as f:
-        sources = json.load(f)
-    doc = readme_results.select(sources)
+    readme_results, sources, doc = _readme_results()
     doc["charts"] = {p.stem: p.name for p in (REPO / "docs" / "benchmarks").glob("*.png")}
     quality = readme_results.report.load(str(REPO / sources["quality"]))
     text = readme_results.section(sources, doc, quality, "docs/benchmarks/")
