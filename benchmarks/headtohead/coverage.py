@@ -8,7 +8,7 @@ about the engine, so they leave the cell open; "n/a" cells (an adapter-only engi
 full fine-tune) are never open. The README lists the open cells (readme_results.py puts
 them in its section, so the list stays as true as the tables), and
 
-    python benchmarks/headtohead/coverage.py [--call-s 540]
+    python benchmarks/headtohead/coverage.py [--call-s 540] [--anchor stock,trainstream_nf4]
 
 prints them with the scripts/gpu-check.sh commands that would close them: one command
 per scenario and cap, split where the engines' past wall times (the slowest seen in that
@@ -20,12 +20,12 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))
-from headtohead.engines import ENGINES  # noqa: E402
+from headtohead.engines import ENGINES, parse_engines  # noqa: E402
 from headtohead.scenarios import SCENARIOS  # noqa: E402
 
 # Outcomes that say how the engine fares; the others ("not installed", "needs CUDA", an
@@ -89,31 +89,47 @@ def estimate(walls: Dict[Tuple[str, str], float], scenario: str, engine: str) ->
     return max(alike) if alike else GUESS_S
 
 
-def plan(doc: dict, cells: List[Cell], call_s: float = 540.0) -> List[dict]:
+def _cost(call: dict, engine: str, walls: Dict[Tuple[str, str], float]) -> float:
+    """What adding ``engine`` to ``call`` adds to its wall: the engine's estimate, and
+    the lean build for the call's first TrainStream engine."""
+    lean = ENGINES[engine].trainstream and not call["lean"]
+    return estimate(walls, call["scenario"], engine) + (LEAN_S if lean else 0.0)
+
+
+def _add(call: dict, engine: str, walls: Dict[Tuple[str, str], float]) -> None:
+    call["estimate_s"] += _cost(call, engine, walls)
+    call["engines"].append(engine)
+    call["lean"] = call["lean"] or ENGINES[engine].trainstream
+
+
+def plan(doc: dict, cells: List[Cell], call_s: float = 540.0, anchors: Sequence[str] = ()) -> List[dict]:
     """Device calls that run ``cells``: one per scenario and cap, split where the
-    estimated walls pass ``call_s``. Each call: scenario, capped, engines, estimate_s,
-    timeout_s (per engine: 1.5x the slowest estimate, at least 60 s)."""
+    estimated walls pass ``call_s``. Each call: scenario, capped, engines, lean (a
+    TrainStream engine among them), estimate_s, timeout_s (per engine: 1.5x the slowest
+    estimate, at least 60 s). ``anchors``: engines each call runs first, where they
+    already have a step time in its scenario and cap, so that calls landing on different
+    hosts share a reference engine (Note [One machine per table], report.py)."""
     walls = wall_estimates(doc)
+    ran = {(r["scenario"], r["engine"], bool(r.get("capped"))) for r in doc["results"] if r["status"] == "ok"}
     calls: List[dict] = []
     for sc in dict.fromkeys(c[0] for c in cells):
         for capped, _ in CAPS:
             todo = [e for s, e, c in cells if s == sc and c == capped]
-            current: dict = {}
+            refs = [a for a in anchors if a not in todo and (sc, a, capped) in ran]
+            mine: List[dict] = []
             for e in todo:
-                est = estimate(walls, sc, e) + (LEAN_S if ENGINES[e].trainstream and not (
-                    current and current["lean"]) else 0.0)
-                if not current or current["estimate_s"] + est > call_s:
-                    current = {"scenario": sc, "capped": capped, "engines": [], "lean": False,
-                               "estimate_s": SETUP_S}
-                    est = estimate(walls, sc, e) + (LEAN_S if ENGINES[e].trainstream else 0.0)
-                    calls.append(current)
-                current["engines"].append(e)
-                current["lean"] = current["lean"] or ENGINES[e].trainstream
-                current["estimate_s"] += est
-            for call in calls:
-                if call["scenario"] == sc and call["capped"] == capped:
-                    call["timeout_s"] = int(max(60.0, 1.5 * max(estimate(walls, sc, e)
-                                                                for e in call["engines"])))
+                last = mine[-1] if mine else None
+                if last is None or (len(last["engines"]) > len(refs)
+                                    and last["estimate_s"] + _cost(last, e, walls) > call_s):
+                    last = {"scenario": sc, "capped": capped, "engines": [], "lean": False,
+                            "estimate_s": SETUP_S}
+                    for a in refs:
+                        _add(last, a, walls)
+                    mine.append(last)
+                _add(last, e, walls)
+            for call in mine:
+                call["timeout_s"] = int(max(60.0, 1.5 * max(estimate(walls, sc, e) for e in call["engines"])))
+            calls += mine
     return calls
 
 
@@ -143,9 +159,17 @@ def main() -> None:
     ap.add_argument("--sources", default=os.path.join(REPO, "docs", "benchmarks", "sources.json"))
     ap.add_argument("--call-s", type=float, default=540.0,
                     help="seconds of engines one device call may hold (default 540)")
+    ap.add_argument("--anchor", default="",
+                    help="engines each call also runs first where they have a step time in its "
+                         "scenario and cap (e.g. stock,trainstream_nf4), so calls on different "
+                         "hosts share a reference")
     args = ap.parse_args()
     if args.call_s < 60:
         ap.error(f"--call-s {args.call_s}: must be at least 60 (the engines' setup alone takes 10-40 s)")
+    try:
+        anchors = [e.name for e in parse_engines(args.anchor, "--anchor")] if args.anchor else []
+    except ValueError as e:
+        ap.error(str(e))
     from headtohead import readme_results
     with open(args.sources) as f:
         sources = json.load(f)
@@ -157,7 +181,7 @@ def main() -> None:
     print(f"{len(cells)} cells not measured on any host:")
     for line in lines(doc, cells):
         print(f"  {line}")
-    calls = plan(doc, cells, args.call_s)
+    calls = plan(doc, cells, args.call_s, anchors)
     print(f"\n{len(calls)} device calls, about {sum(c['estimate_s'] for c in calls) / 60:.0f} minutes "
           f"(carry [\".deps\", \".whl\"]):")
     for call in calls:

@@ -324,6 +324,13 @@ def test_coverage_plans_each_open_cell_once_within_a_call():
         assert ("--uncapped" in cmd) != c["capped"]
         assert parse_engines(cmd.split("--engines ")[1].split('"')[0]) and f"--timeout {c['timeout_s']}" in cmd
         assert c["timeout_s"] >= 60
+    # An anchor runs first in each call of a scenario and cap where it has a step time.
+    anchored = coverage.plan(doc, cells, call_s=300, anchors=["trainstream", "stock"])
+    assert sorted((c["scenario"], e, c["capped"]) for c in anchored for e in c["engines"]
+                  if not (c["scenario"] == "lora14b" and c["capped"] and e == "trainstream")) == sorted(cells)
+    for c in anchored:  # stock has no step time here, so it anchors nothing
+        if c["scenario"] == "lora14b" and c["capped"]:
+            assert c["engines"][0] == "trainstream" and len(c["engines"]) > 1, c
 
 
 def test_readme_section_is_the_one_readme_results_makes():
