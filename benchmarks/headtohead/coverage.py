@@ -34,14 +34,25 @@ _DECISIVE = ("ok", "oom", "timeout", "killed", "error")
 GUESS_S = 150.0       # an engine's wall time where neither it nor a sibling ever ran
 SETUP_S = 40.0        # each call's own cost: wheels installed, the machine measured
 LEAN_S = 150.0        # the "lean" build of the package, for calls with TrainStream engines
+CALL_LIMIT_S = 600    # the device tool's limit on one command
+MARGIN_S = 30.0       # compare.py stops this long before the limit, so its logs come back
 CAPS = ((True, "capped"), (False, "uncapped"))
 
 Cell = Tuple[str, str, bool]   # scenario, engine, capped
 
 
 def _decisive(r: dict) -> bool:
-    return r["status"] in _DECISIVE and not (
-        r["status"] == "error" and r.get("reason", "").startswith("import "))
+    """Whether a result says how the engine fares: not a missing module (an import error,
+    or a setup that found no module, such as a host without the built package), not a
+    daemon that did not start (the host's problem), not a timeout before the first step
+    (a --timeout too short for the setup)."""
+    reason = r.get("reason", "")
+    if r["status"] == "error":
+        return not (reason.startswith("import ") or "ModuleNotFoundError" in reason
+                    or reason.startswith("trainstreamd did not start"))
+    if r["status"] == "timeout":
+        return "(0 steps done)" not in reason
+    return r["status"] in _DECISIVE
 
 
 def unmeasured(doc: dict, scenarios: List[str]) -> List[Cell]:
@@ -56,12 +67,17 @@ def unmeasured(doc: dict, scenarios: List[str]) -> List[Cell]:
     return out
 
 
-def wall_estimates(doc: dict) -> Dict[Tuple[str, str], float]:
-    """(scenario, engine) -> the slowest wall time any of its runs took (either cap)."""
-    out: Dict[Tuple[str, str], float] = {}
+Walls = Dict[Tuple[str, str, bool], float]
+
+
+def wall_estimates(doc: dict) -> Walls:
+    """(scenario, engine, trained) -> the slowest wall time of its runs, either cap:
+    trained=True over the runs that measured a step time, False over the others (an
+    engine out of memory in setup under the cap says little of its wall uncapped)."""
+    out: Walls = {}
     for r in doc["results"]:
         if r.get("wall_s"):
-            key = (r["scenario"], r["engine"])
+            key = (r["scenario"], r["engine"], r["status"] == "ok")
             out[key] = max(out.get(key, 0.0), float(r["wall_s"]))
     return out
 
@@ -75,28 +91,28 @@ def _sibling(engine: str) -> str:
     return engine + "_ckpt"
 
 
-def estimate(walls: Dict[Tuple[str, str], float], scenario: str, engine: str) -> float:
-    """An engine's expected wall time in a scenario: its own slowest run there, else its
-    sibling's (checkpointing toggled), else its own in a scenario of the same kind and
-    model, else GUESS_S."""
-    if (scenario, engine) in walls:
-        return walls[(scenario, engine)]
-    if (scenario, _sibling(engine)) in walls:
-        return walls[(scenario, _sibling(engine))]
+def estimate(walls: Walls, scenario: str, engine: str) -> float:
+    """An engine's expected wall time in a scenario, from runs that measured a step time:
+    its own there (either cap), else its sibling's (checkpointing toggled), else its own
+    in a scenario of the same kind and model; else GUESS_S, or its own slowest failed run
+    there where that took longer."""
+    for key in ((scenario, engine, True), (scenario, _sibling(engine), True)):
+        if key in walls:
+            return walls[key]
     sc = SCENARIOS[scenario]
-    alike = [w for (s, e), w in walls.items() if e == engine and s != scenario
+    alike = [w for (s, e, ok), w in walls.items() if ok and e == engine and s != scenario
              and SCENARIOS[s].size == sc.size and SCENARIOS[s].kind == sc.kind]
-    return max(alike) if alike else GUESS_S
+    return max(alike) if alike else max(GUESS_S, walls.get((scenario, engine, False), 0.0))
 
 
-def _cost(call: dict, engine: str, walls: Dict[Tuple[str, str], float]) -> float:
+def _cost(call: dict, engine: str, walls: Walls) -> float:
     """What adding ``engine`` to ``call`` adds to its wall: the engine's estimate, and
     the lean build for the call's first TrainStream engine."""
     lean = ENGINES[engine].trainstream and not call["lean"]
     return estimate(walls, call["scenario"], engine) + (LEAN_S if lean else 0.0)
 
 
-def _add(call: dict, engine: str, walls: Dict[Tuple[str, str], float]) -> None:
+def _add(call: dict, engine: str, walls: Walls) -> None:
     call["estimate_s"] += _cost(call, engine, walls)
     call["engines"].append(engine)
     call["lean"] = call["lean"] or ENGINES[engine].trainstream
@@ -133,12 +149,18 @@ def plan(doc: dict, cells: List[Cell], call_s: float = 540.0, anchors: Sequence[
     return calls
 
 
-def command(call: dict, call_s: float = 540.0) -> str:
+def compare_timeout(call: dict) -> int:
+    """gpu-check.sh's COMPARE_TIMEOUT for a call: what the device's limit leaves after
+    the lean build and the wheels, less a margin."""
+    return int(CALL_LIMIT_S - MARGIN_S - SETUP_S - (LEAN_S if call["lean"] else 0.0))
+
+
+def command(call: dict) -> str:
     """The scripts/gpu-check.sh line of one call ("lean" first where a TrainStream
     engine is among them: it builds the package; on a warm host that built it, drop it)."""
-    return (f'STAGES="{"lean " if call["lean"] else ""}compare" COMPARE_TIMEOUT={int(call_s) + 20} '
+    return (f'STAGES="{"lean " if call["lean"] else ""}compare" COMPARE_TIMEOUT={compare_timeout(call)} '
             f'COMPARE_ARGS="--scenarios {call["scenario"]}{"" if call["capped"] else " --uncapped"} '
-            f'--timeout {call["timeout_s"]} --keep-ckpt --engines {",".join(call["engines"])}" '
+            f'--timeout {call["timeout_s"]} --engines {",".join(call["engines"])}" '
             f'bash scripts/gpu-check.sh   # about {call["estimate_s"]:.0f} s')
 
 
@@ -164,8 +186,9 @@ def main() -> None:
                          "scenario and cap (e.g. stock,trainstream_nf4), so calls on different "
                          "hosts share a reference")
     args = ap.parse_args()
-    if args.call_s < 60:
-        ap.error(f"--call-s {args.call_s}: must be at least 60 (the engines' setup alone takes 10-40 s)")
+    if not 60 <= args.call_s <= CALL_LIMIT_S - MARGIN_S:
+        ap.error(f"--call-s {args.call_s:g}: accepted 60 to {CALL_LIMIT_S - MARGIN_S:g} (an engine's setup "
+                 f"alone takes 10-40 s; the device tool stops a command at {CALL_LIMIT_S} s)")
     try:
         anchors = [e.name for e in parse_engines(args.anchor, "--anchor")] if args.anchor else []
     except ValueError as e:
@@ -185,7 +208,7 @@ def main() -> None:
     print(f"\n{len(calls)} device calls, about {sum(c['estimate_s'] for c in calls) / 60:.0f} minutes "
           f"(carry [\".deps\", \".whl\"]):")
     for call in calls:
-        print(command(call, args.call_s))
+        print(command(call))
 
 
 if __name__ == "__main__":

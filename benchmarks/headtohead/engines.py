@@ -168,10 +168,21 @@ def _stock(checkpointing: bool):
 
 
 # ----------------------------------------------------------------- FSDP2 + CPU offload
+def _decoder_layers(model) -> list:
+    """The decoder layers, found the way FSDP users find them: the module classes the
+    model names in ``_no_split_modules`` (what accelerate's FSDP auto-wrap wraps)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RuntimeError(f"{type(base).__name__} names no layer classes in _no_split_modules "
+                           f"({sorted(names)}): nothing for FSDP2 to shard per layer")
+    return layers
+
+
 def _fsdp2(ctx: Context) -> Run:
     torch = _torch()
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    import trainstream
     _single_process_group(ctx.cuda)
     model = _load(ctx, on_device=False)
     if ctx.scenario.kind == "lora":
@@ -180,8 +191,8 @@ def _fsdp2(ctx: Context) -> Run:
     policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=ctx.cuda),  # pinned on a GPU host
                   mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                  reduce_dtype=torch.float32))
-    for block in trainstream.find_blocks(model):
-        fully_shard(block, **policy)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **policy)
     fully_shard(model, **policy)
     # The sharded parameters live in host memory: the optimizer steps there.
     opt = _adamw(_trained(model), ctx.scenario.lr, on_cuda=False)

@@ -278,21 +278,28 @@ def _coverage():
 
 
 def _doc(*results):
-    return {"results": [dict(zip(("scenario", "engine", "capped", "status", "wall_s"), r)) for r in results]}
+    keys = ("scenario", "engine", "capped", "status", "wall_s", "reason")
+    return {"results": [dict(zip(keys, r)) for r in results]}
 
 
 def test_coverage_counts_a_cell_once_an_engine_reached_an_outcome_in_it():
     coverage = _coverage()
     doc = _doc(("full1.5b", "stock", True, "oom", 20.0), ("full1.5b", "stock", False, "ok", 21.0),
                ("full1.5b", "fsdp2_offload", True, "not installed", 1.0),
-               ("full1.5b", "deepspeed_zero2", True, "timeout", 130.0),
-               ("full1.5b", "deepspeed_zero3", True, "error", 5.0))
-    doc["results"][-1]["reason"] = "import deepspeed: No module named 'deepspeed'"
+               ("full1.5b", "deepspeed_zero2", True, "timeout", 130.0, "timed out after 120.0 s (3 steps done)"),
+               ("full1.5b", "deepspeed_zero3", True, "error", 5.0, "import deepspeed: No module named 'deepspeed'"),
+               ("full1.5b", "torchao_offload", True, "timeout", 120.0, "timed out after 120.0 s (0 steps done)"),
+               ("full1.5b", "torchao_offload_ckpt", True, "error", 9.0,
+                "error in setup: ModuleNotFoundError: No module named 'trainstream'"),
+               ("full1.5b", "trainstream", True, "error", 3.0, "trainstreamd did not start: log in /tmp/x"),
+               ("full1.5b", "trainstream_ckpt", True, "error", 30.0, "error in setup: RuntimeError: bad shape"))
     cells = coverage.unmeasured(doc, ["full1.5b", "lora14b"])
     assert ("full1.5b", "stock", True) not in cells and ("full1.5b", "stock", False) not in cells
-    assert ("full1.5b", "deepspeed_zero2", True) not in cells        # timed out: an outcome
-    assert ("full1.5b", "fsdp2_offload", True) in cells              # not installed: still open
-    assert ("full1.5b", "deepspeed_zero3", True) in cells            # an import error: still open
+    assert ("full1.5b", "deepspeed_zero2", True) not in cells        # timed out training: an outcome
+    assert ("full1.5b", "trainstream_ckpt", True) not in cells       # its own error: an outcome
+    # What only says the host lacked something, or the timeout was too short, stays open:
+    for engine in ("fsdp2_offload", "deepspeed_zero3", "torchao_offload", "torchao_offload_ckpt", "trainstream"):
+        assert ("full1.5b", engine, True) in cells, engine
     assert not [c for c in cells if c[0] == "full1.5b" and c[1] in ("bnb_qlora", "unsloth")]
     assert ("lora14b", "bnb_qlora", True) in cells and ("lora14b", "trainstream_nf4", False) in cells
     assert not [c for c in cells if c[0] == "lora14b" and c[1] == "trainstream_gpu_bf16"]
@@ -303,9 +310,10 @@ def test_coverage_counts_a_cell_once_an_engine_reached_an_outcome_in_it():
 
 def test_coverage_plans_each_open_cell_once_within_a_call():
     coverage = _coverage()
-    from headtohead.engines import parse_engines
+    from headtohead.engines import ENGINES, parse_engines
     doc = _doc(("lora14b", "deepspeed_zero3", True, "ok", 141.0), ("lora14b", "fsdp2_offload", True, "ok", 99.0),
-               ("lora14b", "trainstream", True, "ok", 69.0), ("lora14b_2k", "torchao_offload", True, "oom", 8.0))
+               ("lora14b", "trainstream", True, "ok", 69.0), ("lora14b_2k", "torchao_offload", True, "oom", 8.0),
+               ("lora14b_2k", "unsloth", True, "oom", 170.0))
     cells = coverage.unmeasured(doc, ["lora14b", "lora14b_2k"])
     calls = coverage.plan(doc, cells, call_s=300)
     planned = [(c["scenario"], e, c["capped"]) for c in calls for e in c["engines"]]
@@ -313,13 +321,20 @@ def test_coverage_plans_each_open_cell_once_within_a_call():
     walls = coverage.wall_estimates(doc)
     assert coverage.estimate(walls, "lora14b", "deepspeed_zero3") == 141.0
     assert coverage.estimate(walls, "lora14b", "trainstream_nf4") == 69.0        # its auto's
-    assert coverage.estimate(walls, "lora14b_2k", "torchao_offload_ckpt") == 8.0  # checkpointing toggled
     assert coverage.estimate(walls, "lora14b_2k", "fsdp2_offload") == 99.0       # the 512-token run's
-    assert coverage.estimate(walls, "lora14b_2k", "unsloth") == coverage.GUESS_S
+    # A run out of memory in setup says little of the engine's wall where it trains:
+    assert coverage.estimate(walls, "lora14b_2k", "torchao_offload") == coverage.GUESS_S
+    assert coverage.estimate(walls, "lora14b_2k", "torchao_offload_ckpt") == coverage.GUESS_S
+    assert coverage.estimate(walls, "lora14b_2k", "unsloth") == 170.0             # but bounds it below
+    assert coverage.estimate(walls, "lora14b_2k", "bnb_qlora") == coverage.GUESS_S
     for c in calls:
         assert len(c["engines"]) == 1 or c["estimate_s"] <= 300, c
         assert c["lean"] == any(e.startswith("trainstream") for e in c["engines"])
-        cmd = coverage.command(c, 300)
+        # A call without the build runs no engine that imports the package.
+        assert c["lean"] or not any("trainstream" in ENGINES[e].needs for e in c["engines"]), c
+        lean = coverage.LEAN_S if c["lean"] else 0.0
+        assert coverage.compare_timeout(c) + coverage.SETUP_S + lean + coverage.MARGIN_S == coverage.CALL_LIMIT_S
+        cmd = coverage.command(c)
         assert ('STAGES="lean compare"' in cmd) == c["lean"]
         assert ("--uncapped" in cmd) != c["capped"]
         assert parse_engines(cmd.split("--engines ")[1].split('"')[0]) and f"--timeout {c['timeout_s']}" in cmd
@@ -331,6 +346,7 @@ def test_coverage_plans_each_open_cell_once_within_a_call():
     for c in anchored:  # stock has no step time here, so it anchors nothing
         if c["scenario"] == "lora14b" and c["capped"]:
             assert c["engines"][0] == "trainstream" and len(c["engines"]) > 1, c
+    assert sum(e == "stock" for c in anchored for e in c["engines"]) == sum(e == "stock" for _, e, _ in cells)
 
 
 def test_readme_section_is_the_one_readme_results_makes():
