@@ -26,11 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))
 from headtohead.engines import ENGINES, parse_engines  # noqa: E402
+from headtohead.report import host_lacked  # noqa: E402
 from headtohead.scenarios import SCENARIOS  # noqa: E402
 
-# Outcomes that say how the engine fares; the others ("not installed", "needs CUDA", an
-# import error) only say the host lacked it.
-_DECISIVE = ("ok", "oom", "timeout", "killed", "error")
 GUESS_S = 150.0       # an engine's wall time where neither it nor a sibling ever ran
 SETUP_S = 40.0        # each call's own cost: wheels installed, the machine measured
 LEAN_S = 150.0        # the "lean" build of the package, for calls with TrainStream engines
@@ -42,17 +40,16 @@ Cell = Tuple[str, str, bool]   # scenario, engine, capped
 
 
 def _decisive(r: dict) -> bool:
-    """Whether a result says how the engine fares: not a missing module (an import error,
-    or a setup that found no module, such as a host without the built package), not a
-    daemon that did not start (the host's problem), not a timeout before the first step
-    (a --timeout too short for the setup)."""
+    """Whether a result says how the engine fares: not what its host lacked
+    (report.host_lacked; also a setup that found no module, such as a host without the
+    built package, or a daemon that did not start), not "n/a", not a timeout before the
+    first step (a --timeout too short for the setup)."""
     reason = r.get("reason", "")
+    if host_lacked(r):
+        return False
     if r["status"] == "error":
-        return not (reason.startswith("import ") or "ModuleNotFoundError" in reason
-                    or reason.startswith("trainstreamd did not start"))
-    if r["status"] == "timeout":
-        return "(0 steps done)" not in reason
-    return r["status"] in _DECISIVE
+        return not ("ModuleNotFoundError" in reason or reason.startswith("trainstreamd did not start"))
+    return r["status"] in ("ok", "oom", "timeout", "killed") and "(0 steps done)" not in reason
 
 
 def unmeasured(doc: dict, scenarios: List[str]) -> List[Cell]:
@@ -68,6 +65,16 @@ def unmeasured(doc: dict, scenarios: List[str]) -> List[Cell]:
 
 
 Walls = Dict[Tuple[str, str, bool], float]
+
+
+def _groups(cells: List[Cell]):
+    """(scenario, capped, cap name, engines) for each scenario and cap with open cells,
+    in the cells' order."""
+    for sc in dict.fromkeys(c[0] for c in cells):
+        for capped, cap in CAPS:
+            engines = [e for s, e, c in cells if s == sc and c == capped]
+            if engines:
+                yield sc, capped, cap, engines
 
 
 def wall_estimates(doc: dict) -> Walls:
@@ -128,24 +135,22 @@ def plan(doc: dict, cells: List[Cell], call_s: float = 540.0, anchors: Sequence[
     walls = wall_estimates(doc)
     ran = {(r["scenario"], r["engine"], bool(r.get("capped"))) for r in doc["results"] if r["status"] == "ok"}
     calls: List[dict] = []
-    for sc in dict.fromkeys(c[0] for c in cells):
-        for capped, _ in CAPS:
-            todo = [e for s, e, c in cells if s == sc and c == capped]
-            refs = [a for a in anchors if a not in todo and (sc, a, capped) in ran]
-            mine: List[dict] = []
-            for e in todo:
-                last = mine[-1] if mine else None
-                if last is None or (len(last["engines"]) > len(refs)
-                                    and last["estimate_s"] + _cost(last, e, walls) > call_s):
-                    last = {"scenario": sc, "capped": capped, "engines": [], "lean": False,
-                            "estimate_s": SETUP_S}
-                    for a in refs:
-                        _add(last, a, walls)
-                    mine.append(last)
-                _add(last, e, walls)
-            for call in mine:
-                call["timeout_s"] = int(max(60.0, 1.5 * max(estimate(walls, sc, e) for e in call["engines"])))
-            calls += mine
+    for sc, capped, _, todo in _groups(cells):
+        refs = [a for a in anchors if a not in todo and (sc, a, capped) in ran]
+        mine: List[dict] = []
+        for e in todo:
+            last = mine[-1] if mine else None
+            if last is None or (len(last["engines"]) > len(refs)
+                                and last["estimate_s"] + _cost(last, e, walls) > call_s):
+                last = {"scenario": sc, "capped": capped, "engines": [], "lean": False,
+                        "estimate_s": SETUP_S}
+                for a in refs:
+                    _add(last, a, walls)
+                mine.append(last)
+            _add(last, e, walls)
+        for call in mine:
+            call["timeout_s"] = int(max(60.0, 1.5 * max(estimate(walls, sc, e) for e in call["engines"])))
+        calls += mine
     return calls
 
 
@@ -167,13 +172,8 @@ def command(call: dict) -> str:
 def lines(doc: dict, cells: List[Cell]) -> List[str]:
     """One README line per scenario and cap with open cells, naming the engines."""
     labels = {**{n: e.label for n, e in ENGINES.items()}, **doc.get("engines", {})}
-    out = []
-    for sc in dict.fromkeys(c[0] for c in cells):
-        for capped, cap in CAPS:
-            names = [labels.get(e, e) for s, e, c in cells if s == sc and c == capped]
-            if names:
-                out.append(f"`{sc}`, {cap}: " + "; ".join(names))
-    return out
+    return [f"`{sc}`, {cap}: " + "; ".join(labels.get(e, e) for e in engines)
+            for sc, _, cap, engines in _groups(cells)]
 
 
 def main() -> None:

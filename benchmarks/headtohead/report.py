@@ -207,14 +207,20 @@ def markdown(doc: dict) -> str:
     return "\n".join(parts)
 
 
+def host_lacked(r: dict) -> bool:
+    """A result that says only what its host lacked: the engine not installed, no CUDA,
+    an import error."""
+    return r["status"] in ("not installed", "needs CUDA") or (
+        r["status"] == "error" and r.get("reason", "").startswith("import "))
+
+
 def not_run(doc: dict) -> List[str]:
     """One line per engine that could not run at all (not installed, needs CUDA, an
     import error), with the reason; an engine counted once (once per GPU where the
     document holds several: Note [One machine per table])."""
     out, seen = [], set()
     for r in doc["results"]:
-        if r["status"] in ("not installed", "needs CUDA") or (
-                r["status"] == "error" and r.get("reason", "").startswith("import ")):
+        if host_lacked(r):
             key = (r["engine"], r.get("machine_name"))
             if key not in seen:
                 seen.add(key)
