@@ -234,11 +234,9 @@ if [[ $STAGES == *compare* || $STAGES == *quality* ]]; then
       --target /tmp/site .whl/*.whl >> "$OUT/compare.log" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
 fi
+# COMPARE_ARGS may hold several runs separated by ';' (scripts/compare-runs.sh).
 if [[ $STAGES == *compare* ]]; then
-  echo "== compare ${COMPARE_ARGS:-}" | tee -a "$OUT/bench.log"
-  timeout ${COMPARE_TIMEOUT:-480} python3 benchmarks/compare.py --out "$OUT/compare" \
-    --ckpt-dir "${CKPT_DIR:-/tmp/compare-ckpt}" --no-charts ${COMPARE_ARGS:-} >> "$OUT/compare.log" 2>&1 \
-    || { rc=1; echo "compare failed"; }
+  OUT=$OUT bash scripts/compare-runs.sh || rc=1
   tail -40 "$OUT/compare.log" | tee -a "$OUT/bench.log"
 fi
 if [[ $STAGES == *quality* ]]; then

@@ -10,9 +10,11 @@ them in its section, so the list stays as true as the tables), and
 
     python benchmarks/headtohead/coverage.py [--call-s 540] [--anchor stock,trainstream_nf4]
 
-prints them with the scripts/gpu-check.sh commands that would close them: one command
-per scenario and cap, split where the engines' past wall times (the slowest seen in that
-scenario, or a guess where none ran) would not fit one device call.
+prints them with the scripts/gpu-check.sh commands that would close them: one compare.py
+run per scenario and cap, split where the engines' past wall times (the slowest seen in
+that scenario, or a guess where none ran) would not fit one device call, and the runs
+packed into as few calls as hold them (a call's COMPARE_ARGS then names several runs,
+separated by ';'; scripts/compare-runs.sh).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ SETUP_S = 40.0        # each call's own cost: wheels installed, the machine meas
 LEAN_S = 150.0        # the "lean" build of the package, for calls with TrainStream engines
 CALL_LIMIT_S = 600    # the device tool's limit on one command
 MARGIN_S = 30.0       # compare.py stops this long before the limit, so its logs come back
+PART_S = 15.0         # each further compare.py run in a call: the machine measured again
+MAX_PARTS = 4         # compare.py runs a call holds (each returns a results file; 8 come back)
 CAPS = ((True, "capped"), (False, "uncapped"))
 
 Cell = Tuple[str, str, bool]   # scenario, engine, capped
@@ -112,61 +116,91 @@ def estimate(walls: Walls, scenario: str, engine: str) -> float:
     return max(alike) if alike else max(GUESS_S, walls.get((scenario, engine, False), 0.0))
 
 
-def _cost(call: dict, engine: str, walls: Walls) -> float:
-    """What adding ``engine`` to ``call`` adds to its wall: the engine's estimate, and
-    the lean build for the call's first TrainStream engine."""
-    lean = ENGINES[engine].trainstream and not call["lean"]
-    return estimate(walls, call["scenario"], engine) + (LEAN_S if lean else 0.0)
+def _lean(part: dict) -> bool:
+    """Whether a part runs a TrainStream engine (its call builds the package first)."""
+    return any(ENGINES[e].trainstream for e in part["engines"])
 
 
-def _add(call: dict, engine: str, walls: Walls) -> None:
-    call["estimate_s"] += _cost(call, engine, walls)
-    call["engines"].append(engine)
-    call["lean"] = call["lean"] or ENGINES[engine].trainstream
+def _part_cost(part: dict) -> float:
+    """A part alone in a call: the call's setup, the lean build where it needs one, and
+    its engines."""
+    return SETUP_S + (LEAN_S if _lean(part) else 0.0) + part["estimate_s"]
+
+
+def _splits(walls: Walls, sc: str, capped: bool, todo: List[str], refs: List[str],
+            call_s: float) -> List[dict]:
+    """One scenario and cap's open engines as compare.py runs ("parts"), each alone
+    within ``call_s``, each beginning with ``refs``."""
+    parts: List[dict] = []
+    for e in todo:
+        wall = estimate(walls, sc, e)
+        last = parts[-1] if parts else None
+        if last is None or (len(last["engines"]) > len(refs) and _part_cost(
+                dict(last, engines=last["engines"] + [e], estimate_s=last["estimate_s"] + wall)) > call_s):
+            last = {"scenario": sc, "capped": capped, "engines": list(refs),
+                    "estimate_s": sum(estimate(walls, sc, a) for a in refs)}
+            parts.append(last)
+        last["engines"].append(e)
+        last["estimate_s"] += wall
+    for part in parts:
+        part["timeout_s"] = int(max(60.0, 1.5 * max(estimate(walls, sc, e) for e in part["engines"])))
+    return parts
 
 
 def plan(doc: dict, cells: List[Cell], call_s: float = 540.0, anchors: Sequence[str] = ()) -> List[dict]:
-    """Device calls that run ``cells``: one per scenario and cap, split where the
-    estimated walls pass ``call_s``. Each call: scenario, capped, engines, lean (a
-    TrainStream engine among them), estimate_s, timeout_s (per engine: 1.5x the slowest
-    estimate, at least 60 s). ``anchors``: engines each call runs first, where they
-    already have a step time in its scenario and cap, so that calls landing on different
-    hosts share a reference engine (Note [One machine per table], report.py)."""
+    """Device calls that run ``cells``. Each scenario and cap is one compare.py run (a
+    "part"), split where its engines' estimated walls would not fit ``call_s`` alone;
+    the parts are then packed into as few calls as fit ``call_s``: largest first, each
+    into the first call with room, at most MAX_PARTS a call (each part's results file
+    is one of the files a call returns).
+
+    A part: scenario, capped, engines, estimate_s (its engines), timeout_s (per engine:
+    1.5x the slowest estimate, at least 60 s). A call: parts, lean (a TrainStream engine
+    among them: the package is built first), estimate_s (setup, the build, the parts'
+    engines, and PART_S for each part after the first). ``anchors``: engines each part
+    runs first, where they already have a step time in its scenario and cap, so that
+    parts landing on different hosts share a reference engine (Note [One machine per
+    table], report.py)."""
     walls = wall_estimates(doc)
     ran = {(r["scenario"], r["engine"], bool(r.get("capped"))) for r in doc["results"] if r["status"] == "ok"}
-    calls: List[dict] = []
+    parts: List[dict] = []
     for sc, capped, _, todo in _groups(cells):
         refs = [a for a in anchors if a not in todo and (sc, a, capped) in ran]
-        mine: List[dict] = []
-        for e in todo:
-            last = mine[-1] if mine else None
-            if last is None or (len(last["engines"]) > len(refs)
-                                and last["estimate_s"] + _cost(last, e, walls) > call_s):
-                last = {"scenario": sc, "capped": capped, "engines": [], "lean": False,
-                        "estimate_s": SETUP_S}
-                for a in refs:
-                    _add(last, a, walls)
-                mine.append(last)
-            _add(last, e, walls)
-        for call in mine:
-            call["timeout_s"] = int(max(60.0, 1.5 * max(estimate(walls, sc, e) for e in call["engines"])))
-        calls += mine
+        parts += _splits(walls, sc, capped, todo, refs, call_s)
+    calls: List[dict] = []
+    for part in sorted(parts, key=_part_cost, reverse=True):
+        for call in calls:
+            grown = (call["estimate_s"] + PART_S + part["estimate_s"]
+                     + (LEAN_S if _lean(part) and not call["lean"] else 0.0))
+            if len(call["parts"]) < MAX_PARTS and grown <= call_s:
+                call["parts"].append(part)
+                call["estimate_s"] = grown
+                call["lean"] = call["lean"] or _lean(part)
+                break
+        else:
+            calls.append({"parts": [part], "lean": _lean(part), "estimate_s": _part_cost(part)})
     return calls
 
 
 def compare_timeout(call: dict) -> int:
-    """gpu-check.sh's COMPARE_TIMEOUT for a call: what the device's limit leaves after
-    the lean build and the wheels, less a margin."""
+    """gpu-check.sh's COMPARE_TIMEOUT for a call (its parts together): what the device's
+    limit leaves after the lean build and the wheels, less a margin."""
     return int(CALL_LIMIT_S - MARGIN_S - SETUP_S - (LEAN_S if call["lean"] else 0.0))
+
+
+def _args(part: dict) -> str:
+    return (f'--scenarios {part["scenario"]}{"" if part["capped"] else " --uncapped"} '
+            f'--timeout {part["timeout_s"]} --engines {",".join(part["engines"])}')
 
 
 def command(call: dict) -> str:
     """The scripts/gpu-check.sh line of one call ("lean" first where a TrainStream
-    engine is among them: it builds the package; on a warm host that built it, drop it)."""
+    engine is among them: it builds the package; on a warm host that built it, drop it).
+    Its parts are COMPARE_ARGS's runs, separated by ';' (where there are several, each
+    writes $OUT/compare-<n>/results.json)."""
+    runs = " ; ".join(_args(p) for p in call["parts"])
     return (f'STAGES="{"lean " if call["lean"] else ""}compare" COMPARE_TIMEOUT={compare_timeout(call)} '
-            f'COMPARE_ARGS="--scenarios {call["scenario"]}{"" if call["capped"] else " --uncapped"} '
-            f'--timeout {call["timeout_s"]} --engines {",".join(call["engines"])}" '
-            f'bash scripts/gpu-check.sh   # about {call["estimate_s"]:.0f} s')
+            f'COMPARE_ARGS="{runs}" bash scripts/gpu-check.sh   # about {call["estimate_s"]:.0f} s')
 
 
 def lines(doc: dict, cells: List[Cell]) -> List[str]:

@@ -316,7 +316,8 @@ def test_coverage_plans_each_open_cell_once_within_a_call():
                ("lora14b_2k", "unsloth", True, "oom", 170.0))
     cells = coverage.unmeasured(doc, ["lora14b", "lora14b_2k"])
     calls = coverage.plan(doc, cells, call_s=300)
-    planned = [(c["scenario"], e, c["capped"]) for c in calls for e in c["engines"]]
+    parts = [p for c in calls for p in c["parts"]]
+    planned = [(p["scenario"], e, p["capped"]) for p in parts for e in p["engines"]]
     assert sorted(planned) == sorted(cells)
     walls = coverage.wall_estimates(doc)
     assert coverage.estimate(walls, "lora14b", "deepspeed_zero3") == 141.0
@@ -327,26 +328,67 @@ def test_coverage_plans_each_open_cell_once_within_a_call():
     assert coverage.estimate(walls, "lora14b_2k", "torchao_offload_ckpt") == coverage.GUESS_S
     assert coverage.estimate(walls, "lora14b_2k", "unsloth") == 170.0             # but bounds it below
     assert coverage.estimate(walls, "lora14b_2k", "bnb_qlora") == coverage.GUESS_S
-    for c in calls:
-        assert len(c["engines"]) == 1 or c["estimate_s"] <= 300, c
-        assert c["lean"] == any(e.startswith("trainstream") for e in c["engines"])
+    # Parts share calls where they fit: fewer calls than runs, none over its limit.
+    packed = coverage.plan(doc, cells)
+    assert len(packed) < sum(len(c["parts"]) for c in packed)
+    for c in calls + packed:
+        limit = 300 if c in calls else 540
+        engines = [e for p in c["parts"] for e in p["engines"]]
+        assert len(engines) == 1 or c["estimate_s"] <= limit, c
+        assert 1 <= len(c["parts"]) <= coverage.MAX_PARTS
+        assert c["estimate_s"] == pytest.approx(
+            coverage.SETUP_S + (coverage.LEAN_S if c["lean"] else 0.0) + coverage.PART_S * (len(c["parts"]) - 1)
+            + sum(coverage.estimate(walls, p["scenario"], e) for p in c["parts"] for e in p["engines"]))
+        assert c["lean"] == any(e.startswith("trainstream") for e in engines)
         # A call without the build runs no engine that imports the package.
-        assert c["lean"] or not any("trainstream" in ENGINES[e].needs for e in c["engines"]), c
+        assert c["lean"] or not any("trainstream" in ENGINES[e].needs for e in engines), c
         lean = coverage.LEAN_S if c["lean"] else 0.0
         assert coverage.compare_timeout(c) + coverage.SETUP_S + lean + coverage.MARGIN_S == coverage.CALL_LIMIT_S
         cmd = coverage.command(c)
         assert ('STAGES="lean compare"' in cmd) == c["lean"]
-        assert ("--uncapped" in cmd) != c["capped"]
-        assert parse_engines(cmd.split("--engines ")[1].split('"')[0]) and f"--timeout {c['timeout_s']}" in cmd
-        assert c["timeout_s"] >= 60
-    # An anchor runs first in each call of a scenario and cap where it has a step time.
+        runs = cmd.split('COMPARE_ARGS="')[1].split('"')[0].split(";")   # as gpu-check.sh splits them
+        assert len(runs) == len(c["parts"])
+        for run, p in zip(runs, c["parts"]):
+            assert ("--uncapped" in run) != p["capped"] and f"--scenarios {p['scenario']} " in run
+            assert [e.name for e in parse_engines(run.split("--engines ")[1].strip())] == p["engines"]
+            assert f"--timeout {p['timeout_s']}" in run and p["timeout_s"] >= 60
+    # An anchor runs first in each part of a scenario and cap where it has a step time.
     anchored = coverage.plan(doc, cells, call_s=300, anchors=["trainstream", "stock"])
-    assert sorted((c["scenario"], e, c["capped"]) for c in anchored for e in c["engines"]
-                  if not (c["scenario"] == "lora14b" and c["capped"] and e == "trainstream")) == sorted(cells)
-    for c in anchored:  # stock has no step time here, so it anchors nothing
-        if c["scenario"] == "lora14b" and c["capped"]:
-            assert c["engines"][0] == "trainstream" and len(c["engines"]) > 1, c
-    assert sum(e == "stock" for c in anchored for e in c["engines"]) == sum(e == "stock" for _, e, _ in cells)
+    parts = [p for c in anchored for p in c["parts"]]
+    assert sorted((p["scenario"], e, p["capped"]) for p in parts for e in p["engines"]
+                  if not (p["scenario"] == "lora14b" and p["capped"] and e == "trainstream")) == sorted(cells)
+    for p in parts:  # stock has no step time here, so it anchors nothing
+        if p["scenario"] == "lora14b" and p["capped"]:
+            assert p["engines"][0] == "trainstream" and len(p["engines"]) > 1, p
+    assert sum(e == "stock" for p in parts for e in p["engines"]) == sum(e == "stock" for _, e, _ in cells)
+
+
+def test_compare_runs_puts_each_of_several_runs_in_its_own_folder(tmp_path):
+    # coverage.py packs several compare.py runs into one device call: gpu-check.sh's
+    # COMPARE_ARGS holds them separated by ';' and scripts/compare-runs.sh runs them.
+    # Each lands in compare-<n>/, within one COMPARE_TIMEOUT, and leaves only its
+    # results.json (a call returns 8 files).
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (fake / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", OUT=str(out), COMPARE_TIMEOUT="300",
+               CKPT_DIR=str(tmp_path / "ckpt"),
+               COMPARE_ARGS="--tiny --scenarios full1.5b --engines stock --timeout 120 ; "
+                            "--tiny --scenarios lora14b --uncapped --engines stock --timeout 120")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "compare-runs.sh")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr + (out / "compare.log").read_text()
+    got = []
+    for n in (1, 2):
+        assert not (out / f"compare-{n}" / "results.md").exists()
+        doc = json.loads((out / f"compare-{n}" / "results.json").read_text())
+        got += [(r["scenario"], r["engine"], r["capped"], r["status"]) for r in doc["results"]]
+    assert got == [("full1.5b", "stock", True, "ok"), ("lora14b", "stock", False, "ok")]
+    assert not (out / "compare").exists()
+    log = (out / "compare.log").read_text()
+    assert log.count("== compare ") == 2 and "s left)" in log
 
 
 def test_readme_section_is_the_one_readme_results_makes():
