@@ -347,7 +347,12 @@ def _trainstream(quantize: Optional[str] = None, checkpointing: bool = False,
                 purpose = r.get("purpose", "?")
                 regions[purpose] = regions.get(purpose, 0) + int(r.get("bytes", 0))
             acts = rep.get("activations") or {}
+            from trainstream.frozen.quantization import quant_report
+            paths: Dict[str, int] = {}   # which matmul each quantized linear ran (fp8: tensor cores or not)
+            for q in quant_report(model):
+                paths[q["matmul_path"]] = paths.get(q["matmul_path"], 0) + 1
             return {"optimizer_mode": opt.optimizer_mode,
+                    "matmul_paths": paths,
                     "regions_by_purpose": regions,
                     "host_by_category": (rep.get("host_per_param") or {}).get("bytes"),
                     "activation_host_capacity": acts.get("host_capacity_bytes"),

@@ -89,6 +89,11 @@ def test_compare_trainstream_trains_and_counts_its_daemon(compare):
         assert r["still_adapting"] is False
         assert r["report"]["optimizer_mode"] in ("cpu", "gpu")
     assert _result(doc, "lora14b", "trainstream_nf4")["info"]["base"] == "load_model(quantize='nf4')"
+    # Which matmul the quantized linears ran (on the CPU every format dequantizes; on
+    # Hopper FP8 may take the tensor cores): none for a bf16 base.
+    paths = _result(doc, "lora14b", "trainstream_nf4")["report"]["matmul_paths"]
+    assert set(paths) == {"dequantize-bf16"} and paths["dequantize-bf16"] >= 4, paths
+    assert _result(doc, "full1.5b", "trainstream")["report"]["matmul_paths"] == {}
     # The same model, data and learning rate: the first loss is the same for stock and
     # TrainStream on the full fine-tune (same checkpoint, same batch).
     a, b = _result(doc, "full1.5b", "stock"), _result(doc, "full1.5b", "trainstream")
@@ -222,7 +227,7 @@ def test_quality_measures_every_format_before_and_after_lora(tmp_path):
     rows = {r["format"]: r for r in doc["formats"]}
     assert set(rows) == {"bf16", "int8", "nf4", "fp8", "nvfp4"}, rows
     bf16 = rows["bf16"]
-    assert bf16["vs_bf16_before"] == 0 and bf16["vs_bf16_after"] == 0
+    assert bf16["vs_bf16_before"] == 0 and bf16["vs_bf16_after"] == 0 and bf16["matmul_paths"] == {}
     for name, r in rows.items():
         assert "error" not in r, r
         assert 1.0 < r["ppl_before"] < 256 and 1.0 < r["ppl_after"] < 256, r  # better than uniform bytes
@@ -230,6 +235,7 @@ def test_quality_measures_every_format_before_and_after_lora(tmp_path):
         assert r["lora_loss_last"] < r["lora_loss_first"], r
         if name != "bf16":
             assert r["state_bytes"] < bf16["state_bytes"], (name, r["state_bytes"], bf16["state_bytes"])
+            assert set(r["matmul_paths"]) == {"dequantize-bf16"}, r  # a CPU run dequantizes
             assert abs(r["vs_bf16_before"]) < 0.5, r  # a quantized base, not a broken one
     assert "| base format | perplexity before LoRA |" in proc.stdout
 
