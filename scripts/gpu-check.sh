@@ -224,8 +224,9 @@ fi
 # Head-to-head against other libraries and the formats' perplexity (issue 22;
 # docs/benchmarks-compare.md). The peers' wheels come in .whl/ (carried; made with
 # benchmarks/headtohead/peer_wheels.py) and install into /tmp/site. COMPARE_ARGS picks
-# the scenarios, engines and caps; results land in $OUT/compare/ (written after every
-# engine, so a call cut off by its limit still returns the engines that finished). No
+# the scenarios, engines and caps; results land in $OUT/compare/ ($OUT/compare-<n>/ for
+# several runs; written after every engine, so a call cut off by its limit still returns
+# the engines that finished). No
 # charts there (a call returns at most 8 files): compare.py --merge draws them here.
 if [[ $STAGES == *compare* || $STAGES == *quality* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu

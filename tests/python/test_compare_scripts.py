@@ -397,6 +397,37 @@ def test_compare_runs_puts_each_of_several_runs_in_its_own_folder(tmp_path):
     assert log.count("== compare ") == 2 and "s left)" in log
 
 
+def test_compare_runs_skips_empty_runs_and_stops_at_its_deadline(tmp_path):
+    # A stand-in compare.py (python3 on PATH) that records its arguments: a trailing or
+    # doubled ';' adds no run (an empty one would start compare.py with its defaults,
+    # every scenario and engine), a newline is a space, a run cut by COMPARE_TIMEOUT
+    # and a run left no time fail the call.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/sh\necho "$*" >> "$OUT/calls"\n'
+                                  'case "$*" in *slow*) sleep 30;; esac\n')
+    (fake / "python3").chmod(0o755)
+    script = str(REPO / "scripts" / "compare-runs.sh")
+
+    def run(args, timeout="60", name="out"):
+        out = tmp_path / name
+        env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", OUT=str(out),
+                   COMPARE_TIMEOUT=timeout, COMPARE_ARGS=args)
+        done = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)
+        calls = (out / "calls").read_text().splitlines() if (out / "calls").exists() else []
+        return done, [c.split("--no-charts ")[1].strip() for c in calls], out
+
+    done, calls, out = run("--scenarios a\n--engines x ; ;  ; --scenarios b ;")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls == ["--scenarios a --engines x", "--scenarios b"]
+    done, calls, out = run("--scenarios a --slow ; --scenarios b", timeout="2", name="cut")
+    assert done.returncode == 1 and calls == ["--scenarios a --slow"]
+    log = (out / "compare.log").read_text()
+    assert "cut by COMPARE_TIMEOUT" in log and "COMPARE_TIMEOUT spent before this run" in log
+    done, calls, _ = run("--scenarios a", timeout="8m", name="bad")
+    assert done.returncode == 2 and "accepted whole seconds" in done.stderr and not calls
+
+
 def test_readme_section_is_the_one_readme_results_makes():
     # The README's head-to-head section, its list of cells not yet measured included, is
     # what readme_results.py makes of sources.json: a results file added there without
