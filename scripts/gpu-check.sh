@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, scale, capdiag, frontdoor, compare, quality, recovery
+STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, scale, capdiag, frontdoor, compare, quality, recovery, fp8diag
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -245,6 +245,15 @@ if [[ $STAGES == *quality* ]]; then
   timeout ${QUALITY_TIMEOUT:-300} python3 benchmarks/quality.py --out "$OUT/quality.json" ${QUALITY_ARGS:-} \
     >> "$OUT/quality.log" 2>&1 || { rc=1; echo "quality failed"; }
   tail -12 "$OUT/quality.log" | tee -a "$OUT/bench.log"
+fi
+# The FP8 base's fit with its tensor-core forward against the dequantized path, and the
+# forward's GPU tests (README, "Against other libraries": session 23's FP8 finding).
+if [[ $STAGES == *fp8diag* ]]; then
+  export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
+  timeout ${FP8DIAG_TIMEOUT:-300} .venv/bin/python benchmarks/base/diag_fp8_fit.py --json "$OUT/fp8diag.json" \
+    ${FP8DIAG_ARGS:-} > "$OUT/fp8diag.log" 2>&1 || { rc=1; echo "fp8diag failed"; }
+  timeout 200 .venv/bin/python -m pytest -q -rs tests/python/test_quant_cuda.py -k "fp8" >> "$OUT/fp8diag.log" 2>&1 || rc=1
+  tail -25 "$OUT/fp8diag.log"
 fi
 # The CUDA cap test's scenario with the allocator's history recorded (diag_cap.py).
 if [[ $STAGES == *capdiag* ]]; then

@@ -428,6 +428,25 @@ def test_compare_runs_skips_empty_runs_and_stops_at_its_deadline(tmp_path):
     assert done.returncode == 2 and "accepted whole seconds" in done.stderr and not calls
 
 
+def test_fp8_fit_diagnostic_trains_both_arms_from_one_start(tmp_path):
+    # benchmarks/base/diag_fp8_fit.py (session 23's FP8 finding): on the CPU both arms
+    # dequantize, so from the same start they must give the same losses; on Hopper the
+    # first arm takes the FP8 tensor cores and the difference is the finding's measure.
+    out = tmp_path / "diag.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "base" / "diag_fp8_fit.py"), "--tiny", "--layers", "2",
+                           "--steps", "5", "--seq", "64", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    a, b = doc["module"], doc["dequantize"]
+    assert len(a["losses"]) == 5 and a["losses"] == b["losses"], (a["losses"], b["losses"])
+    assert a["losses"][-1] < a["losses"][0]
+    assert a["matmul_paths"] == b["matmul_paths"] == {"dequantize-bf16": 14}   # 2 blocks x 7 linears
+    assert 0 < a["first_linear"]["rel_err_vs_dequantized"] < 0.01            # bf16 rounding only
+    assert "step  module   dequantize" in proc.stdout
+
+
 def test_readme_section_is_the_one_readme_results_makes():
     # The README's head-to-head section, its list of cells not yet measured included, is
     # what readme_results.py makes of sources.json: a results file added there without

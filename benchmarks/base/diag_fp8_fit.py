@@ -1,0 +1,165 @@
+"""Does the FP8 base's tensor-core forward slow a LoRA fit? A diagnostic for one finding.
+
+Session 23's H100 run of the head-to-head (README, "Against other libraries") saw the
+FP8 base, every block resident, reach a loss of 1.40 at step 10 where every other base
+format reached 0.25; on 2026-12-04's H200, under the cap with 22 of 48 blocks resident,
+it fit like NF4. This script separates the FP8 forward from everything else TrainStream
+does (no daemon, no paging, plain torch AdamW):
+
+1. Builds a Qwen2 model of the 14B scenario's widths with ``--layers`` blocks (random
+   bf16 weights, std 0.02, norms 1, as compare.py's checkpoints), quantizes its blocks'
+   linears to FP8 (``quantize_model``) and adds the head-to-head's LoRA (PEFT).
+2. Trains ``--steps`` steps on one batch (random tokens, seed 1), AdamW at 2e-4 with
+   compare.py's betas, eps and weight decay, under bf16 autocast, as compare.py's loop
+   does; twice from the same start: "module" (the path each QuantLinear picks: on
+   Hopper the FP8 tensor cores) and "dequantize" (the bf16 path forced).
+3. Prints both loss curves and the matmul paths each arm ran, and for the first
+   linear, on the arm's real activations: the forward's error against ``F.linear`` on
+   the dequantized weight (activation rounding alone gives about 2.7%), and whether the
+   row-quantizer kernel's bytes equal the eager ones.
+
+    python benchmarks/base/diag_fp8_fit.py [--layers 8] [--steps 12] [--seq 512] [--json out.json]
+    python benchmarks/base/diag_fp8_fit.py --tiny      # CPU: both arms dequantize (a smoke run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from headtohead.scenarios import LORA  # noqa: E402
+
+BETAS, EPS, WEIGHT_DECAY, LR = (0.9, 0.999), 1e-8, 0.01, 2e-4
+WIDTHS = dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+              num_key_value_heads=8, vocab_size=152064)
+TINY = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512)
+
+
+def build(args, device):
+    import torch
+    import trainstream.integrations.peft  # noqa: F401  (registers QuantLinear as a LoRA target)
+    import peft
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trainstream.frozen.quantization import quantize_model
+    cfg = Qwen2Config(num_hidden_layers=args.layers, max_position_embeddings=4096,
+                      tie_word_embeddings=False, **(TINY if args.tiny else WIDTHS))
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    model.requires_grad_(False)
+    quantize_model(model, "fp8")
+    torch.manual_seed(args.seed + 1)
+    model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+    model.train()
+    return model, cfg
+
+
+def probe_first_linear(model) -> Dict[str, Any]:
+    """The first QuantLinear's forward on the input it saw, against F.linear on the
+    dequantized weight; and the row kernel's bytes against the eager quantizer's."""
+    import torch
+    import torch.nn.functional as F
+    from trainstream.frozen.fp8_matmul import _quantize_rows_e4m3_eager
+    from trainstream.frozen.quantization import QuantLinear
+    ql = next(m for m in model.modules() if isinstance(m, QuantLinear))
+    seen = {}
+    handle = ql.register_forward_hook(lambda m, inp, out: seen.update(x=inp[0].detach(), y=out.detach()))
+    return {"module": ql, "handle": handle, "seen": seen, "F": F, "eager": _quantize_rows_e4m3_eager,
+            "torch": torch}
+
+
+def probe_result(p) -> Dict[str, Any]:
+    torch, F, ql, seen = p["torch"], p["F"], p["module"], p["seen"]
+    p["handle"].remove()
+    if "x" not in seen:
+        return {"error": "the first QuantLinear ran no forward"}
+    x, y = seen["x"].to(torch.bfloat16), seen["y"]
+    w = ql.qweight.dequantize(torch.float32).to(x.device)
+    bias = ql.bias.float() if ql.bias is not None else None
+    ref = F.linear(x.float(), w, bias)
+    out = {"matmul_path": ql.matmul_path, "shape": [ql.out_features, ql.in_features],
+           "rel_err_vs_dequantized": round(((y.float() - ref).norm() / ref.norm()).item(), 5)}
+    if ql._rows_e4m3 is not None and ql._rows_e4m3 is not p["eager"]:
+        x2 = x.reshape(-1, ql.in_features)
+        kq, ks = ql._rows_e4m3(x2)
+        eq, es = p["eager"](x2)
+        out["row_kernel_equals_eager"] = bool(torch.equal(ks, es) and torch.equal(
+            kq.view(torch.uint8), eq.view(torch.uint8)))
+    return out
+
+
+def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
+    import torch
+    from trainstream.frozen.quantization import QuantLinear, quant_report
+    saved = QuantLinear._fp8_path_allowed
+    if force_dequantize:
+        QuantLinear._fp8_path_allowed = lambda self, dev: (False, "forced off by diag_fp8_fit.py")
+    try:
+        model, cfg = build(args, device)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(cfg.vocab_size, (1, args.seq), generator=g).to(device)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                                betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        probe = probe_first_linear(model)
+        losses: List[float] = []
+        t0 = time.perf_counter()
+        for step in range(args.steps):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(round(loss.item(), 4))
+            if step == 0:
+                first = probe_result(probe)
+        paths: Dict[str, int] = {}
+        for q in quant_report(model):
+            paths[q["matmul_path"]] = paths.get(q["matmul_path"], 0) + 1
+        return {"losses": losses, "matmul_paths": paths, "first_linear": first,
+                "seconds": round(time.perf_counter() - t0, 1)}
+    finally:
+        QuantLinear._fp8_path_allowed = saved
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8, help="blocks (the 14B scenario has 48)")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
+    ap.add_argument("--json", help="write the result here too")
+    args = ap.parse_args(argv)
+    for name in ("layers", "steps", "seq"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} {getattr(args, name)}: accepted 1 or more")
+    import torch
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    doc = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "args": vars(args)}
+    for name, force in (("module", False), ("dequantize", True)):
+        doc[name] = arm(args, device, force)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"{name:10s} paths {doc[name]['matmul_paths']}  first linear {doc[name]['first_linear']}",
+              file=sys.stderr)
+    print("step  module   dequantize")
+    for i, (a, b) in enumerate(zip(doc["module"]["losses"], doc["dequantize"]["losses"]), 1):
+        print(f"{i:4d}  {a:7.4f}  {b:7.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
