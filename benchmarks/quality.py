@@ -41,6 +41,7 @@ import zlib
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from headtohead import report  # noqa: E402
+from headtohead.measure import matmul_paths  # noqa: E402
 from headtohead.scenarios import LORA  # noqa: E402
 from bench_paging import start_daemon  # noqa: E402 (benchmarks/paging, on sys.path via scenarios)
 
@@ -191,13 +192,9 @@ def one_format(fmt, folder, finetune, heldout, s, args, device, sock) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(round(loss.item(), 4))
     after = perplexity(model, heldout, device, autocast, s["batch"])
-    from trainstream.frozen.quantization import quant_report
-    paths = {}  # which matmul the quantized linears ran (fp8 on Hopper: tensor cores or dequantized)
-    for q in quant_report(model):
-        paths[q["matmul_path"]] = paths.get(q["matmul_path"], 0) + 1
     return {"format": "bf16" if fmt == "none" else fmt, "quantize": fmt, "ppl_before": round(before, 4),
             "ppl_after": round(after, 4), "state_bytes": base_bytes, "lora_loss_first": losses[0],
-            "lora_loss_last": losses[-1], "matmul_paths": paths,
+            "lora_loss_last": losses[-1], "matmul_paths": matmul_paths(model),
             "seconds": round(time.perf_counter() - t0, 1)}
 
 

@@ -226,8 +226,8 @@ fi
 # benchmarks/headtohead/peer_wheels.py) and install into /tmp/site. COMPARE_ARGS picks
 # the scenarios, engines and caps; results land in $OUT/compare/ ($OUT/compare-<n>/ for
 # several runs; written after every engine, so a call cut off by its limit still returns
-# the engines that finished). No
-# charts there (a call returns at most 8 files): compare.py --merge draws them here.
+# the engines that finished). No charts there (a call returns at most 8 files):
+# compare.py --merge draws them here.
 if [[ $STAGES == *compare* || $STAGES == *quality* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
   if compgen -G ".whl/*.whl" > /dev/null; then

@@ -32,6 +32,7 @@ from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+from headtohead.measure import matmul_paths  # noqa: E402
 from headtohead.scenarios import LORA  # noqa: E402
 
 BETAS, EPS, WEIGHT_DECAY, LR = (0.9, 0.999), 1e-8, 0.01, 2e-4
@@ -63,23 +64,21 @@ def build(args, device):
     return model, cfg
 
 
-def probe_first_linear(model) -> Dict[str, Any]:
+def probe_first_linear(model):
+    """The first QuantLinear and what its forwards see: (module, seen, hook handle)."""
+    from trainstream.frozen.quantization import QuantLinear
+    ql = next(m for m in model.modules() if isinstance(m, QuantLinear))
+    seen: Dict[str, Any] = {}
+    handle = ql.register_forward_hook(lambda m, inp, out: seen.update(x=inp[0].detach(), y=out.detach()))
+    return ql, seen, handle
+
+
+def probe_result(ql, seen) -> Dict[str, Any]:
     """The first QuantLinear's forward on the input it saw, against F.linear on the
     dequantized weight; and the row kernel's bytes against the eager quantizer's."""
     import torch
     import torch.nn.functional as F
     from trainstream.frozen.fp8_matmul import _quantize_rows_e4m3_eager
-    from trainstream.frozen.quantization import QuantLinear
-    ql = next(m for m in model.modules() if isinstance(m, QuantLinear))
-    seen = {}
-    handle = ql.register_forward_hook(lambda m, inp, out: seen.update(x=inp[0].detach(), y=out.detach()))
-    return {"module": ql, "handle": handle, "seen": seen, "F": F, "eager": _quantize_rows_e4m3_eager,
-            "torch": torch}
-
-
-def probe_result(p) -> Dict[str, Any]:
-    torch, F, ql, seen = p["torch"], p["F"], p["module"], p["seen"]
-    p["handle"].remove()
     if "x" not in seen:
         return {"error": "the first QuantLinear ran no forward"}
     x, y = seen["x"].to(torch.bfloat16), seen["y"]
@@ -88,10 +87,10 @@ def probe_result(p) -> Dict[str, Any]:
     ref = F.linear(x.float(), w, bias)
     out = {"matmul_path": ql.matmul_path, "shape": [ql.out_features, ql.in_features],
            "rel_err_vs_dequantized": round(((y.float() - ref).norm() / ref.norm()).item(), 5)}
-    if ql._rows_e4m3 is not None and ql._rows_e4m3 is not p["eager"]:
+    if ql._rows_e4m3 is not None and ql._rows_e4m3 is not _quantize_rows_e4m3_eager:
         x2 = x.reshape(-1, ql.in_features)
         kq, ks = ql._rows_e4m3(x2)
-        eq, es = p["eager"](x2)
+        eq, es = _quantize_rows_e4m3_eager(x2)
         out["row_kernel_equals_eager"] = bool(torch.equal(ks, es) and torch.equal(
             kq.view(torch.uint8), eq.view(torch.uint8)))
     return out
@@ -99,7 +98,7 @@ def probe_result(p) -> Dict[str, Any]:
 
 def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
     import torch
-    from trainstream.frozen.quantization import QuantLinear, quant_report
+    from trainstream.frozen.quantization import QuantLinear
     saved = QuantLinear._fp8_path_allowed
     if force_dequantize:
         QuantLinear._fp8_path_allowed = lambda self, dev: (False, "forced off by diag_fp8_fit.py")
@@ -109,7 +108,7 @@ def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
         ids = torch.randint(cfg.vocab_size, (1, args.seq), generator=g).to(device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                                 betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-        probe = probe_first_linear(model)
+        ql, seen, hook = probe_first_linear(model)
         losses: List[float] = []
         t0 = time.perf_counter()
         for step in range(args.steps):
@@ -120,11 +119,9 @@ def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             losses.append(round(loss.item(), 4))
             if step == 0:
-                first = probe_result(probe)
-        paths: Dict[str, int] = {}
-        for q in quant_report(model):
-            paths[q["matmul_path"]] = paths.get(q["matmul_path"], 0) + 1
-        return {"losses": losses, "matmul_paths": paths, "first_linear": first,
+                hook.remove()
+                first = probe_result(ql, seen)
+        return {"losses": losses, "matmul_paths": matmul_paths(model), "first_linear": first,
                 "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         QuantLinear._fp8_path_allowed = saved

@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from .measure import matmul_paths
 from .scenarios import LORA, Scenario
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.01
@@ -347,12 +348,8 @@ def _trainstream(quantize: Optional[str] = None, checkpointing: bool = False,
                 purpose = r.get("purpose", "?")
                 regions[purpose] = regions.get(purpose, 0) + int(r.get("bytes", 0))
             acts = rep.get("activations") or {}
-            from trainstream.frozen.quantization import quant_report
-            paths: Dict[str, int] = {}   # which matmul each quantized linear ran (fp8: tensor cores or not)
-            for q in quant_report(model):
-                paths[q["matmul_path"]] = paths.get(q["matmul_path"], 0) + 1
             return {"optimizer_mode": opt.optimizer_mode,
-                    "matmul_paths": paths,
+                    "matmul_paths": matmul_paths(model),
                     "regions_by_purpose": regions,
                     "host_by_category": (rep.get("host_per_param") or {}).get("bytes"),
                     "activation_host_capacity": acts.get("host_capacity_bytes"),

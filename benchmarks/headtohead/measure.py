@@ -238,6 +238,17 @@ def train(step: Callable[[], Any], *, steps: int, warmup: int, max_warmup: int,
             "loss_decreased": losses[-1] < losses[0]}
 
 
+def matmul_paths(model) -> Dict[str, int]:
+    """How many of the model's quantized linears ran each matmul path (``quant_report``'s
+    ``matmul_path``; an FP8 base on Hopper: the tensor cores or dequantized to bf16);
+    empty for a model with none."""
+    from trainstream.frozen.quantization import quant_report
+    paths: Dict[str, int] = {}
+    for q in quant_report(model):
+        paths[q["matmul_path"]] = paths.get(q["matmul_path"], 0) + 1
+    return paths
+
+
 def describe_machine() -> Dict[str, Any]:
     """The machine the results come from: GPU, driver, CPU model and cores, RAM, torch
     and CUDA versions, and pinned PCIe H2D / D2H GB/s measured now (256 MiB copies,
