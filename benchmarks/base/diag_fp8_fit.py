@@ -13,10 +13,10 @@ does (no daemon, no paging, plain torch AdamW):
    compare.py's betas, eps and weight decay, under bf16 autocast, as compare.py's loop
    does; twice from the same start: "module" (the path each QuantLinear picks: on
    Hopper the FP8 tensor cores) and "dequantize" (the bf16 path forced).
-3. Prints both loss curves and the matmul paths each arm ran, and for the first
-   linear, on the arm's real activations: the forward's error against ``F.linear`` on
-   the dequantized weight (activation rounding alone gives about 2.7%), and whether the
-   row-quantizer kernel's bytes equal the eager ones.
+3. Prints both loss curves and the matmul paths each arm ran, and for each linear of
+   the first and the last block, on the arm's real activations of step 1: the forward's
+   error against ``F.linear`` on the dequantized weight (activation rounding alone gives
+   about 2.7%), and whether the row-quantizer kernel's bytes equal the eager ones.
 
     python benchmarks/base/diag_fp8_fit.py [--layers 8] [--steps 12] [--seq 512] [--json out.json]
     python benchmarks/base/diag_fp8_fit.py --tiny      # CPU: both arms dequantize (a smoke run)
@@ -64,28 +64,41 @@ def build(args, device):
     return model, cfg
 
 
-def probe_first_linear(model):
-    """The first QuantLinear and what its forwards see: (module, seen, hook handle)."""
+def probe_linears(model):
+    """The QuantLinears of the first and the last block, and what their forwards see:
+    ({name: (module, seen)}, hook handles). The first block's inputs need no gradient
+    (the hot path, no autograd node); the last block's do (_QuantLinearFunction)."""
     from trainstream.frozen.quantization import QuantLinear
-    ql = next(m for m in model.modules() if isinstance(m, QuantLinear))
-    seen: Dict[str, Any] = {}
-    handle = ql.register_forward_hook(lambda m, inp, out: seen.update(x=inp[0].detach(), y=out.detach()))
-    return ql, seen, handle
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    blocks = sorted({n.split(".layers.")[1].split(".")[0] for n, _ in named}, key=int)
+    keep = {blocks[0], blocks[-1]}
+    probes: Dict[str, Any] = {}
+    handles = []
+    for name, ql in named:
+        if name.split(".layers.")[1].split(".")[0] not in keep:
+            continue
+        seen: Dict[str, Any] = {}
+        handles.append(ql.register_forward_hook(
+            lambda m, inp, out, seen=seen: seen.update(
+                x=inp[0].detach(), y=out.detach(), grad=inp[0].requires_grad)))
+        probes[name.split(".layers.")[1].replace(".base_layer", "")] = (ql, seen)
+    return probes, handles
 
 
 def probe_result(ql, seen) -> Dict[str, Any]:
-    """The first QuantLinear's forward on the input it saw, against F.linear on the
-    dequantized weight; and the row kernel's bytes against the eager quantizer's."""
+    """A QuantLinear's forward on the input it saw, against F.linear on the dequantized
+    weight; and the row kernel's bytes against the eager quantizer's."""
     import torch
     import torch.nn.functional as F
     from trainstream.frozen.fp8_matmul import _quantize_rows_e4m3_eager
     if "x" not in seen:
-        return {"error": "the first QuantLinear ran no forward"}
+        return {"error": "ran no forward"}
     x, y = seen["x"].to(torch.bfloat16), seen["y"]
     w = ql.qweight.dequantize(torch.float32).to(x.device)
     bias = ql.bias.float() if ql.bias is not None else None
     ref = F.linear(x.float(), w, bias)
     out = {"matmul_path": ql.matmul_path, "shape": [ql.out_features, ql.in_features],
+           "bias": bias is not None, "input_requires_grad": bool(seen["grad"]),
            "rel_err_vs_dequantized": round(((y.float() - ref).norm() / ref.norm()).item(), 5)}
     if ql._rows_e4m3 is not None and ql._rows_e4m3 is not _quantize_rows_e4m3_eager:
         x2 = x.reshape(-1, ql.in_features)
@@ -108,7 +121,7 @@ def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
         ids = torch.randint(cfg.vocab_size, (1, args.seq), generator=g).to(device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                                 betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-        ql, seen, hook = probe_first_linear(model)
+        probes, hooks = probe_linears(model)
         losses: List[float] = []
         t0 = time.perf_counter()
         for step in range(args.steps):
@@ -119,9 +132,11 @@ def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             losses.append(round(loss.item(), 4))
             if step == 0:
-                hook.remove()
-                first = probe_result(ql, seen)
-        return {"losses": losses, "matmul_paths": matmul_paths(model), "first_linear": first,
+                for h in hooks:
+                    h.remove()
+                linears = {name: probe_result(ql, seen) for name, (ql, seen) in probes.items()}
+                probes.clear()
+        return {"losses": losses, "matmul_paths": matmul_paths(model), "linears": linears,
                 "seconds": round(time.perf_counter() - t0, 1)}
     finally:
         QuantLinear._fp8_path_allowed = saved
@@ -147,8 +162,9 @@ def main(argv=None) -> int:
         doc[name] = arm(args, device, force)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        print(f"{name:10s} paths {doc[name]['matmul_paths']}  first linear {doc[name]['first_linear']}",
-              file=sys.stderr)
+        print(f"{name:10s} paths {doc[name]['matmul_paths']}", file=sys.stderr)
+        for lin, r in doc[name]["linears"].items():
+            print(f"  {lin:28s} {r}", file=sys.stderr)
     print("step  module   dequantize")
     for i, (a, b) in enumerate(zip(doc["module"]["losses"], doc["dequantize"]["losses"]), 1):
         print(f"{i:4d}  {a:7.4f}  {b:7.4f}")

@@ -443,7 +443,11 @@ def test_fp8_fit_diagnostic_trains_both_arms_from_one_start(tmp_path):
     assert len(a["losses"]) == 5 and a["losses"] == b["losses"], (a["losses"], b["losses"])
     assert a["losses"][-1] < a["losses"][0]
     assert a["matmul_paths"] == b["matmul_paths"] == {"dequantize-bf16": 14}   # 2 blocks x 7 linears
-    assert 0 < a["first_linear"]["rel_err_vs_dequantized"] < 0.01            # bf16 rounding only
+    lin = a["linears"]
+    assert len(lin) == 14 and {n.split(".")[0] for n in lin} == {"0", "1"}   # both blocks probed
+    assert all(0 < r["rel_err_vs_dequantized"] < 0.01 for r in lin.values()), lin  # bf16 rounding
+    assert not lin["0.self_attn.q_proj"]["input_requires_grad"]     # embeddings are frozen
+    assert lin["1.self_attn.q_proj"]["input_requires_grad"] and lin["1.self_attn.q_proj"]["bias"]
     assert "step  module   dequantize" in proc.stdout
 
 
