@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .measure import matmul_paths
+from .measure import fp8_copies_checked, matmul_paths
 from .scenarios import LORA, Scenario
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.01
@@ -350,6 +350,7 @@ def _trainstream(quantize: Optional[str] = None, checkpointing: bool = False,
             acts = rep.get("activations") or {}
             return {"optimizer_mode": opt.optimizer_mode,
                     "matmul_paths": matmul_paths(model),
+                    "fp8_copies": fp8_copies_checked(model),
                     "regions_by_purpose": regions,
                     "host_by_category": (rep.get("host_per_param") or {}).get("bytes"),
                     "activation_host_capacity": acts.get("host_capacity_bytes"),

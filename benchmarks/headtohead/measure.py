@@ -249,6 +249,32 @@ def matmul_paths(model) -> Dict[str, int]:
     return paths
 
 
+def fp8_copies_checked(model) -> Dict[str, int]:
+    """For each quantized linear holding an FP8 tensor-core copy (a resident block's,
+    quantization.py), whether that copy still equals one rebuilt now from the weight it
+    stands for: "fresh" and "stale" counts (both 0 without such copies). A stale copy
+    means the forward ran on other weights than the backward's dequantized ones. Out of
+    device memory for the rebuild: the counts so far and "error"."""
+    import torch
+    from trainstream.frozen.quantization import QuantLinear
+    counts = {"fresh": 0, "stale": 0}
+    for m in model.modules():
+        if not isinstance(m, QuantLinear) or m._fp8_cache is None:
+            continue
+        kept = m._fp8_cache
+        m._fp8_cache = None
+        try:
+            w, s = m._fp8_weight(kept[0])
+            same = torch.equal(w.view(torch.uint8), kept[1].view(torch.uint8)) and torch.equal(s, kept[2])
+        except torch.OutOfMemoryError as e:
+            return dict(counts, error=f"out of device memory rebuilding a copy: {e}"[:200])
+        finally:
+            m._fp8_cache = kept
+        counts["fresh" if same else "stale"] += 1
+        del w, s
+    return counts
+
+
 def describe_machine() -> Dict[str, Any]:
     """The machine the results come from: GPU, driver, CPU model and cores, RAM, torch
     and CUDA versions, and pinned PCIe H2D / D2H GB/s measured now (256 MiB copies,

@@ -94,6 +94,8 @@ def test_compare_trainstream_trains_and_counts_its_daemon(compare):
     paths = _result(doc, "lora14b", "trainstream_nf4")["report"]["matmul_paths"]
     assert set(paths) == {"dequantize-bf16"} and paths["dequantize-bf16"] >= 4, paths
     assert _result(doc, "full1.5b", "trainstream")["report"]["matmul_paths"] == {}
+    # No FP8 tensor-core copies on the CPU, so none to check against their weights.
+    assert _result(doc, "lora14b", "trainstream_nf4")["report"]["fp8_copies"] == {"fresh": 0, "stale": 0}
     # The same model, data and learning rate: the first loss is the same for stock and
     # TrainStream on the full fine-tune (same checkpoint, same batch).
     a, b = _result(doc, "full1.5b", "stock"), _result(doc, "full1.5b", "trainstream")
@@ -148,6 +150,24 @@ def test_compare_charts_and_readme(compare):
     assert text.startswith("## Against other libraries (benchmarks/compare.py)")
     assert "Machine:" in text and "python benchmarks/compare.py --tiny" in text
     assert "**lora14b**: LoRA r=16" in text and "TrainStream's best" in text
+
+
+def test_fp8_copy_check_finds_a_copy_that_no_longer_matches_its_weight():
+    # The FP8 engines' report counts tensor-core copies against a rebuild from the
+    # weight (session 23's slow FP8 fit: a stale copy is one candidate cause).
+    sys.path.insert(0, str(BENCH))
+    import torch
+    from headtohead.measure import fp8_copies_checked
+    from trainstream.frozen.quantization import QuantLinear
+    q = QuantLinear.from_linear(torch.nn.Linear(64, 32).requires_grad_(False), "fp8")
+    model = torch.nn.Sequential(q, QuantLinear.from_linear(torch.nn.Linear(32, 16).requires_grad_(False), "nf4"))
+    assert fp8_copies_checked(model) == {"fresh": 0, "stale": 0}   # no copy built yet
+    q._fp8_weight(torch.device("cpu"))
+    assert fp8_copies_checked(model) == {"fresh": 1, "stale": 0}
+    kept = q._fp8_cache
+    kept[1].view(torch.uint8)[3, 5] ^= 1                         # one code changed
+    assert fp8_copies_checked(model) == {"fresh": 0, "stale": 1}
+    assert q._fp8_cache is kept                                  # the check leaves the copy in place
 
 
 def test_merge_keeps_the_later_result_of_a_run():
