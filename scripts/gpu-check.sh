@@ -252,7 +252,8 @@ if [[ $STAGES == *fp8diag* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
   timeout ${FP8DIAG_TIMEOUT:-300} .venv/bin/python benchmarks/base/diag_fp8_fit.py --json "$OUT/fp8diag.json" \
     ${FP8DIAG_ARGS:-} > "$OUT/fp8diag.log" 2>&1 || { rc=1; echo "fp8diag failed"; }
-  timeout 200 .venv/bin/python -m pytest -q -rs tests/python/test_quant_cuda.py -k "fp8" >> "$OUT/fp8diag.log" 2>&1 || rc=1
+  timeout ${FP8DIAG_TEST_TIMEOUT:-200} .venv/bin/python -m pytest -q -rs tests/python/test_quant_cuda.py -k "fp8" \
+    >> "$OUT/fp8diag.log" 2>&1 || rc=1
   tail -25 "$OUT/fp8diag.log"
 fi
 # The CUDA cap test's scenario with the allocator's history recorded (diag_cap.py).
