@@ -39,9 +39,12 @@ fi
 # "lean": only what the Python tests and benchmarks load (no C++ tests or benches;
 # the scriptable test client and the test-only extension trainstream_testing are
 # among those: the daemon and AdamW tests load them).
+# LEAN_TARGETS narrows it (compare and fp8diag need only the daemon, its CLI and the
+# package: "trainstreamd trainstreamctl trainstream_C trainstream_control trainstream_python_files").
 if [[ $STAGES == *lean* ]]; then
-  build_targets ON OFF trainstreamd trainstreamctl trainstream_C trainstream_control \
-    trainstream_python_files trainstream-test-client trainstream_testing
+  # shellcheck disable=SC2086
+  build_targets ON OFF ${LEAN_TARGETS:-trainstreamd trainstreamctl trainstream_C trainstream_control \
+    trainstream_python_files trainstream-test-client trainstream_testing}
 fi
 # "pytest": just the Python tests in $PYTEST_FILES (default: all of tests/python).
 if [[ $STAGES == *pytest* ]]; then
