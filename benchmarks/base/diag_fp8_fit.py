@@ -18,12 +18,22 @@ does (no daemon, no paging, plain torch AdamW):
    error against ``F.linear`` on the dequantized weight (activation rounding alone gives
    about 2.7%), and whether the row-quantizer kernel's bytes equal the eager ones.
 
+On a machine without FP8 tensor cores both arms dequantize, unless ``--emulate-fp8``:
+the "module" arm then takes the FP8 path anyway, with ``torch._scaled_mm``'s row-wise
+product computed in fp32 (exact products of the e4m3 codes, then the row scales and the
+bias) and the eager activation quantizer: the path's arithmetic without its kernels.
+``--hidden``, ``--intermediate``, ``--heads`` and ``--kv-heads`` narrow the model (a
+48-block model of the 14B widths does not fit a CPU machine's memory).
+
     python benchmarks/base/diag_fp8_fit.py [--layers 8] [--steps 12] [--seq 512] [--json out.json]
     python benchmarks/base/diag_fp8_fit.py --tiny      # CPU: both arms dequantize (a smoke run)
+    python benchmarks/base/diag_fp8_fit.py --emulate-fp8 --layers 48 --hidden 1024 \
+        --intermediate 2816 --heads 8 --kv-heads 2     # CPU: the FP8 arithmetic, emulated
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -48,8 +58,13 @@ def build(args, device):
     import peft
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trainstream.frozen.quantization import quantize_model
+    widths = dict(TINY if args.tiny else WIDTHS)
+    for key, arg in (("hidden_size", "hidden"), ("intermediate_size", "intermediate"),
+                     ("num_attention_heads", "heads"), ("num_key_value_heads", "kv_heads")):
+        if getattr(args, arg) is not None:
+            widths[key] = getattr(args, arg)
     cfg = Qwen2Config(num_hidden_layers=args.layers, max_position_embeddings=4096,
-                      tie_word_embeddings=False, **(TINY if args.tiny else WIDTHS))
+                      tie_word_embeddings=False, **widths)
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
@@ -109,13 +124,46 @@ def probe_result(ql, seen) -> Dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def emulated_fp8():
+    """QuantLinear takes its FP8 path on any device: row-wise ``torch._scaled_mm`` in fp32
+    (the e4m3 codes' products are exact in fp32; the scales and the bias come after, as
+    the tensor cores apply them) and the eager per-row activation quantizer."""
+    import torch
+    from trainstream.frozen.fp8_matmul import _quantize_rows_e4m3_eager
+    from trainstream.frozen.quantization import QuantLinear
+
+    def use_fp8(self, x):
+        self.matmul_note = "fp8 emulated by diag_fp8_fit.py"
+        return self.format == "fp8" and not self._paged
+
+    def prepare(self, x):
+        saved_prepare(self, x)
+        if self._plan_fp8:
+            self._rows_e4m3 = _quantize_rows_e4m3_eager
+
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, **_):
+        y = (a.float() @ b.float()) * scale_a * scale_b
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+
+    saved_use, saved_prepare, saved_mm = QuantLinear._use_fp8, QuantLinear._prepare, torch._scaled_mm
+    QuantLinear._use_fp8, QuantLinear._prepare, torch._scaled_mm = use_fp8, prepare, scaled_mm
+    try:
+        yield
+    finally:
+        QuantLinear._use_fp8, QuantLinear._prepare, torch._scaled_mm = saved_use, saved_prepare, saved_mm
+
+
 def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
     import torch
     from trainstream.frozen.quantization import QuantLinear
-    saved = QuantLinear._fp8_path_allowed
-    if force_dequantize:
-        QuantLinear._fp8_path_allowed = lambda self, dev: (False, "forced off by diag_fp8_fit.py")
-    try:
+    with contextlib.ExitStack() as restore:
+        if force_dequantize:
+            saved = QuantLinear._fp8_path_allowed
+            QuantLinear._fp8_path_allowed = lambda self, dev: (False, "forced off by diag_fp8_fit.py")
+            restore.callback(setattr, QuantLinear, "_fp8_path_allowed", saved)
+        elif args.emulate_fp8:
+            restore.enter_context(emulated_fp8())
         model, cfg = build(args, device)
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(cfg.vocab_size, (1, args.seq), generator=g).to(device)
@@ -138,8 +186,6 @@ def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
                 probes.clear()
         return {"losses": losses, "matmul_paths": matmul_paths(model), "linears": linears,
                 "seconds": round(time.perf_counter() - t0, 1)}
-    finally:
-        QuantLinear._fp8_path_allowed = saved
 
 
 def main(argv=None) -> int:
@@ -149,11 +195,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
+    ap.add_argument("--emulate-fp8", action="store_true",
+                    help="the first arm takes the FP8 path in emulation (any device)")
+    for name, what in (("hidden", "hidden_size"), ("intermediate", "intermediate_size"),
+                       ("heads", "num_attention_heads"), ("kv-heads", "num_key_value_heads")):
+        ap.add_argument(f"--{name}", type=int, help=f"the model's {what} (default: the 14B's)")
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args(argv)
-    for name in ("layers", "steps", "seq"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} {getattr(args, name)}: accepted 1 or more")
+    for name in ("layers", "steps", "seq", "hidden", "intermediate", "heads", "kv_heads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} {value}: accepted 1 or more")
     import torch
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     doc = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

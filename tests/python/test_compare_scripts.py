@@ -471,6 +471,30 @@ def test_fp8_fit_diagnostic_trains_both_arms_from_one_start(tmp_path):
     assert "step  module   dequantize" in proc.stdout
 
 
+def test_fp8_fit_diagnostic_emulates_the_tensor_core_path_on_the_cpu(tmp_path):
+    # --emulate-fp8: the first arm takes QuantLinear's FP8 path without FP8 tensor cores
+    # (row-wise scaled_mm in fp32, eager activation rounding), so the path's arithmetic
+    # is checked here: every linear on it, about e4m3's rounding error, a fit that
+    # follows the dequantized one.
+    out = tmp_path / "diag.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "base" / "diag_fp8_fit.py"), "--tiny", "--emulate-fp8",
+                           "--layers", "2", "--steps", "5", "--seq", "64", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    a, b = doc["module"], doc["dequantize"]
+    assert a["matmul_paths"] == {"fp8-scaled-mm-rowwise": 14} and b["matmul_paths"] == {"dequantize-bf16": 14}
+    errs = [r["rel_err_vs_dequantized"] for r in a["linears"].values()]
+    assert len(errs) == 14 and all(0.01 < e < 0.05 for e in errs), errs   # e4m3 activations
+    assert all(r["rel_err_vs_dequantized"] < 0.01 for r in b["linears"].values())
+    assert a["losses"] != b["losses"] and a["losses"][-1] < a["losses"][0]
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 0.01, (a["losses"], b["losses"])
+    bad = subprocess.run([sys.executable, str(BENCH / "base" / "diag_fp8_fit.py"), "--hidden", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--hidden 0: accepted 1 or more" in bad.stderr
+
+
 def test_readme_section_is_the_one_readme_results_makes():
     # The README's head-to-head section, its list of cells not yet measured included, is
     # what readme_results.py makes of sources.json: a results file added there without
