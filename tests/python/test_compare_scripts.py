@@ -495,6 +495,28 @@ def test_fp8_fit_diagnostic_emulates_the_tensor_core_path_on_the_cpu(tmp_path):
     assert bad.returncode == 2 and "--hidden 0: accepted 1 or more" in bad.stderr
 
 
+def test_fp8_path_through_load_model_and_wrap_keeps_its_copies_fresh(tmp_path):
+    # The FP8 path, emulated (benchmarks/base/emulate_fp8), through compare.py's
+    # trainstream_fp8 engine: the daemon's shared base (load_model), PEFT and wrap(). Every
+    # linear takes the path, and after the run every tensor-core copy still equals one
+    # rebuilt from its weight (a stale copy would train on other weights than the backward's).
+    out = tmp_path / "cmp"
+    path = os.pathsep.join([str(BENCH / "base" / "emulate_fp8"), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "compare.py"), "--tiny", "--scenarios", "lora14b", "--engines",
+         "trainstream_fp8", "--steps", "3", "--warmup", "1", "--no-charts", "--out", str(out),
+         "--timeout", "240"],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = _result(json.loads((out / "results.json").read_text()), "lora14b", "trainstream_fp8")
+    assert r["status"] == "ok", r.get("reason")
+    paths, copies = r["report"]["matmul_paths"], r["report"]["fp8_copies"]
+    assert set(paths) == {"fp8-scaled-mm-rowwise"} and paths["fp8-scaled-mm-rowwise"] >= 4, paths
+    assert copies == {"fresh": paths["fp8-scaled-mm-rowwise"], "stale": 0}, copies
+    assert r["losses"][-1] < r["losses"][0], r["losses"]
+
+
 def test_readme_section_is_the_one_readme_results_makes():
     # The README's head-to-head section, its list of cells not yet measured included, is
     # what readme_results.py makes of sources.json: a results file added there without
