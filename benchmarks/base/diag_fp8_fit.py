@@ -179,6 +179,8 @@ def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(round(loss.item(), 4))
+            print(f"  step {step + 1}/{args.steps}: loss {losses[-1]:.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
             if step == 0:
                 for h in hooks:
                     h.remove()
@@ -211,6 +213,7 @@ def main(argv=None) -> int:
     doc = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "args": vars(args)}
     for name, force in (("module", False), ("dequantize", True)):
+        print(f"{name}: building {args.layers} blocks", file=sys.stderr, flush=True)
         doc[name] = arm(args, device, force)
         if device.type == "cuda":
             torch.cuda.empty_cache()
