@@ -240,3 +240,73 @@ def test_module_exports():
     import trainstream.quantization as q
     assert q.QuantizedTensor is QuantizedTensor
     assert callable(q.quantize_model) and callable(q.quantize_tensor)
+
+
+# ---- the row-wise scaled_mm probe (the FP8 tensor-core path's runtime check) ------------
+
+def _emulated_scaled_mm(wrong=None):
+    """torch._scaled_mm's row-wise arithmetic in fp32 on any device, or one way of
+    getting it wrong: "scale_b" dropped, "scales reversed" (row i given row m-1-i's),
+    "bias" dropped, "bias refused" (an error when a bias is passed)."""
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, **_):
+        y = a.float() @ b.float()
+        if wrong == "scales reversed":
+            y = y * scale_a.flip(0) * scale_b.flip(1)
+        elif wrong == "scale_b":
+            y = y * scale_a
+        else:
+            y = y * scale_a * scale_b
+        if bias is not None:
+            if wrong == "bias refused":
+                raise RuntimeError("bias is not supported with row-wise scaling")
+            if wrong != "bias":
+                y = y + bias.float()
+        return y.to(out_dtype)
+    return scaled_mm
+
+
+def test_rowwise_probe_accepts_correct_arithmetic_and_rejects_wrong_scales():
+    from trainstream.frozen.fp8_matmul import check_rowwise_scaled_mm
+    cpu = torch.device("cpu")
+    assert check_rowwise_scaled_mm(_emulated_scaled_mm(), cpu) == (True, "row-wise torch._scaled_mm", True)
+    for wrong in ("scale_b", "scales reversed"):
+        ok, why, _ = check_rowwise_scaled_mm(_emulated_scaled_mm(wrong), cpu)
+        assert not ok and "wrong values in the probe" in why and "max error" in why, (wrong, why)
+    for wrong in ("bias", "bias refused"):
+        ok, why, fused = check_rowwise_scaled_mm(_emulated_scaled_mm(wrong), cpu)
+        assert ok and not fused and "bias added after the matmul" in why, (wrong, why)
+
+    def refuses(*a, **k):
+        raise RuntimeError("Only per-tensor scaling is supported")
+    ok, why, fused = check_rowwise_scaled_mm(refuses, cpu)
+    assert not ok and "refused: Only per-tensor scaling" in why and not fused
+
+
+@pytest.mark.parametrize("bias_fused", [True, False])
+def test_fp8_forward_with_bias_added_after_the_matmul_equals_the_fused_bias(monkeypatch, bias_fused):
+    # Where the probe finds the bias epilogue wrong, the path adds the bias itself; the
+    # forward stays the dequantized matmul up to the e4m3 rounding of the activations.
+    from trainstream.frozen import quantization as q
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32).requires_grad_(False)
+    lin.bias.data.mul_(50)  # a bias that would show if it were dropped or doubled
+    ql = QuantLinear.from_linear(lin, "fp8")
+    monkeypatch.setattr(QuantLinear, "_use_fp8", lambda self, x: True)
+    monkeypatch.setattr(q, "_fp8_bias_fused", lambda device: bias_fused)
+    monkeypatch.setattr(torch, "_scaled_mm", _emulated_scaled_mm(None if bias_fused else "bias"))
+    real = q._kernels()
+
+    class NoRowKernel:  # the CUDA-only activation kernel: the eager quantizer on the CPU
+        def __getattr__(self, name):
+            if name == "quantize_rows_e4m3":
+                raise AttributeError(name)
+            return getattr(real, name)
+    monkeypatch.setattr(q, "_kernels", NoRowKernel)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        y = ql(x)
+        ref = F.linear(x, ql.qweight.dequantize(torch.float32), ql.bias.float())
+    assert ql.matmul_path == "fp8-scaled-mm-rowwise" and ql._fp8_bias_fused is bias_fused
+    assert ql._rows_e4m3 is q._quantize_rows_e4m3_eager
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    assert rel < 0.03, rel

@@ -9,34 +9,73 @@ import torch
 
 
 def _fp8_rowwise_supported(device: torch.device) -> Tuple[bool, str]:
-    """Whether torch._scaled_mm with row-wise scales runs here (probed once per device)."""
+    """Whether torch._scaled_mm with row-wise scales runs here and gives the right values
+    (probed once per device; ``_fp8_bias_fused`` says whether it also adds a bias)."""
+    return _fp8_probe(device)[:2]
+
+
+def _fp8_bias_fused(device: torch.device) -> bool:
+    """Whether row-wise torch._scaled_mm adds its ``bias`` argument correctly here; where it
+    does not, the tensor-core path adds the bias after the matmul."""
+    return _fp8_probe(device)[2]
+
+
+def _fp8_probe(device: torch.device) -> Tuple[bool, str, bool]:
     key = (device.type, device.index)
-    if key in _FP8_PROBE:
-        return _FP8_PROBE[key]
-    result: Tuple[bool, str]
-    if device.type != "cuda":
-        result = (False, "fp8 tensor cores need a CUDA device")
-    elif torch.cuda.get_device_capability(device) < (8, 9):
-        result = (False, "fp8 tensor cores need sm_89 or newer")
-    elif not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
-        result = (False, "this torch has no torch._scaled_mm")
-    else:
-        try:
-            a = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
-            b = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
-            sa = torch.ones(16, 1, device=device)
-            sb = torch.ones(1, 16, device=device)
-            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-            ok = bool((out.float() == 32.0).all())
-            result = (ok, "row-wise torch._scaled_mm" if ok else "torch._scaled_mm gave wrong "
-                      "values in the probe")
-        except Exception as e:  # noqa: BLE001 - any refusal means "not here"
-            result = (False, f"torch._scaled_mm with row-wise scales refused: {e}".strip())
-    _FP8_PROBE[key] = result
-    return result
+    if key not in _FP8_PROBE:
+        if device.type != "cuda":
+            result = (False, "fp8 tensor cores need a CUDA device", False)
+        elif torch.cuda.get_device_capability(device) < (8, 9):
+            result = (False, "fp8 tensor cores need sm_89 or newer", False)
+        elif not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+            result = (False, "this torch has no torch._scaled_mm", False)
+        else:
+            result = check_rowwise_scaled_mm(torch._scaled_mm, device)
+        _FP8_PROBE[key] = result
+    return _FP8_PROBE[key]
 
 
-_FP8_PROBE: Dict[Tuple[str, Optional[int]], Tuple[bool, str]] = {}
+_FP8_PROBE: Dict[Tuple[str, Optional[int]], Tuple[bool, str, bool]] = {}
+
+
+def check_rowwise_scaled_mm(scaled_mm, device: torch.device) -> Tuple[bool, str, bool]:
+    """Runs ``scaled_mm`` (torch._scaled_mm's signature) row-wise on inputs whose exact
+    result is known: e4m3 codes in -2..2, a distinct power-of-two scale per row of A and
+    per column of B (so a scale applied to the wrong axis, or not at all, shows), then
+    again with a bias. Every product, sum and scale is exact in fp32 and the result
+    (|value| <= 128 times a power of two) is exact in bf16, so without a bias the output
+    must equal the expected one bit for bit. Returns (usable, why, bias_fused)."""
+    m, n, k = 32, 16, 32
+    rows = torch.arange(m, dtype=torch.float32)[:, None]
+    cols = torch.arange(n, dtype=torch.float32)[:, None]
+    inner = torch.arange(k, dtype=torch.float32)[None, :]
+    a = torch.remainder(rows * 3 + inner, 5) - 2
+    b = torch.remainder(cols * 7 + inner * 3, 5) - 2
+    scale_a = torch.ldexp(torch.ones(m, 1), torch.remainder(rows, 4).int() - 1)
+    scale_b = torch.ldexp(torch.ones(1, n), torch.remainder(cols.t(), 3).int() - 1)
+    sign = 1 - 2 * torch.remainder(torch.arange(n), 2)
+    bias = ((torch.remainder(torch.arange(n), 4) + 1) * 64 * sign).float()
+    expected = (a @ b.t()) * scale_a * scale_b
+    a8 = a.to(device).to(torch.float8_e4m3fn)
+    b8 = b.to(device).to(torch.float8_e4m3fn)
+    sa, sb = scale_a.to(device), scale_b.to(device)
+    try:
+        out = scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    except Exception as e:  # noqa: BLE001 - any refusal means "not here"
+        return False, f"torch._scaled_mm with row-wise scales refused: {e}".strip(), False
+    got = out.float().cpu()
+    if got.shape != expected.shape or not torch.equal(got, expected):
+        err = (got - expected).abs().max().item() if got.shape == expected.shape else "shape"
+        return (False, "torch._scaled_mm gave wrong values in the probe (distinct row and "
+                f"column scales; max error {err}): dequantizes", False)
+    try:
+        out_b = scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                          bias=bias.to(device, torch.bfloat16), out_dtype=torch.bfloat16)
+        fused = bool(torch.allclose(out_b.float().cpu(), expected + bias, rtol=2 ** -7, atol=0))
+    except Exception:  # noqa: BLE001 - a refused bias is added after the matmul instead
+        fused = False
+    why = "row-wise torch._scaled_mm" + ("" if fused else " (bias added after the matmul)")
+    return True, why, fused
 
 
 def _pow2_at_least(r: torch.Tensor) -> torch.Tensor:

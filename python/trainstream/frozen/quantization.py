@@ -19,7 +19,8 @@ from torch import nn
 
 from .._native import C
 from ..blocks import find_block_stack
-from .fp8_matmul import (_FP8_BUILD_CHUNK, _ROW_KERNEL_DTYPES, _fp8_rowwise_supported,  # noqa: F401
+from .fp8_matmul import (_FP8_BUILD_CHUNK, _ROW_KERNEL_DTYPES, _fp8_bias_fused,
+                         _fp8_rowwise_supported,  # noqa: F401
                          _fp8_allowed, _pow2_at_least, _quantize_rows_e4m3_eager,
                          fp8_copy_bytes)
 
@@ -233,6 +234,7 @@ class QuantLinear(nn.Module):
         self._fp8_wt: Optional[torch.Tensor] = None        # fp8 weight, transposed view
         self._fp8_w_scale: Optional[torch.Tensor] = None   # [1, out_features] fp32
         self._rows_e4m3 = None                             # activation quantizer
+        self._fp8_bias_fused = False  # _scaled_mm adds the bias (else added after it)
         self.matmul_path = "dequantize-bf16"
         self.matmul_note = "not run yet"
 
@@ -338,9 +340,11 @@ class QuantLinear(nn.Module):
             self._fp8_wt, self._fp8_w_scale = w_fp8.t(), w_scale
             kernel = getattr(_kernels(), "quantize_rows_e4m3", None)
             self._rows_e4m3 = kernel if kernel is not None else _quantize_rows_e4m3_eager
+            self._fp8_bias_fused = _fp8_bias_fused(x.device)
             self.matmul_path = "fp8-scaled-mm-rowwise"
         else:
             self._fp8_wt = self._fp8_w_scale = self._rows_e4m3 = None
+            self._fp8_bias_fused = False
             self.matmul_path = "dequantize-bf16"
         self._plan_fp8 = use_fp8
         self._plan_device = x.device
@@ -355,8 +359,11 @@ class QuantLinear(nn.Module):
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         if bias is not None and bias.dtype != out_dtype:
             bias = bias.to(out_dtype)
+        fused = bias if self._fp8_bias_fused else None
         y = torch._scaled_mm(x_fp8, self._fp8_wt, scale_a=x_scale, scale_b=self._fp8_w_scale,
-                             bias=bias, out_dtype=out_dtype)
+                             bias=fused, out_dtype=out_dtype)
+        if bias is not None and fused is None:
+            y = y + bias
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
