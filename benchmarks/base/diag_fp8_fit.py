@@ -212,6 +212,10 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     doc = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "args": vars(args)}
+    from trainstream.frozen.fp8_matmul import _fp8_probe
+    # The path's own check of torch._scaled_mm: (usable, why, bias fused in its epilogue).
+    doc["scaled_mm_probe"] = list(_fp8_probe(device))
+    print(f"scaled_mm probe: {doc['scaled_mm_probe']}", file=sys.stderr, flush=True)
     for name, force in (("module", False), ("dequantize", True)):
         print(f"{name}: building {args.layers} blocks", file=sys.stderr, flush=True)
         doc[name] = arm(args, device, force)
