@@ -116,3 +116,28 @@ def fp8_copy_bytes(out_features: int, in_features: int, device: torch.device,
     """Device bytes of a resident fp8 layer's tensor-core copy on ``device`` (0: none)."""
     ok = _fp8_allowed(out_features, in_features, device, probe)[0]
     return out_features * in_features + 4 * out_features if ok else 0
+
+
+def rowwise_fp8_linear(x: torch.Tensor, rows_e4m3, w_fp8_t: torch.Tensor, w_scale: torch.Tensor,
+                       bias: Optional[torch.Tensor], bias_fused: bool) -> torch.Tensor:
+    """The tensor-core forward of a resident fp8 layer: ``x``'s rows in e4m3 (``rows_e4m3``,
+    the fused kernel, for its dtypes), row-wise ``torch._scaled_mm`` against the row-scaled
+    weight (transposed view ``w_fp8_t``, scales ``w_scale`` [1, out]), the bias in the
+    matmul's epilogue where the probe found that right (``bias_fused``), else after it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype in _ROW_KERNEL_DTYPES:
+        # One kernel: per-row amax, scale amax/448, e4m3 codes (quant_rows_fp8.cu).
+        x_fp8, x_scale = rows_e4m3(x2)
+    else:
+        x_fp8, x_scale = _quantize_rows_e4m3_eager(x2)
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if bias is not None and bias.dtype != out_dtype:
+        bias = bias.to(out_dtype)
+    fused = bias if bias_fused else None
+    y = torch._scaled_mm(x_fp8, w_fp8_t, scale_a=x_scale, scale_b=w_scale, bias=fused,
+                         out_dtype=out_dtype)
+    if bias is not None and fused is None:
+        y = y + bias
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w_fp8_t.shape[1])

@@ -19,10 +19,9 @@ from torch import nn
 
 from .._native import C
 from ..blocks import find_block_stack
-from .fp8_matmul import (_FP8_BUILD_CHUNK, _ROW_KERNEL_DTYPES, _fp8_bias_fused,
-                         _fp8_rowwise_supported,  # noqa: F401
-                         _fp8_allowed, _pow2_at_least, _quantize_rows_e4m3_eager,
-                         fp8_copy_bytes)
+from .fp8_matmul import (_FP8_BUILD_CHUNK, _fp8_allowed, _fp8_bias_fused,  # noqa: F401
+                         _fp8_rowwise_supported, _pow2_at_least, _quantize_rows_e4m3_eager,
+                         fp8_copy_bytes, rowwise_fp8_linear)
 
 try:  # The package stays importable without the extension (docs, CPU-less tooling).
     _ext = C()
@@ -350,23 +349,8 @@ class QuantLinear(nn.Module):
         self._plan_device = x.device
 
     def _fp8_matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype in _ROW_KERNEL_DTYPES:
-            # One kernel: per-row amax, scale amax/448, e4m3 codes (quant_rows_fp8.cu).
-            x_fp8, x_scale = self._rows_e4m3(x2)
-        else:
-            x_fp8, x_scale = _quantize_rows_e4m3_eager(x2)
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        if bias is not None and bias.dtype != out_dtype:
-            bias = bias.to(out_dtype)
-        fused = bias if self._fp8_bias_fused else None
-        y = torch._scaled_mm(x_fp8, self._fp8_wt, scale_a=x_scale, scale_b=self._fp8_w_scale,
-                             bias=fused, out_dtype=out_dtype)
-        if bias is not None and fused is None:
-            y = y + bias
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        return rowwise_fp8_linear(x, self._rows_e4m3, self._fp8_wt, self._fp8_w_scale, bias,
+                                  self._fp8_bias_fused)
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self._plan_device != x.device:
