@@ -43,8 +43,8 @@ def check_rowwise_scaled_mm(scaled_mm, device: torch.device) -> Tuple[bool, str,
     result is known: e4m3 codes in -2..2, a distinct power-of-two scale per row of A and
     per column of B (so a scale applied to the wrong axis, or not at all, shows), then
     again with a bias. Every product, sum and scale is exact in fp32 and the result
-    (|value| <= 128 times a power of two) is exact in bf16, so without a bias the output
-    must equal the expected one bit for bit. Returns (usable, why, bias_fused)."""
+    (an integer |sum| <= 64 times a power of two) is exact in bf16, so without a bias the
+    output must equal the expected one bit for bit. Returns (usable, why, bias_fused)."""
     m, n, k = 32, 16, 32
     rows = torch.arange(m, dtype=torch.float32)[:, None]
     cols = torch.arange(n, dtype=torch.float32)[:, None]
