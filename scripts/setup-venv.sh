@@ -38,4 +38,12 @@ for w in "${want[@]}"; do
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "setup-venv: installing into $VENV: ${missing[*]}"
-"$py" -m pip install -q --disable-pip-version-check "${missing[@]}"
+# --no-cache-dir: torch and its CUDA libraries come to about 5 GB installed; a
+# cached copy of the wheels would nearly double what the install needs on disk.
+if ! "$py" -m pip install -q --disable-pip-version-check --no-cache-dir "${missing[@]}"; then
+  # Say where the space went, so that a failed install on a CI machine can be
+  # told apart from a broken pin.
+  echo "setup-venv: pip failed; free space where the venv and pip's temporary files live:" >&2
+  df -h "$(dirname "$(readlink -f "$VENV")")" "${TMPDIR:-/tmp}" >&2 || true
+  exit 1
+fi
