@@ -12,7 +12,8 @@ does (no daemon, no paging, plain torch AdamW):
 2. Trains ``--steps`` steps on one batch (random tokens, seed 1), AdamW at 2e-4 with
    compare.py's betas, eps and weight decay, under bf16 autocast, as compare.py's loop
    does; twice from the same start: "module" (the path each QuantLinear picks: on
-   Hopper the FP8 tensor cores) and "dequantize" (the bf16 path forced).
+   Hopper the FP8 tensor cores) and "dequantize" (``set_fp8_matmul(model, "dequantize")``,
+   as wrap()'s ``fp8_matmul="dequantize"`` sets it: the bf16 matmul).
 3. Prints both loss curves and the matmul paths each arm ran, and for each linear of
    the first and the last block, on the arm's real activations of step 1: the forward's
    error against ``F.linear`` on the dequantized weight (activation rounding alone gives
@@ -135,7 +136,7 @@ def emulated_fp8():
 
     def use_fp8(self, x):
         self.matmul_note = "fp8 emulated by diag_fp8_fit.py"
-        return self.format == "fp8" and not self._paged
+        return self.format == "fp8" and not self._paged and self.fp8_matmul == "auto"
 
     def prepare(self, x):
         saved_prepare(self, x)
@@ -156,15 +157,13 @@ def emulated_fp8():
 
 def arm(args, device, force_dequantize: bool) -> Dict[str, Any]:
     import torch
-    from trainstream.frozen.quantization import QuantLinear
+    from trainstream.quantization import set_fp8_matmul
     with contextlib.ExitStack() as restore:
-        if force_dequantize:
-            saved = QuantLinear._fp8_path_allowed
-            QuantLinear._fp8_path_allowed = lambda self, dev: (False, "forced off by diag_fp8_fit.py")
-            restore.callback(setattr, QuantLinear, "_fp8_path_allowed", saved)
-        elif args.emulate_fp8:
+        if args.emulate_fp8 and not force_dequantize:
             restore.enter_context(emulated_fp8())
         model, cfg = build(args, device)
+        if force_dequantize:
+            set_fp8_matmul(model, "dequantize")  # what wrap()'s fp8_matmul option sets
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(cfg.vocab_size, (1, args.seq), generator=g).to(device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,

@@ -108,3 +108,41 @@ def test_chunked_build_gives_the_whole_weight_build_bytes(monkeypatch):
     got, got_scale = m._fp8_weight(torch.device("cpu"))
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(got_scale, scale[None, :])
+
+
+def test_fp8_matmul_dequantize_derives_no_copy_for_the_planner(monkeypatch):
+    # The switch (wrap's fp8_matmul option): a base quantized before wrap() and one wrap
+    # would quantize both plan without the tensor-core copy, where "auto" counts it.
+    _force_tensor_cores(monkeypatch)
+    cuda = torch.device("cuda")
+    blocks = _blocks()
+    model = nn.Sequential(blocks)
+    assert quantization.set_fp8_matmul(model, "dequantize") == 2 * len(blocks)
+    s = planner.summarize(model, blocks, 1 << 10, "fp8", 64, device=cuda)
+    assert all(b.derived_bytes == 0 for b in s.blocks)
+    quantization.set_fp8_matmul(model, "auto")
+    s = planner.summarize(model, blocks, 1 << 10, "fp8", 64, device=cuda)
+    assert all(b.derived_bytes == _copy_bytes_per_block() for b in s.blocks)
+
+    plain = nn.ModuleList(nn.Linear(IN, OUT, bias=False) for _ in range(2)).requires_grad_(False)
+    for mode, expected in (("auto", OUT * IN + 4 * OUT), ("dequantize", 0)):
+        s = planner.summarize(nn.Sequential(plain), plain, 1 << 10, "fp8", 64, device=cuda,
+                              fp8_matmul=mode)
+        assert s.blocks[0].quantized_derived_bytes == expected, mode
+
+
+def test_wraps_plan_sets_fp8_matmul_on_the_layers_it_quantizes_and_on_those_it_found():
+    from trainstream.memory import install
+    from trainstream.memory.capacity import Capacity
+    from trainstream.options import validate
+    found = _blocks(2)  # quantized before wrap(), as load_model's bases are
+    fresh = nn.ModuleList(nn.Sequential(nn.Linear(IN, OUT, bias=False)) for _ in range(2))
+    fresh.requires_grad_(False)
+    for blocks, quantize in ((found, None), (fresh, "fp8")):
+        model = nn.Sequential(blocks)
+        measured = install.Measured(torch.device("cpu"), list(blocks), False,
+                                    Capacity("cpu", 1 << 30, 64 << 30, None))
+        install.plan(model, measured, validate({"quantize": quantize, "fp8_matmul": "dequantize",
+                                                "profile": False}))
+        layers = [m for m in model.modules() if isinstance(m, quantization.QuantLinear)]
+        assert layers and all(m.fp8_matmul == "dequantize" for m in layers), quantize

@@ -282,6 +282,22 @@ def test_rowwise_probe_accepts_correct_arithmetic_and_rejects_wrong_scales():
     assert not ok and "refused: Only per-tensor scaling" in why and not fused
 
 
+def _emulate_fp8_path(monkeypatch, bias_fused=True):
+    """The tensor-core path's arithmetic on the CPU: _scaled_mm emulated in fp32, the
+    eager activation quantizer in place of the CUDA-only row kernel."""
+    from trainstream.frozen import quantization as q
+    monkeypatch.setattr(q, "_fp8_bias_fused", lambda device: bias_fused)
+    monkeypatch.setattr(torch, "_scaled_mm", _emulated_scaled_mm(None if bias_fused else "bias"))
+    real = q._kernels()
+
+    class NoRowKernel:
+        def __getattr__(self, name):
+            if name == "quantize_rows_e4m3":
+                raise AttributeError(name)
+            return getattr(real, name)
+    monkeypatch.setattr(q, "_kernels", NoRowKernel)
+
+
 @pytest.mark.parametrize("bias_fused", [True, False])
 def test_fp8_forward_with_bias_added_after_the_matmul_equals_the_fused_bias(monkeypatch, bias_fused):
     # Where the probe finds the bias epilogue wrong, the path adds the bias itself; the
@@ -292,16 +308,7 @@ def test_fp8_forward_with_bias_added_after_the_matmul_equals_the_fused_bias(monk
     lin.bias.data.mul_(50)  # a bias that would show if it were dropped or doubled
     ql = QuantLinear.from_linear(lin, "fp8")
     monkeypatch.setattr(QuantLinear, "_use_fp8", lambda self, x: True)
-    monkeypatch.setattr(q, "_fp8_bias_fused", lambda device: bias_fused)
-    monkeypatch.setattr(torch, "_scaled_mm", _emulated_scaled_mm(None if bias_fused else "bias"))
-    real = q._kernels()
-
-    class NoRowKernel:  # the CUDA-only activation kernel: the eager quantizer on the CPU
-        def __getattr__(self, name):
-            if name == "quantize_rows_e4m3":
-                raise AttributeError(name)
-            return getattr(real, name)
-    monkeypatch.setattr(q, "_kernels", NoRowKernel)
+    _emulate_fp8_path(monkeypatch, bias_fused)
     x = torch.randn(8, 64)
     with torch.no_grad():
         y = ql(x)
@@ -310,3 +317,52 @@ def test_fp8_forward_with_bias_added_after_the_matmul_equals_the_fused_bias(monk
     assert ql._rows_e4m3 is q._quantize_rows_e4m3_eager
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     assert rel < 0.03, rel
+
+
+def test_fp8_matmul_dequantize_runs_the_exact_dequantized_matmul_and_switches_back(monkeypatch):
+    # wrap()'s fp8_matmul option and set_fp8_matmul: "dequantize" takes an FP8 layer off
+    # the tensor-core path (no e4m3 rounding of its input, no copy kept), "auto" puts it
+    # back; the switch counts FP8 layers only and refuses a wrong mode before any change.
+    from trainstream.frozen import quantization as q
+    from trainstream.quantization import set_fp8_matmul
+    torch.manual_seed(0)
+    fp8 = QuantLinear.from_linear(torch.nn.Linear(64, 32).requires_grad_(False), "fp8")
+    int8 = QuantLinear.from_linear(torch.nn.Linear(64, 32).requires_grad_(False), "int8")
+    model = torch.nn.ModuleList([fp8, int8])
+    # The CPU input stands for a CUDA one whose probe passed: the mode alone decides.
+    monkeypatch.setattr(q, "_fp8_rowwise_supported", lambda device: (True, "forced by the test"))
+    def use_fp8(self, x):  # _use_fp8's last lines, for a CUDA device
+        ok, self.matmul_note = self._fp8_path_allowed(torch.device("cuda"))
+        return ok
+    monkeypatch.setattr(QuantLinear, "_use_fp8", use_fp8)
+    _emulate_fp8_path(monkeypatch)
+    x = torch.randn(8, 64)
+    exact = F.linear(x, fp8.qweight.dequantize(torch.bfloat16).float(), fp8.bias.float())
+
+    def forward():
+        with torch.no_grad():
+            return fp8(x)
+    y = forward()
+    assert fp8.matmul_path == "fp8-scaled-mm-rowwise" and fp8._fp8_cache is not None
+    assert 1e-3 < ((y.float() - exact).norm() / exact.norm()).item() < 0.03  # e4m3 inputs
+    assert set_fp8_matmul(model, "dequantize") == 1
+    assert fp8.fp8_matmul == int8.fp8_matmul == "dequantize" and fp8._fp8_cache is None
+    assert fp8.tensor_core_bytes("cuda") == 0
+    y = forward()
+    assert fp8.matmul_path == "dequantize-bf16" and "fp8_matmul='dequantize'" in fp8.matmul_note
+    assert torch.equal(y, exact)
+    with pytest.raises(ValueError, match=r"fp8_matmul='bf16' is not accepted; accepted: 'auto'"):
+        set_fp8_matmul(model, "bf16")
+    assert fp8.fp8_matmul == "dequantize"
+    set_fp8_matmul(model, "auto")
+    forward()
+    assert fp8.matmul_path == "fp8-scaled-mm-rowwise" and fp8.tensor_core_bytes("cuda") > 0
+
+
+def test_fp8_matmul_option_is_validated():
+    from trainstream.options import validate
+    assert validate({})["fp8_matmul"] == "auto"
+    assert validate({"fp8_matmul": "dequantize"})["fp8_matmul"] == "dequantize"
+    with pytest.raises(ValueError, match=r"option fp8_matmul='bf16' is not accepted; accepted: "
+                                         r"'auto' \(an FP8 base's forward"):
+        validate({"fp8_matmul": "bf16"})

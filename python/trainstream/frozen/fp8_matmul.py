@@ -100,9 +100,40 @@ def _quantize_rows_e4m3_eager(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     return (x2.float() / x_scale).to(torch.float8_e4m3fn), x_scale
 
 
+# How an FP8 base's forward multiplies (the wrap() option fp8_matmul, set_fp8_matmul):
+# "auto" takes the tensor-core path wherever the probe accepts it (activations rounded to
+# e4m3); "dequantize" runs the bf16 matmul on the dequantized weight (the stored codes
+# exactly, as NF4 and INT8 do), with no second device copy of the weight.
+FP8_MATMUL_MODES = ("auto", "dequantize")
+
+
+def check_fp8_matmul(mode) -> str:
+    """``mode`` when it is one of FP8_MATMUL_MODES, else ValueError naming what is accepted."""
+    if not isinstance(mode, str) or mode not in FP8_MATMUL_MODES:
+        raise ValueError(f"fp8_matmul={mode!r} is not accepted; accepted: 'auto' (FP8 tensor "
+                         "cores where this GPU and torch run them right) or 'dequantize' (the "
+                         "bf16 matmul on the dequantized weight)")
+    return mode
+
+
+def set_fp8_matmul(model: torch.nn.Module, mode: str) -> int:
+    """Sets how every ``QuantLinear`` in ``model`` multiplies when its format is FP8 ('auto'
+    or 'dequantize'; see FP8_MATMUL_MODES). Each chooses its path again at its next forward
+    (a tensor-core copy already built is freed). Returns the number of FP8 layers."""
+    check_fp8_matmul(mode)
+    count = 0
+    for m in model.modules():
+        if callable(getattr(m, "set_fp8_matmul", None)):
+            m.set_fp8_matmul(mode)
+            count += getattr(m, "format", None) == "fp8"
+    return count
+
+
 def _fp8_allowed(out_features: int, in_features: int, device: torch.device,
-                 probe=None) -> Tuple[bool, str]:
+                 probe=None, mode: str = "auto") -> Tuple[bool, str]:
     """Whether the tensor-core path runs for a layer of this shape on ``device``."""
+    if mode == "dequantize":
+        return False, "fp8_matmul='dequantize': the bf16 matmul on the dequantized weight"
     if device.type != "cuda":
         return False, "fp8 on CPU dequantizes"
     ok, why = (probe or _fp8_rowwise_supported)(device)
@@ -112,9 +143,9 @@ def _fp8_allowed(out_features: int, in_features: int, device: torch.device,
 
 
 def fp8_copy_bytes(out_features: int, in_features: int, device: torch.device,
-                   probe=None) -> int:
+                   probe=None, mode: str = "auto") -> int:
     """Device bytes of a resident fp8 layer's tensor-core copy on ``device`` (0: none)."""
-    ok = _fp8_allowed(out_features, in_features, device, probe)[0]
+    ok = _fp8_allowed(out_features, in_features, device, probe, mode)[0]
     return out_features * in_features + 4 * out_features if ok else 0
 
 

@@ -21,7 +21,7 @@ from .._native import C
 from ..blocks import find_block_stack
 from .fp8_matmul import (_FP8_BUILD_CHUNK, _fp8_allowed, _fp8_bias_fused,  # noqa: F401
                          _fp8_rowwise_supported, _pow2_at_least, _quantize_rows_e4m3_eager,
-                         fp8_copy_bytes, rowwise_fp8_linear)
+                         check_fp8_matmul, fp8_copy_bytes, rowwise_fp8_linear, set_fp8_matmul)
 
 try:  # The package stays importable without the extension (docs, CPU-less tooling).
     _ext = C()
@@ -32,7 +32,7 @@ else:
     _EXT_ERROR = None
 
 __all__ = ["FORMATS", "QuantizedTensor", "QuantLinear", "quantize_tensor", "quantize_model",
-           "quant_report"]
+           "quant_report", "set_fp8_matmul"]
 
 FORMATS: Tuple[str, ...] = ("int8", "nf4", "fp8", "nvfp4")
 # Blocks fixed by the format; int8 and nf4 take block_size (any even integer >= 2).
@@ -208,8 +208,10 @@ class QuantLinear(nn.Module):
     accepted there, so the first CUDA forward re-expresses the weight with one
     power-of-two scale per output row (exact wherever a block's values stay in e4m3's
     normal range) and quantizes activations per row. ``matmul_path`` says what runs and
-    ``matmul_note`` why. NVFP4 always dequantizes (its tensor cores need Blackwell).
+    ``matmul_note`` why; ``fp8_matmul="dequantize"`` (``set_fp8_matmul``) turns the FP8
+    path off. NVFP4 always dequantizes (its tensor cores need Blackwell).
     """
+    fp8_matmul = "auto"  # FP8_MATMUL_MODES (fp8_matmul.py)
 
     def __init__(self, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None):
         super().__init__()
@@ -307,10 +309,16 @@ class QuantLinear(nn.Module):
         if self.format != "fp8":
             return 0
         return fp8_copy_bytes(self.out_features, self.in_features, torch.device(device),
-                              _fp8_rowwise_supported)
+                              _fp8_rowwise_supported, self.fp8_matmul)
+
+    def set_fp8_matmul(self, mode: str) -> None:
+        """'auto' or 'dequantize' (FP8_MATMUL_MODES); the next forward chooses the path again."""
+        self.fp8_matmul = check_fp8_matmul(mode)
+        self.set_paged(self._paged)
 
     def _fp8_path_allowed(self, device: torch.device) -> Tuple[bool, str]:
-        return _fp8_allowed(self.out_features, self.in_features, device, _fp8_rowwise_supported)
+        return _fp8_allowed(self.out_features, self.in_features, device, _fp8_rowwise_supported,
+                            self.fp8_matmul)
 
     def _use_fp8(self, x: torch.Tensor) -> bool:
         if self.format != "fp8" or not x.is_cuda:

@@ -125,9 +125,10 @@ def _nbytes(t) -> int:
 
 def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: int,
               quant_format: Optional[str] = "nf4", quant_block_size: int = 64,
-              device=None) -> ModelSummary:
+              device=None, fp8_matmul: str = "auto") -> ModelSummary:
     """Reads the sizes the planner needs from the model's tensors (no data touched);
-    ``device``: where it trains (what quantized linears derive there when resident)."""
+    ``device``: where it trains (what quantized linears derive there when resident);
+    ``fp8_matmul``: the option (no tensor-core copy is derived with 'dequantize')."""
     from ..frozen.quantization import _quantized_bytes, fp8_copy_bytes
     from ..streaming.weights import tensor_core_bytes
     in_blocks = set()
@@ -139,7 +140,8 @@ def summarize(model: nn.Module, blocks: Sequence[nn.Module], min_paged_bytes: in
         linear_weights = {id(m.weight) for m in block.modules() if isinstance(m, nn.Linear)}
         if device is not None and quant_format == "fp8":
             b.quantized_derived_bytes = sum(
-                fp8_copy_bytes(m.out_features, m.in_features, torch.device(device))
+                fp8_copy_bytes(m.out_features, m.in_features, torch.device(device),
+                               mode=fp8_matmul)
                 for m in block.modules()
                 if isinstance(m, nn.Linear) and not m.weight.requires_grad)
         for p in block.parameters():
