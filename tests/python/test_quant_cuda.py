@@ -220,6 +220,36 @@ def test_fp8_forward_is_the_dequantized_matmul_up_to_activation_rounding(bias):
     assert torch.equal(gx, g.matmul(ql.qweight.dequantize(torch.bfloat16).cuda()))
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="the fp8 tensor-core path needs sm_89 or newer")
+def test_fp8_matmul_dequantize_on_cuda_is_the_bf16_matmul_and_frees_the_copy():
+    # wrap()'s fp8_matmul="dequantize" (set_fp8_matmul) on the GPU: the layer leaves the
+    # tensor-core path, its row-scaled copy's memory goes back, and forward and backward
+    # are F.linear on the dequantized bf16 weight exactly; "auto" takes the path again.
+    from trainstream.quantization import set_fp8_matmul
+    torch.manual_seed(7)
+    lin = torch.nn.Linear(2048, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    ql = QuantLinear.from_linear(lin, "fp8")
+    x = torch.randn(2, 64, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ql(x)
+    assert ql.matmul_path == "fp8-scaled-mm-rowwise", ql.matmul_note
+    torch.cuda.synchronize()
+    with_copy = torch.cuda.memory_allocated()
+    assert set_fp8_matmul(torch.nn.ModuleList([ql]), "dequantize") == 1
+    assert with_copy - torch.cuda.memory_allocated() >= 2048 * 1024  # the e4m3 copy freed
+    assert ql.tensor_core_bytes("cuda") == 0
+    y = ql(x)
+    assert ql.matmul_path == "dequantize-bf16" and "fp8_matmul='dequantize'" in ql.matmul_note
+    w = ql.qweight.dequantize(torch.bfloat16).cuda()
+    assert torch.equal(y, F.linear(x, w, ql.bias.to(torch.bfloat16)))
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    assert torch.equal(gx, g.matmul(w))
+    set_fp8_matmul(torch.nn.ModuleList([ql]), "auto")
+    ql(x)
+    assert ql.matmul_path == "fp8-scaled-mm-rowwise" and ql.tensor_core_bytes("cuda") > 0
+
+
 def test_quantize_model_on_cuda():
     torch.manual_seed(0)
     model = TinyTransformer().cuda().requires_grad_(False)
