@@ -211,9 +211,10 @@ OPTIONS: Dict[str, tuple] = {
                       and 0.0 <= v <= 0.9),
     "quantize": ("auto", "'auto', None (or 'none', False), " + ", ".join(map(repr, _QUANT_FORMATS)),
                  _one_of("auto", None, *_QUANT_FORMATS)[0]),
-    "fp8_matmul": ("auto", "'auto' (an FP8 base's forward on FP8 tensor cores where the GPU and "
+    "fp8_matmul": (None, "None (each FP8 layer as it is: 'auto' unless set_fp8_matmul changed "
+                   "it), 'auto' (an FP8 base's forward on FP8 tensor cores where the GPU and "
                    "torch run them right, activations rounded to e4m3) or 'dequantize' (the bf16 "
-                   "matmul on the dequantized weight)", _one_of("auto", "dequantize")[0]),
+                   "matmul on the dequantized weight)", _one_of(None, "auto", "dequantize")[0]),
     "quant_block_size": (64, "an even integer >= 2 (values per scale for int8 / nf4)",
                          _even_int_at_least_2),
     "blocks": (None, "None (find_blocks) or a list of the model's layer modules",

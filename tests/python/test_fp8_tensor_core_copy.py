@@ -146,3 +146,13 @@ def test_wraps_plan_sets_fp8_matmul_on_the_layers_it_quantizes_and_on_those_it_f
                                                 "profile": False}))
         layers = [m for m in model.modules() if isinstance(m, quantization.QuantLinear)]
         assert layers and all(m.fp8_matmul == "dequantize" for m in layers), quantize
+    # Without the option (None) a mode set before wrap() holds; given, it overrides.
+    for option, expected in ((None, "dequantize"), ("auto", "auto")):
+        blocks = _blocks(2)
+        model = nn.Sequential(blocks)
+        quantization.set_fp8_matmul(model, "dequantize")
+        measured = install.Measured(torch.device("cpu"), list(blocks), False,
+                                    Capacity("cpu", 1 << 30, 64 << 30, None))
+        install.plan(model, measured, validate({"quantize": None, "fp8_matmul": option,
+                                                "profile": False}))
+        assert all(m.fp8_matmul == expected for m in _linears(model)), option

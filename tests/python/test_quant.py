@@ -361,8 +361,8 @@ def test_fp8_matmul_dequantize_runs_the_exact_dequantized_matmul_and_switches_ba
 
 def test_fp8_matmul_option_is_validated():
     from trainstream.options import validate
-    assert validate({})["fp8_matmul"] == "auto"
+    assert validate({})["fp8_matmul"] is None
     assert validate({"fp8_matmul": "dequantize"})["fp8_matmul"] == "dequantize"
     with pytest.raises(ValueError, match=r"option fp8_matmul='bf16' is not accepted; accepted: "
-                                         r"'auto' \(an FP8 base's forward"):
+                                         r"None \(each FP8 layer as it is"):
         validate({"fp8_matmul": "bf16"})

@@ -108,7 +108,9 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
     to the training device. Without a block stack only the move is left."""
     device, blocks = measured.device, measured.blocks
     from ..frozen.fp8_matmul import set_fp8_matmul
-    set_fp8_matmul(model, config["fp8_matmul"])  # a base quantized before wrap() (load_model's)
+    fp8_matmul = config["fp8_matmul"]  # None: each FP8 layer keeps its mode
+    if fp8_matmul is not None:
+        set_fp8_matmul(model, fp8_matmul)  # a base quantized before wrap() (load_model's)
     if measured.capacity is None:
         if config["device"] is not None:
             model.to(device)
@@ -116,7 +118,7 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
         return Prepared(device, [], None, None, "float32" if moment == "auto" else moment)
     fmt = config["quantize"] if config["quantize"] not in ("auto", None) else "nf4"
     summary = planner.summarize(model, blocks, config["min_offload_bytes"], fmt,
-                                config["quant_block_size"], device, config["fp8_matmul"])
+                                config["quant_block_size"], device, fp8_matmul or "auto")
     decided = planner.plan(summary, measured.capacity, config)
     if measured.meta:
         raise ValueError("the model is on the meta device: wrap() planned it (it would fit: "
@@ -128,7 +130,8 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
         quantized = quantize_model(model, decided.quantize, blocks=blocks,
                                    block_size=config["quant_block_size"],
                                    skip_trained=True)["tensors"]
-        set_fp8_matmul(model, config["fp8_matmul"])
+        if fp8_matmul is not None:
+            set_fp8_matmul(model, fp8_matmul)
     paged_ids = {id(t) for i in decided.paged
                  for t in list(blocks[i].parameters()) + list(blocks[i].buffers())}
     _move_except(model, paged_ids, device)
