@@ -8,6 +8,7 @@ does not fit the GPU and keeps the adapters' AdamW in the daemon. ``--stock`` tr
 the same model with plain PyTorch (everything on the GPU) for comparison.
 
     python examples/lora_large_model.py --size 14b --quantize nf4 --vram-gb 24
+    python examples/lora_large_model.py --size 14b --quantize fp8 --fp8-matmul dequantize
     python examples/lora_large_model.py --size 7b --stock
     python examples/lora_large_model.py --tiny            # small shapes; CPU is fine
 
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize", choices=("auto", "none", "int8", "nf4", "fp8", "nvfp4"),
                     default="auto", help="storage of the frozen base's block weights")
     ap.add_argument("--prefer", choices=("exact", "speed"), default="exact")
+    ap.add_argument("--fp8-matmul", choices=("auto", "dequantize"), default=None,
+                    help="an FP8 base's forward: FP8 tensor cores where they run ('auto', "
+                         "the default) or bf16 on the dequantized weight ('dequantize')")
     ap.add_argument("--recompute", choices=sorted(RECOMPUTE), default="auto")
     ap.add_argument("--attention", choices=sorted(ATTENTION), default="auto")
     ap.add_argument("--stock", action="store_true", help="plain PyTorch + PEFT, no TrainStream")
@@ -124,7 +128,8 @@ def main(argv=None) -> int:
         label = "stock PyTorch + PEFT"
     else:
         options = dict(quantize=None if args.quantize == "none" else args.quantize,
-                       prefer=args.prefer, recompute=RECOMPUTE[args.recompute],
+                       prefer=args.prefer, fp8_matmul=args.fp8_matmul,
+                       recompute=RECOMPUTE[args.recompute],
                        attention=ATTENTION[args.attention], socket=args.socket,
                        job="lora_large_model")
         if device == "cuda":
@@ -151,10 +156,15 @@ def main(argv=None) -> int:
         optimizer.zero_grad(set_to_none=True)
         log.end(step, loss)
     if not args.stock:
-        from trainstream.frozen.quantization import QuantLinear
-        quantized = sum(isinstance(m, QuantLinear) for m in model.modules())
-        print(f"frozen linears stored quantized: {quantized}; still adapting: "
+        from collections import Counter
+
+        from trainstream.quantization import quant_report
+        report = quant_report(model)
+        paths = Counter((r["matmul_path"], r["note"]) for r in report)
+        print(f"frozen linears stored quantized: {len(report)}; still adapting: "
               f"{model._trainstream_session.adapting}")
+        for (path, note), n in sorted(paths.items()):
+            print(f"  matmul path {path}: {n} ({note})")
     log.summary(label)
     return 0
 

@@ -81,6 +81,17 @@ def test_lora_large_model_quantizes_the_peft_base_and_learns(daemon):
     out = _run(daemon, "lora_large_model.py", "--tiny", "--quantize", "nf4", "--steps", "4")
     assert "wrap: quantize nf4" in out, out
     assert "frozen linears stored quantized: 28" in out, out  # 7 per block, 4 blocks
+    assert "matmul path dequantize-bf16: 28 (nf4 has no tensor-core path" in out, out
+    losses = _losses(out)
+    assert losses[-1] < losses[0], losses
+
+
+def test_lora_large_model_fp8_base_with_its_matmuls_in_bf16(daemon):
+    # --fp8-matmul dequantize reaches wrap() (fp8_matmul) and every FP8 layer reports it.
+    out = _run(daemon, "lora_large_model.py", "--tiny", "--quantize", "fp8", "--fp8-matmul",
+               "dequantize", "--steps", "3")
+    assert "wrap: quantize fp8" in out, out
+    assert "matmul path dequantize-bf16: 28 (fp8_matmul='dequantize': the bf16 matmul" in out, out
     losses = _losses(out)
     assert losses[-1] < losses[0], losses
 

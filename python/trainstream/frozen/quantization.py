@@ -321,19 +321,17 @@ class QuantLinear(nn.Module):
                             self.fp8_matmul)
 
     def _use_fp8(self, x: torch.Tensor) -> bool:
-        if self.format != "fp8" or not x.is_cuda:
+        if self.format != "fp8":
             if self.format == "nvfp4":
                 self.matmul_note = "nvfp4 dequantizes: its tensor-core matmul needs Blackwell"
-            elif self.format != "fp8":
-                self.matmul_note = f"{self.format} has no tensor-core path: dequantizes"
             else:
-                self.matmul_note = "fp8 on CPU dequantizes"
+                self.matmul_note = f"{self.format} has no tensor-core path: dequantizes"
             return False
-        if self._paged:
+        if self._paged and x.is_cuda and self.fp8_matmul == "auto":
             self.matmul_note = ("fp8 of a paged block dequantizes (Note [The fp8 tensor-core "
                                 "copy lives only with resident weights])")
             return False
-        ok, why = self._fp8_path_allowed(x.device)
+        ok, why = self._fp8_path_allowed(x.device)  # the mode, then the device, then the probe
         self.matmul_note = why
         return ok
 
