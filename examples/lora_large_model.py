@@ -12,10 +12,11 @@ the same model with plain PyTorch (everything on the GPU) for comparison.
     python examples/lora_large_model.py --size 7b --stock
     python examples/lora_large_model.py --tiny            # small shapes; CPU is fine
 
-This uses the path that works today: bf16 base, PEFT, then ``wrap(quantize=...)``.
-``integrations.huggingface.load_model(..., quantize="nf4")`` reads a checkpoint
-already quantized (less host memory for 32B), but PEFT over its ``QuantLinear`` bases
-is still being built; switching is one line in ``build_model`` once it is.
+This builds the bf16 base in the process, adds PEFT, then ``wrap(quantize=...)``
+quantizes it. For a checkpoint on disk, ``integrations.huggingface.load_model(...,
+quantize="nf4")`` reads it quantized into the daemon's shared cache instead (less host
+memory for 32B, one copy for every job), and PEFT targets its ``QuantLinear`` layers the
+same way (tests/python/test_peft_quant.py; benchmarks/headtohead's TrainStream engines).
 """
 from __future__ import annotations
 
