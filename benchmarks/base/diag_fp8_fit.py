@@ -136,7 +136,7 @@ def emulated_fp8():
 
     def use_fp8(self, x):
         self.matmul_note = "fp8 emulated by diag_fp8_fit.py"
-        return self.format == "fp8" and not self._paged and self.fp8_matmul == "auto"
+        return self.format == "fp8" and not self._paged
 
     def prepare(self, x):
         saved_prepare(self, x)

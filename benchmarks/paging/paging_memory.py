@@ -116,16 +116,12 @@ def plan_only(model, options: Dict[str, Any]) -> Optional[str]:
     """What wrap() would decide for ``model`` with ``options``, without allocating
     anything: None when its plan fits, the MemoryError's text when it refuses (wrap()
     raises the same one first thing, before anything is copied)."""
-    from trainstream.memory import measure
-    from trainstream.memory import planner
+    from trainstream.memory import install, planner
     from trainstream.options import validate
     config = validate(options)
-    measured = measure(model, config)
-    fmt = config["quantize"] if config["quantize"] not in ("auto", None) else "nf4"
-    summary = planner.summarize(model, measured.blocks, config["min_offload_bytes"], fmt,
-                                config["quant_block_size"], measured.device)
+    measured = install.measure(model, config)
     try:
-        planner.plan(summary, measured.capacity, config)
+        planner.plan(install.summarize(model, measured, config), measured.capacity, config)
     except MemoryError as e:
         return str(e)
     return None

@@ -131,6 +131,29 @@ def test_fp8_matmul_dequantize_derives_no_copy_for_the_planner(monkeypatch):
         assert s.blocks[0].quantized_derived_bytes == expected, mode
 
 
+def test_wraps_summary_counts_the_copy_as_the_option_says(monkeypatch):
+    # install.summarize (wrap()'s plan and benchmarks' plan_only): the option reaches the
+    # bytes of layers already quantized and of those wrap() would quantize to FP8.
+    from trainstream.memory import install
+    from trainstream.memory.capacity import Capacity
+    from trainstream.options import validate
+    _force_tensor_cores(monkeypatch)
+    cuda = torch.device("cuda")
+    found = _blocks(2)
+    plain = nn.ModuleList(nn.Sequential(nn.Linear(IN, OUT, bias=False)) for _ in range(2))
+    plain.requires_grad_(False)
+    for option, copies in ((None, 1), ("auto", 1), ("dequantize", 0)):
+        for blocks, quantize, per_block in ((found, None, _copy_bytes_per_block()),
+                                            (plain, "fp8", OUT * IN + 4 * OUT)):
+            measured = install.Measured(cuda, list(blocks), False,
+                                        Capacity("cuda:0", 1 << 30, 64 << 30, None))
+            s = install.summarize(nn.Sequential(blocks), measured,
+                                  validate({"quantize": quantize, "fp8_matmul": option}))
+            derived = s.blocks[0].derived_bytes if quantize is None else \
+                s.blocks[0].quantized_derived_bytes
+            assert derived == copies * per_block, (option, quantize)
+
+
 def test_wraps_plan_sets_fp8_matmul_on_the_layers_it_quantizes_and_on_those_it_found():
     from trainstream.memory import install
     from trainstream.memory.capacity import Capacity

@@ -169,6 +169,30 @@ def test_merge_and_unload_requantizes_with_a_warning(daemon, tmp_path, fmt):
     base.trainstream_base.release()
 
 
+def test_merge_and_unmerge_keep_the_layers_fp8_matmul_mode_and_paging(tmp_path):
+    # A merge or unmerge builds a fresh QuantLinear: it keeps the mode wrap() or the user
+    # set (an FP8 base with fp8_matmul="dequantize" stays off the tensor-core path, whose
+    # copy the plan did not count) and the pager's paged flag.
+    from trainstream.quantization import set_fp8_matmul
+    save_model(str(tmp_path), seed=1)
+    model = lora(quantized_copy(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)),
+                                "fp8"))
+    randomize_b(model)
+    assert set_fp8_matmul(model, "dequantize") == 3 * 7
+    up = model.base_model.model.model.layers[1].mlp.up_proj
+    up.get_base_layer().set_paged(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.merge_adapter()
+        merged = up.get_base_layer()
+        model.unmerge_adapter()
+    bases = [m.get_base_layer() for m in model.modules() if isinstance(m, QuantLoraLinear)]
+    assert merged is not up.get_base_layer() and len(bases) == 3 * 7
+    assert merged.fp8_matmul == "dequantize" and merged._paged
+    assert all(b.fp8_matmul == "dequantize" for b in bases)
+    assert up.get_base_layer()._paged and sum(b._paged for b in bases) == 1
+
+
 def test_dora_on_a_quantized_base_names_what_is_accepted(daemon, tmp_path):
     save_model(str(tmp_path), seed=1)
     base = loaded(str(tmp_path), "nf4", daemon)

@@ -1,6 +1,7 @@
 """The FP8 tensor-core helpers of ``QuantLinear`` (quantization.py): whether row-wise
 scaled ``torch._scaled_mm`` runs on a device, exact power-of-two row scales and the
-eager per-row e4m3 activation quantizer."""
+eager per-row e4m3 activation quantizer; and the switch that keeps an FP8 layer off that
+path (``fp8_matmul``: the modes, their check, ``set_fp8_matmul`` over a model)."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple

@@ -211,7 +211,6 @@ class QuantLinear(nn.Module):
     ``matmul_note`` why; ``fp8_matmul="dequantize"`` (``set_fp8_matmul``) turns the FP8
     path off. NVFP4 always dequantizes (its tensor cores need Blackwell).
     """
-    fp8_matmul = "auto"  # FP8_MATMUL_MODES (fp8_matmul.py)
 
     def __init__(self, qweight: QuantizedTensor, bias: Optional[torch.Tensor] = None):
         super().__init__()
@@ -229,6 +228,7 @@ class QuantLinear(nn.Module):
             if bias is not None else None
         self._fp8_cache: Optional[Tuple[torch.device, torch.Tensor, torch.Tensor]] = None
         self._paged = False  # set_paged: the block's weights are paged (no tensor-core copy)
+        self.fp8_matmul = "auto"  # set_fp8_matmul: FP8_MATMUL_MODES (fp8_matmul.py)
         # Set by _prepare at the first forward on a device (the hot path reads only these).
         self._plan_device: Optional[torch.device] = None
         self._plan_fp8 = False
@@ -297,9 +297,13 @@ class QuantLinear(nn.Module):
         """The weight pager's call as this module's block starts (True) or stops being
         paged: a paged weight dequantizes, and its tensor-core copy is freed now."""
         self._paged = bool(paged)
+        self._reset_plan()
+
+    def _reset_plan(self) -> None:
+        """Frees the tensor-core copy; the next forward chooses the path again."""
         self._fp8_cache = None
         self._fp8_wt = self._fp8_w_scale = self._rows_e4m3 = None
-        self._plan_device = None  # the next forward chooses the path again
+        self._plan_device = None
         self._plan_fp8 = False
 
     def tensor_core_bytes(self, device) -> int:
@@ -314,7 +318,7 @@ class QuantLinear(nn.Module):
     def set_fp8_matmul(self, mode: str) -> None:
         """'auto' or 'dequantize' (FP8_MATMUL_MODES); the next forward chooses the path again."""
         self.fp8_matmul = check_fp8_matmul(mode)
-        self.set_paged(self._paged)
+        self._reset_plan()
 
     def _fp8_path_allowed(self, device: torch.device) -> Tuple[bool, str]:
         return _fp8_allowed(self.out_features, self.in_features, device, _fp8_rowwise_supported,
@@ -354,7 +358,7 @@ class QuantLinear(nn.Module):
         self._plan_fp8 = use_fp8
         self._plan_device = x.device
 
-    def _fp8_matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def _tensor_core_matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return rowwise_fp8_linear(x, self._rows_e4m3, self._fp8_wt, self._fp8_w_scale, bias,
                                   self._fp8_bias_fused)
 
@@ -362,7 +366,7 @@ class QuantLinear(nn.Module):
         if self._plan_device != x.device:
             self._prepare(x)
         if self._plan_fp8:
-            return self._fp8_matmul(x, bias)
+            return self._tensor_core_matmul(x, bias)
         return F.linear(x, self._weight(x.dtype, x.device),
                         bias.to(x.dtype) if bias is not None else None)
 
@@ -378,7 +382,7 @@ class QuantLinear(nn.Module):
         if self._plan_fp8 and not needs_grad:
             # Hot path (inference, or no gradient wanted): no autograd node, no autocast
             # context; _scaled_mm and the row kernel are not autocast ops.
-            return self._fp8_matmul(x, bias)
+            return self._tensor_core_matmul(x, bias)
         with torch.autocast(device_type, enabled=False):
             if not needs_grad:
                 return self._matmul(x, bias)

@@ -66,6 +66,8 @@ def _lora_layer_class():
                                               old.block_size), bias)
             if bias is not None:
                 new.bias = bias  # the same parameter (trained or not), not a copy
+            new.set_fp8_matmul(old.fp8_matmul)  # as wrap() or the user set it
+            new.set_paged(old._paged)  # as the weight pager left it
             self.base_layer = new
 
         def merge(self, safe_merge: bool = False, adapter_names: Optional[List[str]] = None) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from .._native import C
 from .._native.pinning import register_fresh
 from ..blocks import find_blocks
+from ..frozen.fp8_matmul import set_fp8_matmul
 from ..streaming.saved_tensors import HostArena, SavedTensorPager
 from ..streaming.attention import AttentionSelector, selector_report
 from ..streaming.weights import BlockPager, in_backward
@@ -107,19 +108,13 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
     quantizes the frozen linears the plan names and moves everything that is not paged
     to the training device. Without a block stack only the move is left."""
     device, blocks = measured.device, measured.blocks
-    from ..frozen.fp8_matmul import set_fp8_matmul
-    fp8_matmul = config["fp8_matmul"]  # None: each FP8 layer keeps its mode
-    if fp8_matmul is not None:
-        set_fp8_matmul(model, fp8_matmul)  # a base quantized before wrap() (load_model's)
     if measured.capacity is None:
+        _apply_fp8_matmul(model, config)
         if config["device"] is not None:
             model.to(device)
         moment = config["moment_dtype"]
         return Prepared(device, [], None, None, "float32" if moment == "auto" else moment)
-    fmt = config["quantize"] if config["quantize"] not in ("auto", None) else "nf4"
-    summary = planner.summarize(model, blocks, config["min_offload_bytes"], fmt,
-                                config["quant_block_size"], device, fp8_matmul or "auto")
-    decided = planner.plan(summary, measured.capacity, config)
+    decided = planner.plan(summarize(model, measured, config), measured.capacity, config)
     if measured.meta:
         raise ValueError("the model is on the meta device: wrap() planned it (it would fit: "
                          f"{decided.decisions}) but cannot train it; materialize it first")
@@ -130,12 +125,27 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
         quantized = quantize_model(model, decided.quantize, blocks=blocks,
                                    block_size=config["quant_block_size"],
                                    skip_trained=True)["tensors"]
-        if fp8_matmul is not None:
-            set_fp8_matmul(model, fp8_matmul)
+        _apply_fp8_matmul(model, config)
     paged_ids = {id(t) for i in decided.paged
                  for t in list(blocks[i].parameters()) + list(blocks[i].buffers())}
     _move_except(model, paged_ids, device)
     return Prepared(device, blocks, decided, measured.capacity, decided.moment_dtype, quantized)
+
+
+def summarize(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> planner.ModelSummary:
+    """What the planner reads of ``model`` (``measured.capacity`` set), as wrap() plans it:
+    the fp8_matmul option applied first to layers already quantized (load_model's base),
+    since the device copy a resident FP8 layer builds depends on it."""
+    _apply_fp8_matmul(model, config)
+    fmt = config["quantize"] if config["quantize"] not in ("auto", None) else "nf4"
+    return planner.summarize(model, measured.blocks, config["min_offload_bytes"], fmt,
+                             config["quant_block_size"], measured.device,
+                             config["fp8_matmul"] or "auto")
+
+
+def _apply_fp8_matmul(model: nn.Module, config: Dict[str, Any]) -> None:
+    if config["fp8_matmul"] is not None:  # None: each FP8 layer keeps its mode
+        set_fp8_matmul(model, config["fp8_matmul"])
 
 
 def _move_except(model: nn.Module, exclude: set, device: torch.device) -> None:
