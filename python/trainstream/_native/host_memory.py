@@ -1,8 +1,9 @@
 """Which host memory this process's TrainStream code holds, by what it is for.
 
 Every place that maps or pins host memory for the package (the optimizer's staging
-and state regions, activation pages, paged weights' host buffers, a shared frozen
-base) calls ``track(owner, nbytes, tag)``. The registry holds ``owner`` weakly: the
+and state regions, activation pages, paged weights' host buffers) calls
+``track(owner, nbytes, tag)``; a shared frozen base's mapping is not recorded
+(docs/inspection.md says why). The registry holds ``owner`` weakly: the
 entry goes when the owner is collected, so the registry can neither keep memory
 alive nor report memory that is gone. ``pinned_stats()["by_tag"]`` reads it.
 """
