@@ -12,7 +12,7 @@ from typing import Any, Dict
 
 import torch
 
-from .frozen.fp8_matmul import FP8_MATMUL_MODES
+from .frozen.fp8_matmul import FP8_MATMUL_ACCEPTED, FP8_MATMUL_MODES
 
 # name: (default, description of accepted values, validator)
 _AUTO = "auto"
@@ -214,9 +214,7 @@ OPTIONS: Dict[str, tuple] = {
     "quantize": ("auto", "'auto', None (or 'none', False), " + ", ".join(map(repr, _QUANT_FORMATS)),
                  _one_of("auto", None, *_QUANT_FORMATS)[0]),
     "fp8_matmul": (None, "None (each FP8 layer as it is: 'auto' unless set_fp8_matmul changed "
-                   "it), 'auto' (an FP8 base's forward on FP8 tensor cores where the GPU and "
-                   "torch run them right, activations rounded to e4m3) or 'dequantize' (the bf16 "
-                   "matmul on the dequantized weight)", _one_of(None, *FP8_MATMUL_MODES)[0]),
+                   "it), " + FP8_MATMUL_ACCEPTED, _one_of(None, *FP8_MATMUL_MODES)[0]),
     "quant_block_size": (64, "an even integer >= 2 (values per scale for int8 / nf4)",
                          _even_int_at_least_2),
     "blocks": (None, "None (find_blocks) or a list of the model's layer modules",

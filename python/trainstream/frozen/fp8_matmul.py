@@ -106,14 +106,16 @@ def _quantize_rows_e4m3_eager(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
 # e4m3); "dequantize" runs the bf16 matmul on the dequantized weight (the stored codes
 # exactly, as NF4 and INT8 do), with no second device copy of the weight.
 FP8_MATMUL_MODES = ("auto", "dequantize")
+# What the modes mean, in the errors of set_fp8_matmul and of wrap()'s option alike.
+FP8_MATMUL_ACCEPTED = ("'auto' (an FP8 base's forward on FP8 tensor cores where the GPU and "
+                       "torch run them right, activations rounded to e4m3) or 'dequantize' "
+                       "(the bf16 matmul on the dequantized weight)")
 
 
 def check_fp8_matmul(mode) -> str:
     """``mode`` when it is one of FP8_MATMUL_MODES, else ValueError naming what is accepted."""
     if not isinstance(mode, str) or mode not in FP8_MATMUL_MODES:
-        raise ValueError(f"fp8_matmul={mode!r} is not accepted; accepted: 'auto' (FP8 tensor "
-                         "cores where this GPU and torch run them right) or 'dequantize' (the "
-                         "bf16 matmul on the dequantized weight)")
+        raise ValueError(f"fp8_matmul={mode!r} is not accepted; accepted: {FP8_MATMUL_ACCEPTED}")
     return mode
 
 
@@ -131,12 +133,17 @@ def set_fp8_matmul(model: torch.nn.Module, mode: str) -> int:
 
 
 def _fp8_allowed(out_features: int, in_features: int, device: torch.device,
-                 probe=None, mode: str = "auto") -> Tuple[bool, str]:
-    """Whether the tensor-core path runs for a layer of this shape on ``device``."""
+                 probe=None, mode: str = "auto", paged: bool = False) -> Tuple[bool, str]:
+    """Whether the tensor-core path runs for a layer of this shape on ``device`` (in
+    ``mode``; ``paged``: its block's weights page), and why not: the first reason of the
+    mode, the device, paging, the probe and the shape."""
     if mode == "dequantize":
         return False, "fp8_matmul='dequantize': the bf16 matmul on the dequantized weight"
     if device.type != "cuda":
         return False, "fp8 on CPU dequantizes"
+    if paged:
+        return False, ("fp8 of a paged block dequantizes (Note [The fp8 tensor-core copy lives "
+                       "only with resident weights])")
     ok, why = (probe or _fp8_rowwise_supported)(device)
     if ok and (in_features % 16 or out_features % 16):
         ok, why = False, "torch._scaled_mm needs in/out features that are multiples of 16"

@@ -322,7 +322,7 @@ class QuantLinear(nn.Module):
 
     def _fp8_path_allowed(self, device: torch.device) -> Tuple[bool, str]:
         return _fp8_allowed(self.out_features, self.in_features, device, _fp8_rowwise_supported,
-                            self.fp8_matmul)
+                            self.fp8_matmul, self._paged)
 
     def _use_fp8(self, x: torch.Tensor) -> bool:
         if self.format != "fp8":
@@ -331,11 +331,7 @@ class QuantLinear(nn.Module):
             else:
                 self.matmul_note = f"{self.format} has no tensor-core path: dequantizes"
             return False
-        if self._paged and x.is_cuda and self.fp8_matmul == "auto":
-            self.matmul_note = ("fp8 of a paged block dequantizes (Note [The fp8 tensor-core "
-                                "copy lives only with resident weights])")
-            return False
-        ok, why = self._fp8_path_allowed(x.device)  # the mode, then the device, then the probe
+        ok, why = self._fp8_path_allowed(x.device)
         self.matmul_note = why
         return ok
 
