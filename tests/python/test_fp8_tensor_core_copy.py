@@ -131,23 +131,28 @@ def test_fp8_matmul_dequantize_derives_no_copy_for_the_planner(monkeypatch):
         assert s.blocks[0].quantized_derived_bytes == expected, mode
 
 
+def _measured(blocks, device):
+    """What wrap()'s measure step would hand its plan: ``blocks`` on ``device``, 1 GiB of
+    it and 64 GiB of host memory."""
+    from trainstream.memory import install
+    from trainstream.memory.capacity import Capacity
+    return install.Measured(torch.device(device), list(blocks), False,
+                            Capacity(str(device), 1 << 30, 64 << 30, None))
+
+
 def test_wraps_summary_counts_the_copy_as_the_option_says(monkeypatch):
     # install.summarize (wrap()'s plan and benchmarks' plan_only): the option reaches the
     # bytes of layers already quantized and of those wrap() would quantize to FP8.
     from trainstream.memory import install
-    from trainstream.memory.capacity import Capacity
     from trainstream.options import validate
     _force_tensor_cores(monkeypatch)
-    cuda = torch.device("cuda")
     found = _blocks(2)
     plain = nn.ModuleList(nn.Sequential(nn.Linear(IN, OUT, bias=False)) for _ in range(2))
     plain.requires_grad_(False)
     for option, copies in ((None, 1), ("auto", 1), ("dequantize", 0)):
         for blocks, quantize, per_block in ((found, None, _copy_bytes_per_block()),
                                             (plain, "fp8", OUT * IN + 4 * OUT)):
-            measured = install.Measured(cuda, list(blocks), False,
-                                        Capacity("cuda:0", 1 << 30, 64 << 30, None))
-            s = install.summarize(nn.Sequential(blocks), measured,
+            s = install.summarize(nn.Sequential(blocks), _measured(blocks, "cuda:0"),
                                   validate({"quantize": quantize, "fp8_matmul": option}))
             derived = s.blocks[0].derived_bytes if quantize is None else \
                 s.blocks[0].quantized_derived_bytes
@@ -156,26 +161,22 @@ def test_wraps_summary_counts_the_copy_as_the_option_says(monkeypatch):
 
 def test_wraps_plan_sets_fp8_matmul_on_the_layers_it_quantizes_and_on_those_it_found():
     from trainstream.memory import install
-    from trainstream.memory.capacity import Capacity
     from trainstream.options import validate
+
+    def plan(blocks, **options):  # wrap()'s plan step on the CPU
+        model = nn.Sequential(blocks)
+        install.plan(model, _measured(blocks, "cpu"), validate({"profile": False, **options}))
+        return model
     found = _blocks(2)  # quantized before wrap(), as load_model's bases are
     fresh = nn.ModuleList(nn.Sequential(nn.Linear(IN, OUT, bias=False)) for _ in range(2))
     fresh.requires_grad_(False)
     for blocks, quantize in ((found, None), (fresh, "fp8")):
-        model = nn.Sequential(blocks)
-        measured = install.Measured(torch.device("cpu"), list(blocks), False,
-                                    Capacity("cpu", 1 << 30, 64 << 30, None))
-        install.plan(model, measured, validate({"quantize": quantize, "fp8_matmul": "dequantize",
-                                                "profile": False}))
+        model = plan(blocks, quantize=quantize, fp8_matmul="dequantize")
         layers = [m for m in model.modules() if isinstance(m, quantization.QuantLinear)]
         assert layers and all(m.fp8_matmul == "dequantize" for m in layers), quantize
     # Without the option (None) a mode set before wrap() holds; given, it overrides.
     for option, expected in ((None, "dequantize"), ("auto", "auto")):
         blocks = _blocks(2)
-        model = nn.Sequential(blocks)
-        quantization.set_fp8_matmul(model, "dequantize")
-        measured = install.Measured(torch.device("cpu"), list(blocks), False,
-                                    Capacity("cpu", 1 << 30, 64 << 30, None))
-        install.plan(model, measured, validate({"quantize": None, "fp8_matmul": option,
-                                                "profile": False}))
+        quantization.set_fp8_matmul(nn.Sequential(blocks), "dequantize")
+        model = plan(blocks, quantize=None, fp8_matmul=option)
         assert all(m.fp8_matmul == expected for m in _linears(model)), option
