@@ -26,7 +26,7 @@
 // 0.1 s, so a command on another ring waits at most that long.
 //
 // Chosen by measurement (trainstream-bench-plane-wait, benchmarks/plane_wait;
-// results-cpu-2026-12-01.log: a 2-core machine shared with other builds, load
+// cpu-2026-12-01-plane-wait.log: a 2-core machine shared with other builds, load
 // 1 to 9, so medians over 5 to 7 runs, and still noisy) against the two loops
 // this plane replaces: the solo plane's futex pop with 20 ms slices and the
 // group plane's yields, then 50/500 us sleeps. Round trip of a SYNC:

@@ -44,7 +44,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 # (three matmuls in all, as the full-logits loss), but every chunk reads the whole
 # weight twice and, when it trains, adds into the whole weight gradient: a fixed cost
 # per chunk, so chunks below ~256 tokens make the loss bound by memory traffic. H200,
-# 152k vocabulary (results-h200-2026-12-02-s10*.jsonl): 256 tokens ran in 0.92-1.07x
+# 152k vocabulary (benchmarks/results/h200-2026-12-02-losses*.jsonl): 256 tokens ran in 0.92-1.07x
 # F.cross_entropy's time, 128 in 1.17-1.77x. Splitting by vocabulary slices
 # instead (a log-sum-exp pass, then a pass that recomputes each slice's logits and forms
 # its gradients) never re-reads the weight, but cost a fourth matmul (1.2-1.6x) and

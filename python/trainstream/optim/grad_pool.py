@@ -49,8 +49,8 @@ def _align(n: int, a: int) -> int:
 #
 # Note [The pool on a GPU host]
 # The pool's copies from a CUDA device into its extents, and backward waiting for room
-# on the device's stream, were measured on the H200 host (session 13, bench_paging's
-# 7b-full under a 24 GiB cap, benchmarks/paging/results-h200-2026-12-04-s13-7b-full-
+# on the device's stream, were measured on the H200 host (2026-12-04, bench_paging's
+# 7b-full under a 24 GiB cap, benchmarks/results/h200-2026-12-04-paging-7b-full-
 # {slots,pool}.log): a 2 GiB pool (auto asks 2.18 GB there) stepped in 2.111 s against
 # 2.112 s with gradient slots, with the same losses at every step, and cut the host's
 # bytes per trained parameter from 10.22 to 8.50 (daemon shared memory 77.9 -> 65.7 GiB).
