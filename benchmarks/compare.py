@@ -296,7 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument("--readme", nargs="+", metavar="RESULTS_JSON",
                     help="print the README's results section (Markdown) made from these files")
     ap.add_argument("--quality", default=None, help="with --readme: quality.py's JSON, as a table too")
-    ap.add_argument("--charts-prefix", default="docs/benchmarks/",
+    ap.add_argument("--charts-prefix", default="benchmarks/results/charts/",
                     help="with --readme: where the README finds the PNGs")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--machine-child", action="store_true", help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-// trainstreamd's process model (DESIGN.md, "Process model"):
+// trainstreamd's process model (docs/design.md, "Process model"):
 //
 //   main thread     startup checks, then waits on StopSignals (signals, and
 //                   wakes from the handlers; platform/stop_signals.h); it alone

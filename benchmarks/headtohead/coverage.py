@@ -5,8 +5,8 @@ A cell is one scenario, engine and cap (24 GiB or uncapped). It counts as measur
 some run reached an outcome in it on any host: a step time, or running out of memory or
 time, or an error in the engine's own code. "not installed" and "needs CUDA" say nothing
 about the engine, so they leave the cell open; "n/a" cells (an adapter-only engine in a
-full fine-tune) are never open. The README lists the open cells (readme_results.py puts
-them in its section, so the list stays as true as the tables), and
+full fine-tune) are never open. Every head-to-head run on every host counts
+(benchmarks/results/index.json, "files"), and
 
     python benchmarks/headtohead/coverage.py [--call-s 540] [--anchor stock,trainstream_nf4]
 
@@ -19,7 +19,6 @@ separated by ';'; scripts/compare-runs.sh).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Dict, List, Sequence, Tuple
@@ -212,7 +211,8 @@ def lines(doc: dict, cells: List[Cell]) -> List[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sources", default=os.path.join(REPO, "docs", "benchmarks", "sources.json"))
+    ap.add_argument("--index", default=os.path.join(REPO, "benchmarks", "results", "index.json"),
+                    help="the results index whose \"files\" are every head-to-head run")
     ap.add_argument("--call-s", type=float, default=540.0,
                     help="seconds of engines one device call may hold (default 540)")
     ap.add_argument("--anchor", default="",
@@ -228,10 +228,9 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     from headtohead import readme_results
-    with open(args.sources) as f:
-        sources = json.load(f)
-    doc = readme_results.select(sources)
-    cells = unmeasured(doc, sources["scenarios"])
+    index = readme_results.load_index(args.index)
+    doc = readme_results.select(index)
+    cells = unmeasured(doc, index["scenarios"])
     if not cells:
         print("every cell is measured")
         return

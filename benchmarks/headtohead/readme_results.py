@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 from headtohead import report  # noqa: E402
 
 INDEX = os.path.join(REPO, "benchmarks", "results", "index.json")
+BEGIN = "<!-- BEGIN results: made by benchmarks/headtohead/readme_results.py from benchmarks/results/index.json -->"
+END = "<!-- END results -->"
 CHARTS = "benchmarks/results/charts"
 
 
@@ -187,6 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--index", default=INDEX)
     ap.add_argument("--no-charts", action="store_true", help="print the section only")
+    ap.add_argument("--write", action="store_true", help="replace README.md's section with it")
     args = ap.parse_args()
     index = load_index(args.index)
     doc = readme_run(index)
@@ -196,7 +199,18 @@ def main() -> None:
         for sc in doc["scenarios"]:
             chart(doc, sc, os.path.join(out, f"{index['readme']['name']}-{sc}.png"))
     quality = report.load(os.path.join(REPO, index["quality"])) if index.get("quality") else None
-    print(section(index, doc, quality))
+    text = section(index, doc, quality)
+    if args.write:
+        readme = os.path.join(REPO, "README.md")
+        with open(readme) as f:
+            old = f.read()
+        head, _, rest = old.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        if not rest or END not in rest:
+            sys.exit(f"README.md lacks the markers {BEGIN!r} ... {END!r}")
+        with open(readme, "w") as f:
+            f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+    print(text)
 
 
 if __name__ == "__main__":

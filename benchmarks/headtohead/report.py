@@ -57,7 +57,7 @@ def merge(docs: List[dict]) -> dict:
 # docs/staging-pool.md); each results file names its host's measured PCIe and cores.
 # Where one host ran visibly faster than another of its GPU (session 21's H200 ran
 # Unsloth's 512-token step, which never nears the cap, 1.6x as fast as session 13's),
-# docs/benchmarks/sources.json names that host's files with a label, and their tables
+# benchmarks/results/index.json names that host's files with a label, and their tables
 # stand apart ("NVIDIA H200, <label>"). A document of one machine reads as it always did.
 def _machines(doc: dict) -> List[str]:
     """The machines of a merged document, in the order merge() met them (none for one

@@ -5,7 +5,7 @@ A LoRA case's frozen base (every frozen tensor of ``min_bytes`` or more: the blo
 stack's linear weights, NF4 or bf16, the embedding and the output layer) goes into one
 region of the daemon's shared memory (``DaemonBase``), registered with CUDA: wrap()'s
 pager then pages it from there as it does a base that ``load_model`` loaded, and the
-process holds no copy of its own (DESIGN.md, "Frozen base cache"). The region is a
+process holds no copy of its own (docs/design.md, "Base cache"). The region is a
 session region of the benchmark's own daemon session (label ``frozen base``), not a
 base-cache segment: a random base has no checkpoint to key a cached base by, and a
 bf16 checkpoint of a 72B shape (145 GB) does not fit the GPU host's disk. The

@@ -1,4 +1,4 @@
-// BaseCache: the daemon's frozen bases (DESIGN.md, "Frozen base cache"). A base
+// BaseCache: the daemon's frozen bases (docs/design.md, "Base cache"). A base
 // is one read-only segment (kind SEGMENT_KIND_BASE) holding every tensor of a
 // checkpoint, the block-stack linear weights quantized when a format is asked,
 // and a manifest (wire/base_manifest.h) clients build views from.

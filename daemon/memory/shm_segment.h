@@ -1,5 +1,5 @@
-// ShmSegment: one file the daemon creates in the shm directory (DESIGN.md,
-// "Memory ownership"): an unguessable name "trainstream-<32 hex>", O_EXCL, mode
+// ShmSegment: one file the daemon creates in the shm directory (docs/design.md,
+// "Memory ownership and segment kinds"): an unguessable name "trainstream-<32 hex>", O_EXCL, mode
 // 0600, owned by the attaching user when the daemon runs as root, sized with
 // posix_fallocate (so a full /dev/shm fails here, not with SIGBUS later), a
 // SegmentHeader at offset 0 and data after kSegmentHeaderBytes. The daemon maps

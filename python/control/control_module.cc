@@ -1,6 +1,7 @@
 // trainstream._control: the control-plane client (gRPC) for Python, over
-// libtrainstream_client. No torch here (DESIGN.md): mapped regions are handed to
-// Python as integer addresses, which trainstream._C turns into tensors.
+// libtrainstream_client. No torch here (docs/design.md, "Why gRPC and libtorch never share a shared
+// object"): mapped regions are handed to Python as integer addresses, which trainstream._C turns
+// into tensors.
 #include <pybind11/eval.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -1,4 +1,4 @@
-// The client side of the shared-memory data plane (DESIGN.md, "Optimizer flow").
+// The client side of the shared-memory data plane (docs/design.md, "Data plane").
 //
 // Python hands this module plain integers (the address and length of regions the
 // control client mapped) and tensors; it never sees gRPC. A DataPlane owns the
@@ -416,8 +416,8 @@ class DataPlane {
 #endif
 };
 
-// Pins a host range for fast, async CUDA copies (DESIGN.md, "Pinning"): once per
-// segment, never per step. Returns false (and the reason) when CUDA is absent.
+// Pins a host range for fast, async CUDA copies (docs/design.md, "Memory ownership and segment
+// kinds"): once per segment, never per step. Returns false (and the reason) when CUDA is absent.
 py::tuple RegisterHost(uintptr_t address, uint64_t bytes, bool read_only) {
 #ifdef TRAINSTREAM_WITH_CUDA
   // Mapped: the zero-copy AdamW (optimizer_mode="gpu") reads moments through it.

@@ -1,8 +1,8 @@
 // trainstream._C: the torch extension. Data-plane copies and hooks, the CPU
 // kernels on tensors, and (with CUDA) the CUDA kernels. No gRPC or protobuf here
-// (DESIGN.md): control-plane values arrive from Python as plain integers. No
-// daemon code either: the AdamW engine's bindings, which only tests use, are the
-// test-only module trainstream_testing (tests/python/ext).
+// (docs/design.md, "Why gRPC and libtorch never share a shared object"): control-plane values
+// arrive from Python as plain integers. No daemon code either: the AdamW engine's bindings, which
+// only tests use, are the test-only module trainstream_testing (tests/python/ext).
 #include <torch/extension.h>
 
 namespace trainstream::python {

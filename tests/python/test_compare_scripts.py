@@ -154,7 +154,7 @@ def test_compare_charts_and_readme(compare):
 
 def test_fp8_copy_check_finds_a_copy_that_no_longer_matches_its_weight():
     # The FP8 engines' report counts tensor-core copies against a rebuild from the
-    # weight (session 23's slow FP8 fit: a stale copy is one candidate cause).
+    # weight (the slow FP8 fit on the H100 of 2026-12-07: a stale copy is one candidate cause).
     sys.path.insert(0, str(BENCH))
     import torch
     from headtohead.measure import fp8_copies_checked
@@ -261,32 +261,32 @@ def test_quality_measures_every_format_before_and_after_lora(tmp_path):
 
 
 def _readme_results():
-    """readme_results.py, sources.json, and the document it makes of it."""
+    """readme_results.py, benchmarks/results/index.json, and every head-to-head run merged."""
     sys.path.insert(0, str(BENCH))
     sys.path.insert(0, str(BENCH / "headtohead"))
     import readme_results
-    with open(REPO / "docs" / "benchmarks" / "sources.json") as f:
-        sources = json.load(f)
-    return readme_results, sources, readme_results.select(sources)
+    index = readme_results.load_index()
+    return readme_results, index, readme_results.select(index)
 
 
-def test_readme_results_leave_out_what_sources_json_says():
-    # README.md's head-to-head tables come from docs/benchmarks/sources.json: session 11's
-    # checkpointed runs were not checkpointed and its TrainStream ran before the loss fix,
-    # so neither may reach the README; every result names the file it came from.
-    readme_results, sources, doc = _readme_results()
+def test_all_runs_leave_out_what_the_index_says():
+    # Every head-to-head run on every host is in benchmarks/results/index.json: the first
+    # H200 run of 2026-12-02 (13:36-13:57 UTC) left its models in eval mode, so its
+    # checkpointed runs were not checkpointed, and its TrainStream ran before the loss fix:
+    # neither may count; every result names the file it came from.
+    readme_results, index, doc = _readme_results()
     assert doc["results"]
-    assert {r["scenario"] for r in doc["results"]} <= set(sources["scenarios"])
+    assert {r["scenario"] for r in doc["results"]} <= set(index["scenarios"])
     for r in doc["results"]:
-        if r["source"].startswith("results-h200-2026-12-02-s11-"):
+        if r["source"].startswith("h200-2026-12-02-13"):
             assert not r["engine"].endswith("_ckpt") and not r["engine"].startswith("trainstream"), r
     keys = [(r["scenario"], r["engine"], r.get("capped"), r["machine_name"]) for r in doc["results"]]
     assert len(keys) == len(set(keys))
     for r in doc["results"]:  # each result names the GPU of the file it came from
-        assert ("H100" in r["machine_name"]) == r["source"].startswith("results-h100-"), r["source"]
+        assert ("H100" in r["machine_name"]) == r["source"].startswith("h100-"), r["source"]
     # A file named with a host label keeps its results in tables of that host alone.
-    hosts = {os.path.basename(e["file"]): e["host"] for e in sources["files"] if isinstance(e, dict)}
-    assert hosts, "sources.json labels no host"
+    hosts = {os.path.basename(e["file"]): e["host"] for e in index["files"] if isinstance(e, dict)}
+    assert hosts, "index.json labels no host"
     for r in doc["results"]:
         host = hosts.get(r["source"])
         assert r["machine_name"].endswith(f", {host}") if host else "," not in r["machine_name"], r
@@ -449,7 +449,7 @@ def test_compare_runs_skips_empty_runs_and_stops_at_its_deadline(tmp_path):
 
 
 def test_fp8_fit_diagnostic_trains_both_arms_from_one_start(tmp_path):
-    # benchmarks/base/diag_fp8_fit.py (session 23's FP8 finding): on the CPU both arms
+    # benchmarks/base/diag_fp8_fit.py (the FP8 fit found on the H100 of 2026-12-07): on the CPU both arms
     # dequantize, so from the same start they must give the same losses; on Hopper the
     # first arm takes the FP8 tensor cores and the difference is the finding's measure.
     out = tmp_path / "diag.json"
@@ -517,16 +517,35 @@ def test_fp8_path_through_load_model_and_wrap_keeps_its_copies_fresh(tmp_path):
     assert r["losses"][-1] < r["losses"][0], r["losses"]
 
 
-def test_readme_section_is_the_one_readme_results_makes():
-    # The README's head-to-head section, its list of cells not yet measured included, is
-    # what readme_results.py makes of sources.json: a results file added there without
-    # regenerating the README fails here.
-    readme_results, sources, doc = _readme_results()
-    doc["charts"] = {p.stem: p.name for p in (REPO / "docs" / "benchmarks").glob("*.png")}
-    quality = readme_results.report.load(str(REPO / sources["quality"]))
-    text = readme_results.section(sources, doc, quality, "docs/benchmarks/")
-    body = text[text.index("Machine"):text.index("### Quality of each quantized base")]
+def test_readme_results_are_one_run_of_one_host_and_the_readme_holds_them():
+    # README.md's results section is exactly what readme_results.py makes of the run the
+    # index names (one GPU, one date, every scenario), with a chart per scenario from the
+    # same run: a README edited by hand, or an index pointed at another run without
+    # regenerating (readme_results.py --write), fails here.
+    readme_results, index, _ = _readme_results()
+    run = readme_results.readme_run(index)
+    assert set(run["scenarios"]) == set(index["scenarios"]), run["scenarios"]
+    assert len(run["machines"]) == 1, run["machines"]
+    for rel in index["readme"]["files"]:
+        assert os.path.basename(rel).startswith(index["readme"]["name"] + "-"), rel
+    quality = readme_results.report.load(str(REPO / index["quality"]))
+    text = readme_results.section(index, run, quality)
     readme = (REPO / "README.md").read_text()
-    assert body in readme, "README.md's head-to-head section is stale: regenerate it (docs/benchmarks-compare.md)"
-    assert "Not measured yet on any host" in body or not readme_results.coverage.unmeasured(
-        doc, sources["scenarios"])
+    assert f"{readme_results.BEGIN}\n{text}{readme_results.END}" in readme, \
+        "README.md's results section is stale: run benchmarks/headtohead/readme_results.py --write"
+    assert readme.count(readme_results.BEGIN) == 1
+    for sc in run["scenarios"]:
+        png = REPO / readme_results.CHARTS / f"{index['readme']['name']}-{sc}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+        assert f"]({readme_results.CHARTS}/{png.name})" in text
+
+
+def test_readme_run_refuses_files_of_two_hosts():
+    readme_results, index, _ = _readme_results()
+    other = next(e if isinstance(e, str) else e["file"] for e in index["files"]
+                 if "h100-" in (e if isinstance(e, str) else e["file"]))
+    mixed = dict(index, readme=dict(index["readme"], files=index["readme"]["files"] + [other]))
+    with pytest.raises(ValueError, match="one host's"):
+        readme_results.readme_run(mixed)
+
+

@@ -196,7 +196,7 @@ def test_fp8_forward_is_the_dequantized_matmul_up_to_activation_rounding(bias):
     # dequantized e4m3 base): they differ only by the per-row e4m3 rounding of the
     # activations, about 2.7% of the output's norm for Gaussian rows (a CPU emulation
     # measured 2.65% at the 14B widths). A wrong scale, orientation or bias epilogue
-    # would be far off. (Session 23's H100 run saw the FP8 base fit its batch slower than
+    # would be far off. (The H100 run of 2026-12-07 saw the FP8 base fit its batch slower than
     # every other format with every block resident; this is the first thing to rule out.)
     torch.manual_seed(5)
     lin = torch.nn.Linear(1024, 512, bias=bias, device="cuda", dtype=torch.bfloat16).requires_grad_(False)

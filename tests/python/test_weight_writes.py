@@ -323,7 +323,7 @@ def test_gpu_mode_takes_a_written_weight_as_its_master(daemon, how, dtype):
 
 
 def test_weights_of_the_wrong_size_or_outside_the_session_are_refused(daemon):
-    """StateField::kWeights checks what a client names (DESIGN.md, the trust boundary):
+    """StateField::kWeights checks what a client names (docs/design.md, "Trust boundary"):
     a payload that is not the parameter's size, or a region the session does not have,
     is answered with an error naming it, and nothing changes."""
     from trainstream._native.wire import FIELD_WEIGHTS  # noqa: PLC0415

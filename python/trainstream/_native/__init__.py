@@ -8,8 +8,8 @@
 * ``daemon``: finding the daemon, or starting one for this user;
 * ``runtime_check``: the installed package's torch and system-library checks.
 
-Both extensions load on first use, never at ``import trainstream`` (DESIGN.md, "Never
-put protobuf/gRPC and libtorch in one shared object": each loads on its own, and a
+Both extensions load on first use, never at ``import trainstream`` (docs/design.md,
+"Why gRPC and libtorch never share a shared object": each loads on its own, and a
 process that only asks the daemon for its status needs neither torch's extension nor
 CUDA). The built modules stay at ``trainstream._C`` and ``trainstream._control``.
 """

@@ -1,4 +1,4 @@
-"""Finding the daemon, or starting one for this user (DESIGN.md, "embedded" mode)."""
+"""Finding the daemon, or starting one for this user (docs/design.md, "Process model")."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,6 @@
 """Copies between host memory and the training device on dedicated streams.
 
-One seam for weight paging and activation paging (DESIGN.md, "Fake hardware seams"):
+One seam for weight paging and activation paging (docs/design.md, "Without a GPU"):
 with a CUDA device, copies run on a dedicated H2D or D2H stream ordered against the
 compute stream with events (the host never waits); with a CPU "device" (CI, or
 tests that declare a capacity) the same calls are plain synchronous copies, so the

@@ -159,7 +159,7 @@ class SharedBase:
     def register_cuda(self) -> Tuple[bool, str]:
         """Registers the mapping with CUDA read-only (cudaHostRegisterReadOnly, in
         chunks of at most 64 GiB), so copies to the GPU run at pinned speed. Returns
-        (registered, why not). Costs about 0.8 s/GiB once per process (DESIGN.md)."""
+        (registered, why not). Costs about 0.8 s/GiB once per process (docs/design.md, "Measured facts")."""
         _C = C()
         if self._cuda_chunks:
             return True, ""

@@ -1,6 +1,6 @@
 """optimizer_mode="cpu": the daemon's AdamW, over the session's command ring.
 
-The flow for one step (DESIGN.md, "Optimizer flow"):
+The flow for one step (docs/design.md, "Optimizer plane"):
 
 1. As each gradient becomes final during backward (a post-accumulate-grad hook),
    it is copied into its staging slot in shared memory and GRAD_READY is posted

@@ -1,7 +1,7 @@
 // Single-producer/single-consumer ring of fixed-size records in shared memory,
 // woken through a shared word (platform/shared_word.h: a futex on Linux; polled
 // on Windows, Note [Windows polls the shared word]). No lock is ever held, so a process that
-// dies mid-operation cannot wedge its peer (DESIGN.md, "Process model").
+// dies mid-operation cannot wedge its peer (docs/design.md, "Rings and wakeups").
 //
 // Layout (all in one mapping, 64-byte aligned):
 //   RingHeader            capacity, record size, head/tail counters, wake word
