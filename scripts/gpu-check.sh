@@ -143,9 +143,9 @@ if [[ $STAGES == *paging* ]]; then
     tail -8 "$OUT/bench-paging-$c.log" | tee -a "$OUT/bench.log"
   done
 fi
-# Scale per byte of host RAM (issue 20; docs/paging.md, "Issue 20 on the GPU host"): the
-# parts in SCALE_PARTS, in order, each under its own timeout, results appended to
-# $OUT/scale.jsonl. pool7b: the 7B full fine-tune with gradient slots and with the pool in
+# Scale per byte of host RAM (docs/paging.md, "On the GPU host: host bytes per trained
+# parameter"): the parts in SCALE_PARTS, in order, each under its own timeout, results
+# appended to $OUT/scale.jsonl. pool7b: the 7B full fine-tune with gradient slots and with the pool in
 # one invocation; layers: the 14B widths at SCALE_LAYERS blocks (40), full fine-tune, then
 # the first depth refused at wrap(); 70b: LoRA r=16 on a 72B-shaped NF4 base; load: the
 # 14B checkpoint loaded as NF4 warm and cold beside dd and bitsandbytes (its wheel
@@ -192,7 +192,7 @@ if [[ $STAGES == *scale* ]]; then
     tail -14 "$OUT/scale-$part.log" | tee -a "$OUT/bench.log"
   done
 fi
-# The Hugging Face front door under a 24 GiB cap (issue 18): the reference's QLoRA recipe
+# The Hugging Face front door under a 24 GiB cap: the reference's QLoRA recipe
 # through TrainStreamTrainer at 512 and 2,048 tokens, a 1.5B full fine-tune through it,
 # then the chunked loss against F.cross_entropy (and Liger's, when its wheel is carried
 # in .whl/).
@@ -209,7 +209,7 @@ if [[ $STAGES == *frontdoor* ]]; then
     tail -20 "$OUT/bench-losses.log" | tee -a "$OUT/bench.log"
   fi
 fi
-# Recovery with a CUDA model (issue 21, docs/recovery.md): the kill loop's 20 daemon
+# Recovery with a CUDA model (docs/recovery.md): the kill loop's 20 daemon
 # SIGKILLs over 200 steps with the model on the GPU, bit-identical to an uninterrupted
 # run, then the short loop's CUDA test (skipped on the CPU machine).
 if [[ $STAGES == *recovery* ]]; then
@@ -224,8 +224,8 @@ if [[ $STAGES == *recovery* ]]; then
   tail -8 "$OUT/recovery.log" | tee -a "$OUT/bench.log"
   ls /dev/shm | diff "$OUT/shm-before.txt" - | tee -a "$OUT/bench.log"
 fi
-# Head-to-head against other libraries and the formats' perplexity (issue 22;
-# docs/benchmarks-compare.md). The peers' wheels come in .whl/ (carried; made with
+# Head-to-head against other libraries and the formats' perplexity
+# (docs/benchmarks-compare.md). The peers' wheels come in .whl/ (carried; made with
 # benchmarks/headtohead/peer_wheels.py) and install into /tmp/site. COMPARE_ARGS picks
 # the scenarios, engines and caps; results land in $OUT/compare/ ($OUT/compare-<n>/ for
 # several runs; written after every engine, so a call cut off by its limit still returns
@@ -250,7 +250,7 @@ if [[ $STAGES == *quality* ]]; then
   tail -12 "$OUT/quality.log" | tee -a "$OUT/bench.log"
 fi
 # The FP8 base's fit with its tensor-core forward against the dequantized path, and the
-# forward's GPU tests (README, "Against other libraries": session 23's FP8 finding).
+# forward's GPU tests (docs/benchmarks-compare.md, "What the runs show": the FP8 base's slower fit).
 if [[ $STAGES == *fp8diag* ]]; then
   export PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu
   timeout ${FP8DIAG_TIMEOUT:-300} .venv/bin/python benchmarks/base/diag_fp8_fit.py --json "$OUT/fp8diag.json" \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU host's half of issue 19 in one command (through the device tool, with .deps
+# The GPU host's half of the install check (docs/install.md) in one command (through the device tool, with .deps
 # carried): `pip install --no-build-isolation .` with the host's python3 into a fresh
 # venv that sees the host's torch (and scikit-build-core, pybind11), then the CUDA test
 # files against the installed package: no PYTHONPATH to a build tree, no

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/windows-check.sh: runs the Windows C++ tests that
-# scripts/windows-cross.sh built, under wine64 (issue 23; docs/windows.md).
+# scripts/windows-cross.sh built, under wine64 (docs/windows.md).
 # These are the tests of the CPU kernels, the daemon's AdamW engine, the
 # platform seam, proto/, the client and the daemon core
 # (build-windows/bin/*_test.exe); then, unless TESTS names tests, the service

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/windows-cross.sh: cross-builds TrainStream's Windows binaries on a
-# Debian 12 machine with MinGW-w64 (issue 23; docs/windows.md). So far it
+# Debian 12 machine with MinGW-w64 (docs/windows.md). So far it
 # builds the CPU compute kernels (kernels/cpu), the daemon's AdamW engine
 # (daemon/optimizer), the platform seam (proto/platform), proto/, the client
 # library, trainstreamctl.exe (with TRAINSTREAM_WINDOWS_WITH_DAEMON=ON also

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Base-load threads benchmark (issue 20): how fast trainstreamd reads and quantizes
+"""Base-load threads benchmark: how fast trainstreamd reads and quantizes
 a checkpoint with 1 loader thread and with N, from the page cache (warm) and from
 the disk (cold), next to what the disk gives one `dd` stream and, where
 bitsandbytes is importable with a GPU, its NF4 `from_pretrained` of the same files.

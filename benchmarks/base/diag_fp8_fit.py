@@ -1,7 +1,7 @@
 """Does the FP8 base's tensor-core forward slow a LoRA fit? A diagnostic for one finding.
 
-Session 23's H100 run of the head-to-head (README, "Against other libraries") saw the
-FP8 base, every block resident, reach a loss of 1.40 at step 10 where every other base
+The head-to-head's run on the H100 of 2026-12-07 02:58 UTC (docs/benchmarks-compare.md,
+"What the runs show") saw the FP8 base, every block resident, reach a loss of 1.40 at step 10 where every other base
 format reached 0.25; on 2026-12-04's H200, under the cap with 22 of 48 blocks resident,
 it fit like NF4. This script separates the FP8 forward from everything else TrainStream
 does (no daemon, no paging, plain torch AdamW):

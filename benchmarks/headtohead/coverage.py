@@ -1,5 +1,4 @@
-"""What the head-to-head has not measured yet, and the device calls that would measure it
-(issue 22).
+"""What the head-to-head has not measured yet, and the device calls that would measure it.
 
 A cell is one scenario, engine and cap (24 GiB or uncapped). It counts as measured once
 some run reached an outcome in it on any host: a step time, or running out of memory or

@@ -55,8 +55,8 @@ def merge(docs: List[dict]) -> dict:
 # name it once a document holds more than one. Hosts of one kind are grouped together
 # although they differ too (two H100 hosts by up to 10-15% on the 7B step:
 # docs/staging-pool.md); each results file names its host's measured PCIe and cores.
-# Where one host ran visibly faster than another of its GPU (session 21's H200 ran
-# Unsloth's 512-token step, which never nears the cap, 1.6x as fast as session 13's),
+# Where one host ran visibly faster than another of its GPU (the H200 of 2026-12-06 ran
+# Unsloth's 512-token step, which never nears the cap, 1.6x as fast as that of 2026-12-04),
 # benchmarks/results/index.json names that host's files with a label, and their tables
 # stand apart ("NVIDIA H200, <label>"). A document of one machine reads as it always did.
 def _machines(doc: dict) -> List[str]:

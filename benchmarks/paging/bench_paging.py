@@ -1,4 +1,4 @@
-"""Training bigger than VRAM (issues 6 and 20): random-weight Qwen2.5 shapes under a VRAM cap.
+"""Training bigger than VRAM: random-weight Qwen2.5 shapes under a VRAM cap.
 
 Cases (each in its own process, so caps and peaks don't mix):
 
@@ -17,7 +17,7 @@ Cases (each in its own process, so caps and peaks don't mix):
 
 Each prints s/step, peak VRAM, host RSS and the daemon's shared memory, PCIe bytes and
 GB/s against the PCIe floor (bytes that crossed per step / 55 GB/s), the loss per step,
-the planner's decisions and issue 20's figure, host bytes per trained parameter
+the planner's decisions and the host figure, host bytes per trained parameter
 (paging_memory.py says exactly what it counts), then a JSON line (RESULT ...). The full
 cases run once per --grad-pool variant (pool: wrap's default; slots: grad_pool=0; or a
 size in bytes).
@@ -301,7 +301,7 @@ def train(args, case, model, opt, vocab, dev, cuda, result) -> None:
         pool_wait_s=round(st.get("pool_wait_s", 0.0), 3),
         events=[{k: v for k, v in e.items() if k != "time"} for e in rep["events"]
                 if e["kind"] in ("plan", "watchdog", "attention")])
-    # Issue 20's figure: paging_memory.py's docstring says what it counts.
+    # The host figure: paging_memory.py's docstring says what it counts.
     base = WRAPPED.get("base")
     result.update(paging_memory.host_figure(status, result["trained_params"],
                                             base.session.id if base is not None else None))

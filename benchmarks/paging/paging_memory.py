@@ -1,7 +1,7 @@
-"""Host-memory readings of bench_paging.py: issue 20's figure, and the planner's
+"""Host-memory readings of bench_paging.py: the host figure, and the planner's
 MemoryError taken apart.
 
-Issue 20's figure, ``host_bytes_per_trained_param``: the daemon's shared memory plus
+The host figure, ``host_bytes_per_trained_param``: the daemon's shared memory plus
 this process's own memory, per trained parameter, beyond the model's activations and a
 LoRA case's frozen base. Its parts (``host_bytes``, which add up to it exactly):
 
@@ -41,7 +41,7 @@ def _excluded(label: str) -> bool:
 
 def host_figure(status: Dict[str, Any], trained: int,
                 base_session: Optional[int] = None) -> Dict[str, Any]:
-    """Issue 20's figure (module docstring) from the daemon's ``status`` (its JSON) and
+    """The host figure (module docstring) from the daemon's ``status`` (its JSON) and
     this process's smaps, for ``trained`` parameters; every segment of ``base_session``
     (the session holding a frozen base) is left out."""
     from trainstream._native.host_memory import live_bytes_by_tag

@@ -1,13 +1,13 @@
 """bench_paging.py's closing summary: one table row per run, then each case's verdict
-against its goal (issue 20: 7B full fine-tune at most 8.5 host bytes per trained
+against its goal (7B full fine-tune at most 8.5 host bytes per trained
 parameter and 1.73 s/step; the full-layers depth trains and the next one is refused
-with numbers that add up; the 70B LoRA against its PCIe floor; issue 6: the 14B LoRA
+with numbers that add up; the 70B LoRA against its PCIe floor; the 14B LoRA
 within 1.2x of its floor).
 """
 from __future__ import annotations
 
 TARGET_B_PER_PARAM = 8.5
-TARGET_7B_STEP_S = 1.73  # issue 20: the 7B full fine-tune's step before the pool
+TARGET_7B_STEP_S = 1.73  # the 7B full fine-tune's step goal, an H200's step before the pool
 
 
 def _fmt(n: float) -> str:

@@ -6,7 +6,7 @@ processes inherit it, so compare.py's engines run on the path too:
     PYTHONPATH=benchmarks/base/emulate_fp8:build/python python benchmarks/compare.py \\
         --tiny --scenarios lora14b --engines trainstream_fp8
 
-A diagnostic for the CPU machine (session 23's FP8 finding): the FP8 path through
+A diagnostic for the CPU machine (the FP8 base's slower fit, docs/benchmarks-compare.md): the FP8 path through
 load_model, wrap() and PEFT, where no GPU takes it."""
 import os
 import sys

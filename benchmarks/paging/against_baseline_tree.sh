@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
-# Issue 20's step goal ("no worse than today's 1.73 s") on one machine: the 7B full
-# fine-tune of this tree, with and without recovery's journal, beside the same case run by
-# the tree the issue was filed against (5a66be0: gradient and weight slots, no journal, no
+# The 7B full fine-tune's step against a baseline tree, on one machine: this tree, with and
+# without recovery's journal, beside the same case run by the baseline tree (5a66be0: gradient and weight slots, no journal, no
 # split master), in the order ORDER gives, every run on the same warm machine.
 #
 #   git archive 5a66be0 --prefix=.baseline-5a66be0/ | tar -x     # here (git-ignored), then
 #   on the GPU host, with carry: [".deps", ".baseline-5a66be0"] (6 MB):
 #   BASELINE_DIR=.baseline-5a66be0 ORDER="base journal nojournal" \
-#     bash benchmarks/paging/issue20_baseline.sh
+#     bash benchmarks/paging/against_baseline_tree.sh
 #
 # ORDER words: base (the old tree), journal (this tree, defaults), nojournal (this tree,
 # --recovery-grace 0), threadsN (this tree, defaults, the daemon with N AdamW threads),
 # slots (this tree, journal off, a gradient slot per parameter as the old tree had: tells
 # the pool's share of a difference from the split master's), poolN (this tree, journal
 # off, an N GiB gradient pool instead of the sized 2 GiB).
-# Each run's last lines go to $OUT/issue20.log and its step times to $OUT/issue20.jsonl.
+# Each run's last lines go to $OUT/baseline-tree.log and its step times to $OUT/baseline-tree.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit
 ROOT=$PWD
@@ -22,18 +21,18 @@ OUT=${OUT:-$PWD/gpu-check-out}
 BASELINE_DIR=${BASELINE_DIR:?the old tree, from git archive}
 mkdir -p "$OUT"
 rc=0
-log() { echo "$*" | tee -a "$OUT/issue20.log"; }
+log() { echo "$*" | tee -a "$OUT/baseline-tree.log"; }
 # What could make one host's runs differ: NUMA nodes (where the daemon's pages and its
 # AdamW threads land), transparent huge pages, the CPU.
 log "host: $(nproc) cores, $(lscpu 2>/dev/null | awk -F: '/^NUMA node\(s\)|^Model name/ {gsub(/^ +/, "", $2); printf "%s; ", $2}')THP $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
 
 # Build both trees once (a warm machine keeps build-gpu/ of each).
 if [[ ${BUILD:-1} == 1 ]]; then
-  OUT=$OUT STAGES=lean bash scripts/gpu-check.sh > "$OUT/issue20-build.log" 2>&1 || rc=1
+  OUT=$OUT STAGES=lean bash scripts/gpu-check.sh > "$OUT/baseline-tree-build.log" 2>&1 || rc=1
   ln -sfn "$ROOT/.deps" "$BASELINE_DIR/.deps"
   (cd "$BASELINE_DIR" && OUT=$OUT/baseline-build STAGES=lean bash scripts/gpu-check.sh) \
-    >> "$OUT/issue20-build.log" 2>&1 || rc=1
-  tail -3 "$OUT/issue20-build.log" | tee -a "$OUT/issue20.log"
+    >> "$OUT/baseline-tree-build.log" 2>&1 || rc=1
+  tail -3 "$OUT/baseline-tree-build.log" | tee -a "$OUT/baseline-tree.log"
 fi
 # shellcheck disable=SC1091
 source .deps/unpack.sh
@@ -54,8 +53,8 @@ for what in ${ORDER:-base journal nojournal}; do
   log "== $what ($(date -u +%T), $(free -g | awk '/Mem/ {print $7}') GiB available)"
   (cd "$tree" && PYTHONPATH=$tree/build-gpu/python TRAINSTREAM_BUILD_DIR=$tree/build-gpu \
      timeout 220 .venv/bin/python benchmarks/paging/bench_paging.py "${flags[@]}" "${extra[@]}") \
-    > "$OUT/issue20-run.log" 2>&1 || { rc=1; log "$what failed"; }
-  python3 - "$what" "$OUT/issue20-run.log" "$OUT/issue20.jsonl" <<'EOF' | tee -a "$OUT/issue20.log"
+    > "$OUT/baseline-tree-run.log" 2>&1 || { rc=1; log "$what failed"; }
+  python3 - "$what" "$OUT/baseline-tree-run.log" "$OUT/baseline-tree.jsonl" <<'EOF' | tee -a "$OUT/baseline-tree.log"
 # The run's printed JSON, not bench_paging's --jsonl: the filed tree's has no --jsonl.
 import json, re, sys
 what, path, out = sys.argv[1:]
