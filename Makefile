@@ -76,7 +76,7 @@ demo: build
 # (about 20 minutes on 2 cores). Every report is fatal. handle_sigbus=0: the memory
 # guard's test checks that a child dies of SIGBUS, which ASan would catch first.
 # `TRAINSTREAM_BUILD_DIR` pointing at a directory whose bin/ holds these binaries
-# runs the Python tests against the sanitized daemon (README, "Sanitizers").
+# runs the Python tests against the sanitized daemon (docs/building.md, "Sanitizers").
 SAN_BUILD ?= build-asan
 SAN_FLAGS ?= -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 sanitize: deps
