@@ -10,8 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import memory
-from .integrations import hf_logits_loss
+from . import hf_logits_loss, memory
 from .optim import OffloadAdamW
 from .options import validate
 from .report import SESSION_ATTR as _SESSION_ATTR
