@@ -109,7 +109,10 @@ class TrainStreamTrainer(Trainer):
     Not accepted there: what the ``TrainingArguments`` already say (``max_grad_norm``,
     ``gradient_accumulation_steps``, ``learning_rate``, and the device). With paging
     (asked for, or the planner finding the model too big for the device) the model
-    stays on the CPU until ``create_optimizer()``'s ``wrap()`` places it.
+    stays on the CPU until ``create_optimizer()``'s ``wrap()`` places it. The machine is
+    measured and the plan made once per job, before Trainer places the model, and
+    ``wrap()`` carries out that plan; it keeps the chunked loss's workspace free
+    (``vram_headroom``) wherever a device limit is known.
     """
 
     def __init__(self, *args, trainstream: Optional[Dict[str, Any]] = None,
@@ -292,6 +295,7 @@ class TrainStreamTrainer(Trainer):
             raise job.error
         _, self.optimizer = wrap_planned(model, optimizer, job.config, job.measured,
                                          job.decided)
+        self._job = None  # spent: a later wrap (after an unwrap) measures the machine anew
         return self.optimizer
 
     def _causal_lm_head(self, model):
