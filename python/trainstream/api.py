@@ -10,8 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import memory
-from .integrations import hf_logits_loss
+from . import hf_logits_loss, memory
 from .optim import OffloadAdamW
 from .options import validate
 from .report import SESSION_ATTR as _SESSION_ATTR
@@ -69,13 +68,23 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     paged blocks and activations over the optimizer's staging slots, adapt the plan to
     the measured peaks of the first steps.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if getattr(model, _SESSION_ATTR, None) is not None:
-        raise ValueError("this model is already wrapped; call trainstream.unwrap(model) first")
+    _check_unwrapped(model)
     config = validate(options)
     measured = memory.measure(model, config)
-    prepared = memory.plan(model, measured, config)
+    return wrap_planned(model, optimizer, config, measured, memory.decide(model, measured, config))
+
+
+def wrap_planned(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 config: Dict[str, Any], measured: "memory.install.Measured",
+                 decided: "Optional[memory.planner.Plan]",
+                 ) -> Tuple[nn.Module, Optional[OffloadAdamW]]:
+    """``wrap()`` with its measurement and plan made already: ``config`` is
+    ``validate(options)``, ``measured`` ``memory.measure(model, config)`` and ``decided``
+    ``memory.decide(model, measured, config)``. TrainStreamTrainer measures and plans once
+    per job, before Trainer places the model (a model that pages stays on the host), and
+    hands both here, so the machine is not measured twice."""
+    _check_unwrapped(model)
+    prepared = memory.plan(model, measured, config, decided)
     opt = _offload_optimizer(model, optimizer, config, prepared.moment_dtype)
     session = TrainStreamSession(config=config, optimizer=opt)
     opt.set_event_sink(session.event)
@@ -92,6 +101,13 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                                           "loss without fp32 copies of the logits")
     setattr(model, _SESSION_ATTR, session)
     return model, opt
+
+
+def _check_unwrapped(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, _SESSION_ATTR, None) is not None:
+        raise ValueError("this model is already wrapped; call trainstream.unwrap(model) first")
 
 
 def _offload_optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],

@@ -12,8 +12,6 @@ from typing import Any, Dict
 
 import torch
 
-from .frozen.fp8_matmul import FP8_MATMUL_ACCEPTED, FP8_MATMUL_MODES
-
 # name: (default, description of accepted values, validator)
 _AUTO = "auto"
 
@@ -111,6 +109,16 @@ def _bytes_or_none(v):
 
 
 _QUANT_FORMATS = ("int8", "nf4", "fp8", "nvfp4")
+# How an FP8 base's forward multiplies (the option fp8_matmul; frozen/fp8_matmul.py's
+# set_fp8_matmul): "auto" takes the tensor-core path wherever the probe accepts it
+# (activations rounded to e4m3); "dequantize" runs the bf16 matmul on the dequantized
+# weight (the stored codes exactly, as NF4 and INT8 do), with no second device copy of
+# the weight.
+FP8_MATMUL_MODES = ("auto", "dequantize")
+# What the modes mean, in the errors of set_fp8_matmul and of wrap()'s option alike.
+FP8_MATMUL_ACCEPTED = ("'auto' (an FP8 base's forward on FP8 tensor cores where the GPU and "
+                       "torch run them right, activations rounded to e4m3) or 'dequantize' "
+                       "(the bf16 matmul on the dequantized weight)")
 
 # Spellings the reference API (TrainStream 0.5) accepts, mapped to the one value the
 # rest of the package reads, so no other module compares against the aliases.

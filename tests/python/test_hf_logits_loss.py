@@ -1,4 +1,4 @@
-"""wrap()'s loss for Hugging Face causal LMs (integrations/hf_logits_loss.py) against
+"""wrap()'s loss for Hugging Face causal LMs (hf_logits_loss.py) against
 transformers' own ForCausalLMLoss and torch's F.cross_entropy on the CPU: the same loss
 and gradients (fp32 sums in another order: 1e-6 relative), padding (-100),
 num_items_in_batch, shift_labels, bf16 logits, and wrap()/unwrap() putting it in place
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import trainstream  # noqa: E402
-from trainstream.integrations import hf_logits_loss  # noqa: E402
-from trainstream.integrations.hf_logits_loss import logits_cross_entropy  # noqa: E402
+from trainstream import hf_logits_loss  # noqa: E402
+from trainstream.hf_logits_loss import logits_cross_entropy  # noqa: E402
 
 
 def _model(seed=0):

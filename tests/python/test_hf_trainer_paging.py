@@ -1,7 +1,8 @@
 """TrainStreamTrainer with wrap()'s paging options (CPU: the pager and the activation
 offloader run with memcpy, so paged training is bit for bit the unpaged one): losses,
 evaluation, checkpoints, resume and load_best_model_at_end as without paging; on a GPU
-the model stays on the CPU until wrap() places it (CUDA tests, run on the GPU host)."""
+the model stays on the CPU until wrap() places it (CUDA tests, run on the GPU host), and
+the machine is measured and planned for once per job."""
 import copy
 
 import pytest
@@ -162,3 +163,34 @@ def test_the_chunked_loss_workspace_is_added_to_the_headroom(daemon, tmp_path, c
         (vocab * hidden * lm.head.weight.element_size() if lm.head.weight.requires_grad else 0)
     headroom = model._trainstream_session.config["vram_headroom"]
     assert headroom == pytest.approx(0.05 + ws / limit if chunked else 0.05)
+
+
+@pytest.mark.parametrize("limit", [None, 300_000])
+def test_the_machine_is_measured_and_the_plan_made_once_per_job(daemon, tmp_path, monkeypatch,
+                                                                limit):
+    """TrainStreamTrainer plans before Trainer places the model (does it page?) and hands
+    that plan to wrap(): one capacity measurement and one plan per job, whether the model
+    fits (no limit) or, under a TRAINSTREAM_VRAM_LIMIT its resident blocks do not fit in,
+    pages (and stays where it is until wrap() places it). Before, create_optimizer's
+    wrap() measured the machine and planned again."""
+    from trainstream.memory import install, planner
+    calls = {"measure_capacity": 0, "plan": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    monkeypatch.setattr(install, "measure_capacity",
+                        counted("measure_capacity", install.measure_capacity))
+    monkeypatch.setattr(planner, "plan", counted("plan", planner.plan))
+    if limit is not None:
+        monkeypatch.setenv("TRAINSTREAM_VRAM_LIMIT", str(limit))
+    model = _model()
+    trainer = _trainer(model, tmp_path, daemon, {"min_offload_bytes": 0, "chunked_loss": False},
+                       max_steps=2)
+    assert trainer.defers_placement() is (limit is not None)
+    trainer.train()
+    assert calls == {"measure_capacity": 1, "plan": 1}
+    paged = trainstream.memory_report(model)["params"]["paged_blocks"]
+    assert paged == ([0, 1] if limit is not None else [])

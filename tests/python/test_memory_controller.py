@@ -248,10 +248,10 @@ def _fake_device(monkeypatch, total, peak):
 
 
 def test_going_local_keeps_vram_headroom_free(monkeypatch):
-    """offload="auto"'s decision (memory controller) needs the second step's peak plus
-    torch's two moments to fit in the capacity less vram_headroom (it hard-coded 0.10,
+    """offload="auto"'s decision (decide_offload, optim/local.py) needs the second step's
+    peak plus torch's two moments to fit in the capacity less vram_headroom (it hard-coded 0.10,
     the option's default)."""
-    from trainstream.memory.controller import decide_offload
+    from trainstream.optim.local import decide_offload
     from trainstream.options import default
     _fake_device(monkeypatch, total=1000 << 20, peak=700 << 20)
     params = [_FakeCudaParam(50 << 20)]  # bf16: 2 x 100 MiB of moments

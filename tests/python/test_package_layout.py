@@ -1,16 +1,24 @@
-"""The package's layout rules (issue 17, item 7; docs/package-layout.md): small modules,
-no import cycle among them, the documented import paths importable, and ``import
-trainstream`` loading neither compiled module."""
+"""The package's layout rules (issue 17, item 7; issue 44, item 5; docs/package-layout.md):
+small modules, no import cycle among them, the sub-packages' and root modules'
+dependencies running one way in the order docs/package-layout.md draws (this file reads
+the drawing, so the order is written once), the documented import paths importable, and
+``import trainstream`` loading neither compiled module."""
 import ast
 import os
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "python" / "trainstream"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "python" / "trainstream"
+LAYOUT_DOC = ROOT / "docs" / "package-layout.md"
 MAX_LINES = 500
+# What the build puts beside the sources: the compiled modules and the build's record.
+# Only their loaders in _native/ import them, so they count as part of _native.
+BUILT = ("trainstream._C", "trainstream._control", "trainstream._build_info")
 
 
 def _modules():
@@ -26,7 +34,8 @@ def _modules():
 
 def _imports(name: str, path: Path, modules) -> set:
     """The package's modules that ``name`` imports, at the top or inside a function
-    (a deferred import still runs, and can still close a cycle)."""
+    (a deferred import still runs, and can still close a cycle). ``modules``: the
+    package's module names (BUILT included)."""
     is_package = path.name == "__init__.py"
     here = name.split(".") if is_package else name.split(".")[:-1]
     found = set()
@@ -55,7 +64,47 @@ def _imports(name: str, path: Path, modules) -> set:
 
 def _graph():
     modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    known = set(modules) | set(BUILT)
+    graph = {name: _imports(name, path, known) for name, path in modules.items()}
+    return {**graph, **{b: set() for b in BUILT}}  # (compiled: they import none of ours)
+
+
+def _unit(module: str) -> str:
+    """The unit of the dependency order a module belongs to: its sub-package, or the
+    root module itself (each root module is a unit: api, report, options, ...; the
+    package's own ``__init__`` is ``trainstream``). BUILT modules are _native's."""
+    if module in BUILT:
+        return "_native"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _unit_graph(graph):
+    """{unit: {unit it imports: [(module, module it imports), ...]}}, between units only."""
+    out = defaultdict(lambda: defaultdict(list))
+    for a, targets in graph.items():
+        for b in targets:
+            if _unit(a) != _unit(b):
+                out[_unit(a)][_unit(b)].append((a, b))
+    return out
+
+
+def _documented_layers():
+    """The layers of docs/package-layout.md's drawing ("Dependencies run one way"), top
+    first: each a list of unit names, one per cell of the drawing's row."""
+    section = LAYOUT_DOC.read_text().split("## Dependencies run one way", 1)[1]
+    drawing = section.split("```", 2)[1]
+    return [[cell.strip() for cell in line.split("|")[1:-1]]
+            for line in drawing.splitlines() if line.startswith("|")]
+
+
+def _against_order(units, layers):
+    """Each import between units that does not go down the layers (a unit uses only
+    units on rows below its own: not its row's others, not a row above)."""
+    row = {u: i for i, layer in enumerate(layers) for u in layer}
+    return [f"{a} -> {b} ({', '.join(f'{x} imports {y}' for x, y in sorted(why))})"
+            for a in sorted(units) for b, why in sorted(units[a].items())
+            if row[a] >= row[b]]
 
 
 def _cycle(graph):
@@ -98,6 +147,42 @@ def test_no_import_cycle():
     assert "trainstream.api" in graph and graph["trainstream.api"], "the import walk found nothing"
     cycle = _cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_the_drawing_names_every_unit_once():
+    layers = _documented_layers()
+    drawn = [u for layer in layers for u in layer]
+    assert len(layers) >= 5 and "api" in drawn, "the drawing was not found or not read"
+    assert len(drawn) == len(set(drawn)), f"a unit drawn twice: {drawn}"
+    units = {_unit(m) for m in _graph()}
+    assert set(drawn) == units, (f"in the code, not drawn: {sorted(units - set(drawn))}; "
+                                 f"drawn, not in the code: {sorted(set(drawn) - units)}")
+
+
+def test_no_package_level_cycle():
+    units = _unit_graph(_graph())
+    assert units["api"], "the import walk found nothing"
+    cycle = _cycle({u: set(units[u]) for u in {_unit(m) for m in _graph()}})
+    assert cycle is None, (f"import cycle among sub-packages and root modules: "
+                           f"{' -> '.join(cycle)}")
+
+
+def test_imports_follow_the_documented_order():
+    """Every import, deferred ones included, goes down docs/package-layout.md's layers."""
+    wrong = _against_order(_unit_graph(_graph()), _documented_layers())
+    assert not wrong, ("imports against the order docs/package-layout.md draws (move what "
+                       "is needed to the lower layer, or pass it in):\n" + "\n".join(wrong))
+
+
+def test_the_order_check_finds_an_import_up_or_across():
+    layers = [["top"], ["left", "right"], ["bottom"]]
+    down = {"top": {"left": [("top.a", "left.b")]}, "left": {"bottom": [("left.b", "bottom")]}}
+    assert _against_order(down, layers) == []
+    up = {"bottom": {"top": [("bottom", "top.a")]}, "left": {"right": [("left.b", "right")]}}
+    assert _against_order(up, layers) == ["bottom -> top (bottom imports top.a)",
+                                          "left -> right (left.b imports right)"]
+    assert _unit("trainstream._C") == "_native" and _unit("trainstream") == "trainstream"
+    assert _unit("trainstream.memory.planner") == "memory" and _unit("trainstream.api") == "api"
 
 
 def test_the_cycle_finder_finds_one():

@@ -1,12 +1,17 @@
 """The FP8 tensor-core helpers of ``QuantLinear`` (quantization.py): whether row-wise
 scaled ``torch._scaled_mm`` runs on a device, exact power-of-two row scales and the
 eager per-row e4m3 activation quantizer; and the switch that keeps an FP8 layer off that
-path (``fp8_matmul``: the modes, their check, ``set_fp8_matmul`` over a model)."""
+path (``fp8_matmul``: the check of a mode, ``set_fp8_matmul`` over a model; the modes are
+the options table's, options.py)."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
 import torch
+
+# The modes and their meaning are the options table's (the fp8_matmul option), read here
+# for set_fp8_matmul's check and error.
+from ..options import FP8_MATMUL_ACCEPTED, FP8_MATMUL_MODES
 
 
 def _fp8_rowwise_supported(device: torch.device) -> Tuple[bool, str]:
@@ -99,17 +104,6 @@ def _quantize_rows_e4m3_eager(x2: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     e4m3's round-to-nearest keeps at 448."""
     x_scale = (x2.abs().amax(dim=1, keepdim=True).float() * (1.0 / 448.0)).clamp_min(1e-30)
     return (x2.float() / x_scale).to(torch.float8_e4m3fn), x_scale
-
-
-# How an FP8 base's forward multiplies (the wrap() option fp8_matmul, set_fp8_matmul):
-# "auto" takes the tensor-core path wherever the probe accepts it (activations rounded to
-# e4m3); "dequantize" runs the bf16 matmul on the dequantized weight (the stored codes
-# exactly, as NF4 and INT8 do), with no second device copy of the weight.
-FP8_MATMUL_MODES = ("auto", "dequantize")
-# What the modes mean, in the errors of set_fp8_matmul and of wrap()'s option alike.
-FP8_MATMUL_ACCEPTED = ("'auto' (an FP8 base's forward on FP8 tensor cores where the GPU and "
-                       "torch run them right, activations rounded to e4m3) or 'dequantize' "
-                       "(the bf16 matmul on the dequantized weight)")
 
 
 def check_fp8_matmul(mode) -> str:

@@ -228,7 +228,7 @@ class QuantLinear(nn.Module):
             if bias is not None else None
         self._fp8_cache: Optional[Tuple[torch.device, torch.Tensor, torch.Tensor]] = None
         self._paged = False  # set_paged: the block's weights are paged (no tensor-core copy)
-        self.fp8_matmul = "auto"  # set_fp8_matmul: FP8_MATMUL_MODES (fp8_matmul.py)
+        self.fp8_matmul = "auto"  # set_fp8_matmul: FP8_MATMUL_MODES (options.py)
         # Set by _prepare at the first forward on a device (the hot path reads only these).
         self._plan_device: Optional[torch.device] = None
         self._plan_fp8 = False
@@ -316,7 +316,7 @@ class QuantLinear(nn.Module):
                               _fp8_rowwise_supported, self.fp8_matmul)
 
     def set_fp8_matmul(self, mode: str) -> None:
-        """'auto' or 'dequantize' (FP8_MATMUL_MODES); the next forward chooses the path again."""
+        """'auto' or 'dequantize' (options.FP8_MATMUL_MODES); the next forward chooses the path again."""
         self.fp8_matmul = check_fp8_matmul(mode)
         self._reset_plan()
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
 from transformers import Trainer, TrainerCallback
 
 from .. import memory
-from ..api import wrap
-from ..memory import planner
+from ..api import wrap_planned
 from ..optim import OffloadAdamW
 from ..options import default, validate
 from .hf_callback import StepFigures, end_abandoned_step
@@ -74,20 +74,23 @@ def _asks_for_paging(options: Dict[str, Any]) -> bool:
     return any(options.get(k, "auto") not in ("auto", False, None) for k in _PAGING_OPTIONS)
 
 
-def _planner_would_page(model, options: Dict[str, Any], device: torch.device) -> bool:
-    """Whether wrap()'s planner would page ``model`` on ``device`` (its measure and its
-    pure plan, nothing moved). A plan that cannot fit counts as paging: wrap() then
-    raises its MemoryError before anything is copied."""
-    config = validate({**options, "device": str(device)})
-    measured = memory.measure(model, config)
-    if measured.capacity is None:
-        return False
-    fmt = config["quantize"] if config["quantize"] not in ("auto", None) else "nf4"
-    summary = planner.summarize(model, measured.blocks, config["min_offload_bytes"], fmt)
-    try:
-        return bool(planner.plan(summary, measured.capacity, config).paged)
-    except MemoryError:
-        return True
+@dataclass
+class _JobPlan:
+    """wrap()'s measurement and plan of ``model`` with ``options``, made once per job:
+    before Trainer places the model (does it page?) and handed to wrap() at
+    create_optimizer (api.wrap_planned). ``error``: the planner's MemoryError, which
+    wrap() raises before anything is copied."""
+    model: Any
+    options: Dict[str, Any]
+    config: Dict[str, Any]
+    measured: Any            # memory.measure's Measured
+    decided: Any             # memory.decide's Plan (None: no block stack, or the error)
+    error: Optional[MemoryError]
+
+    def pages(self) -> bool:
+        """A plan that cannot fit counts as paging: the model stays on the host until
+        wrap() raises."""
+        return self.error is not None or bool(self.decided is not None and self.decided.paged)
 
 
 class TrainStreamTrainer(Trainer):
@@ -106,7 +109,10 @@ class TrainStreamTrainer(Trainer):
     Not accepted there: what the ``TrainingArguments`` already say (``max_grad_norm``,
     ``gradient_accumulation_steps``, ``learning_rate``, and the device). With paging
     (asked for, or the planner finding the model too big for the device) the model
-    stays on the CPU until ``create_optimizer()``'s ``wrap()`` places it.
+    stays on the CPU until ``create_optimizer()``'s ``wrap()`` places it. The machine is
+    measured and the plan made once per job, before Trainer places the model, and
+    ``wrap()`` carries out that plan; it keeps the chunked loss's workspace free
+    (``vram_headroom``) wherever a device limit is known.
     """
 
     def __init__(self, *args, trainstream: Optional[Dict[str, Any]] = None,
@@ -149,6 +155,7 @@ class TrainStreamTrainer(Trainer):
         self.chunked_loss, self.loss_chunk_size = loss["chunked_loss"], loss["loss_chunk_size"]
         self._lm_head: Any = None  # find_causal_lm_head's answer, once asked (False: none)
         self._defers_placement: Optional[bool] = None  # decided on first use
+        self._job: Optional[_JobPlan] = None  # the job's measurement and plan (_job_plan)
         self._figures = StepFigures()
         super().__init__(*args, **kwargs)
         if "device" in options and torch.device(options["device"]) != self.args.device:
@@ -189,17 +196,44 @@ class TrainStreamTrainer(Trainer):
 
     def defers_placement(self, model=None) -> bool:
         """Whether the model stays where it is until ``create_optimizer()``'s ``wrap()``
-        places it: paging asked for in the options, or (on a GPU) wrap()'s planner
-        finding that the model does not fit. Decided once, before the first move."""
+        places it: paging asked for in the options, or wrap()'s plan (made here, once,
+        and handed to wrap()) paging the model or finding that it does not fit. Decided
+        once, before the first move."""
         if self._defers_placement is None:
             model = self.model if model is None else model
             options = self.trainstream_options
             self._defers_placement = bool(
                 model is not None and getattr(model, "_trainstream_session", None) is None
                 and (_asks_for_paging(options) or "device" in options
-                     or (self.args.device.type == "cuda"
-                         and _planner_would_page(model, options, self.args.device))))
+                     or self._job_plan(model).pages()))
         return self._defers_placement
+
+    def _job_plan(self, model) -> _JobPlan:
+        """wrap()'s measurement and plan for ``model``, made once: the one already made
+        when it was for this model and the same options (a new model from model_init,
+        or TrainingArguments changed since, is a new job)."""
+        options = self._wrap_options(model)
+        job = self._job
+        if job is None or job.model is not model or job.options != options:
+            config = validate(options)
+            measured = memory.measure(model, config)
+            try:
+                decided, error = memory.decide(model, measured, config), None
+            except MemoryError as e:
+                decided, error = None, e
+            job = self._job = _JobPlan(model, options, config, measured, decided, error)
+        return job
+
+    def _wrap_options(self, model) -> Dict[str, Any]:
+        """What wrap() gets: the trainstream options, the TrainingArguments' device,
+        clipping and accumulation, and the chunked loss's workspace in vram_headroom."""
+        args = self.args
+        options = dict(self.trainstream_options, device=args.device)
+        options.update(self._loss_headroom(model, options))
+        options["max_grad_norm"] = args.max_grad_norm if args.max_grad_norm and \
+            args.max_grad_norm > 0 else None
+        options["accumulation_steps"] = args.gradient_accumulation_steps
+        return options
 
     def _move_model_to_device(self, model, device) -> None:
         # (Trainer's __init__, a model_init in train(), and bf16_full_eval's train().)
@@ -252,18 +286,16 @@ class TrainStreamTrainer(Trainer):
             self.optimizer = inner
             return inner
         model = self.model if model is None else model
-        defer = self.defers_placement(model)
+        self.defers_placement(model)
         optimizer = super().create_optimizer(model)
-        args = self.args
-        options = dict(self.trainstream_options)
-        if defer:  # wrap() places the model: what pages stays on the host
-            options["device"] = args.device
-            options.update(self._loss_headroom(model, options))
-        _, self.optimizer = wrap(
-            model, optimizer,
-            max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0
-            else None,
-            accumulation_steps=args.gradient_accumulation_steps, **options)
+        # wrap() places the model (what pages stays on the host) with the plan made
+        # when Trainer was about to place it: the machine is measured once per job.
+        job = self._job_plan(model)
+        if job.error is not None:
+            raise job.error
+        _, self.optimizer = wrap_planned(model, optimizer, job.config, job.measured,
+                                         job.decided)
+        self._job = None  # spent: a later wrap (after an unwrap) measures the machine anew
         return self.optimizer
 
     def _causal_lm_head(self, model):

@@ -1,9 +1,9 @@
 """wrap()'s memory steps, in the order wrap() runs them (docs/paging.md):
 
 1. ``measure``: the device, the block stack and the capacity the machine offers;
-2. ``plan``: what stays on the device, what pages, in which precision (MemoryError when
-   nothing fits, before anything is copied); the frozen linears are quantized and every
-   tensor that does not page moves to the device;
+2. ``plan``: what stays on the device, what pages, in which precision (``decide``;
+   MemoryError when nothing fits, before anything is copied); the frozen linears are
+   quantized and every tensor that does not page moves to the device;
 3. (the optimizer attaches: its staging slots are the paged trained weights' homes)
 4. ``stream``: the weight pager, the activation offloader and the attention choice;
 5. ``adapt``: the memory controller, which moves blocks from measured peaks.
@@ -103,10 +103,23 @@ def _chosen_blocks(model: nn.Module, blocks) -> List[nn.Module]:
     return chosen
 
 
-def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepared:
+def decide(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Optional[planner.Plan]:
+    """Step 2's decision alone, nothing moved: the planner's plan for what ``measure``
+    found (MemoryError when nothing fits; None without a block stack). ``plan`` carries
+    it out. TrainStreamTrainer decides once per job, to know whether the model stays on
+    the host, and hands the decision to wrap() (api.wrap_planned)."""
+    if measured.capacity is None:
+        return None
+    return planner.plan(summarize(model, measured, config), measured.capacity, config)
+
+
+def plan(model: nn.Module, measured: Measured, config: Dict[str, Any],
+         decided: Optional[planner.Plan] = None) -> Prepared:
     """Plans (raising MemoryError when nothing fits and ValueError for a meta model),
     quantizes the frozen linears the plan names and moves everything that is not paged
-    to the training device. Without a block stack only the move is left."""
+    to the training device. Without a block stack only the move is left. ``decided``:
+    ``decide``'s answer for ``measured`` and ``config`` when made already (None: made
+    here)."""
     device, blocks = measured.device, measured.blocks
     if measured.capacity is None:
         _apply_fp8_matmul(model, config)
@@ -114,7 +127,8 @@ def plan(model: nn.Module, measured: Measured, config: Dict[str, Any]) -> Prepar
             model.to(device)
         moment = config["moment_dtype"]
         return Prepared(device, [], None, None, "float32" if moment == "auto" else moment)
-    decided = planner.plan(summarize(model, measured, config), measured.capacity, config)
+    if decided is None:
+        decided = decide(model, measured, config)
     if measured.meta:
         raise ValueError("the model is on the meta device: wrap() planned it (it would fit: "
                          f"{decided.decisions}) but cannot train it; materialize it first")

@@ -10,7 +10,7 @@ every update to one ``Backend``:
 * ``ZeroCopyBackend`` (zero_copy.py, ``optimizer_mode="gpu"``): a CUDA kernel updates
   the weights in VRAM with the moments in the daemon's pinned memory.
 * ``LocalBackend`` (local.py, ``"local"``): torch's fused AdamW on the GPU, once
-  ``offload="auto"`` found that it fits (the memory controller decides).
+  ``offload="auto"`` found that it fits (``decide_offload``, local.py).
 
 Backends see the parameters through a ``ParamTable``, never through the facade's
 attributes, and answer through the protocol below.

@@ -1,6 +1,6 @@
 """``"local"``: torch's fused AdamW on the GPU, after ``offload="auto"`` found that the
-optimizer fits in VRAM next to what the first steps used (the memory controller
-decides, memory/controller.py); the daemon session is over by then.
+optimizer fits in VRAM next to what the first steps used (``decide_offload``, after the
+second step); the daemon session is over by then.
 """
 from __future__ import annotations
 
@@ -102,3 +102,39 @@ class LocalBackend:
 
     def close(self) -> None:
         pass
+
+
+def decide_offload(params: List[torch.Tensor], *, data_parallel: bool, extra_grads: bool,
+                   headroom: float) -> Dict[str, Any]:
+    """offload="auto", after the second step: whether torch's fused AdamW would fit on
+    the GPU next to what the two steps used (their peak, the moments in the parameters'
+    dtype and, with ``extra_grads``, gradients kept that gpu mode with free_grads
+    dropped), keeping ``headroom`` (the vram_headroom option) of the capacity free.
+    Returns the decision (``offload``: keep offloading) with its figures and reason;
+    OffloadAdamW moves the state when it says ``offload=False``."""
+    if data_parallel:
+        # Ranks share (or average into) the daemon's state; a rank-local torch
+        # optimizer would silently stop the averaging.
+        return {"offload": True, "reason": "data parallel: the ranks' gradients are "
+                "combined through the daemon"}
+    devices = {p.device for p in params}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return {"offload": True, "reason": "the parameters are not all on one CUDA device; "
+                "the daemon's AdamW is the host path"}
+    dev = next(iter(devices))
+    total = torch.cuda.get_device_properties(dev).total_memory
+    cap = total * torch.cuda.get_per_process_memory_fraction(dev)
+    free, _ = torch.cuda.mem_get_info(dev)
+    cap = min(cap, torch.cuda.memory_reserved(dev) + free)
+    peak = torch.cuda.max_memory_allocated(dev)
+    trained = [p for p in params if p.requires_grad]
+    state = sum(2 * p.numel() * p.element_size() for p in trained)
+    grads = sum(p.numel() * p.element_size() for p in trained) if extra_grads else 0
+    need = peak + state + grads
+    fits = need <= cap * (1 - headroom)
+    return {
+        "offload": not fits, "peak_bytes": peak, "optimizer_state_bytes": state,
+        "extra_grad_bytes": grads, "needed_bytes": need, "capacity_bytes": int(cap),
+        "headroom": headroom,
+        "reason": ("fits in VRAM: switched to torch.optim.AdamW(fused=True) on the GPU"
+                   if fits else "does not fit in VRAM with torch's AdamW: keeps offloading")}

@@ -8,8 +8,8 @@ hook per parameter) and chooses the backend that updates them, at ``attach()``:
   command ring (daemon_backend.py);
 * ``optimizer_mode="gpu"``: ``ZeroCopyBackend``, a CUDA kernel over moments in the
   daemon's pinned memory (zero_copy.py);
-* after ``offload="auto"`` found that torch's AdamW fits on the GPU (the memory
-  controller's decision, memory/controller.py): ``LocalBackend`` (local.py).
+* after ``offload="auto"`` found that torch's AdamW fits on the GPU
+  (``decide_offload``, local.py): ``LocalBackend`` (local.py).
 
 Data-parallel ranks (data_parallel.py) always take the daemon's AdamW.
 """
@@ -27,7 +27,7 @@ from . import data_parallel
 from .backend import DTYPE_NAMES, Backend, ParamEntry, ParamTable, master_state_bytes
 from .daemon_backend import DaemonBackend
 from .daemon_session import DaemonSession
-from .local import LocalBackend
+from .local import LocalBackend, decide_offload
 from .param_ready import ParamReadyHooks
 from .zero_copy import ZeroCopyBackend, unavailable_reason
 
@@ -84,7 +84,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._ready: Optional[ParamReadyHooks] = None
         self._guarded: Optional[weakref.ref] = None
         self.optimizer_mode: Optional[str] = None  # resolved at attach()
-        # offload="auto": after two steps, the memory controller's decision.
+        # offload="auto": after two steps, decide_offload's answer (local.py).
         self.offload_decision: Optional[Dict[str, Any]] = None
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         if attach:
@@ -304,12 +304,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         return loss
 
     def _after_step(self) -> None:
-        """offload="auto": after the second step, the memory controller decides whether
+        """offload="auto": after the second step, ``decide_offload`` (local.py) says whether
         torch's fused AdamW fits on the GPU; if so, the state moves there."""
         if (self._options["offload"] != "auto" or self._table.step_id != 2
                 or self.optimizer_mode == "local"):
             return
-        from ..memory.controller import decide_offload  # (the memory layer's decision)
         self.offload_decision = decide_offload(
             [e.param for e in self._table.entries.values()],
             data_parallel=self._table.dp is not None,

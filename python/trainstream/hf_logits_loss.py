@@ -17,6 +17,10 @@ reuse its storage), so code that reads it after ``backward()`` sees what it alwa
 A loss the user set on the model is left alone, as are models whose loss is not the
 causal LM's; the model's other keywords are ignored, as transformers' loss ignores them.
 ``wrap(lm_loss="model")`` keeps the model's loss.
+
+It lives beside api.py rather than in integrations/ because wrap() installs it, and
+integrations/ sits above api.py (docs/package-layout.md); transformers is imported only
+when a model is looked at.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .. import _ce_kernels
+from . import _ce_kernels
 
 # Rows per block on the torch path (its one fp32 copy of a block of logits). The
 # Triton kernels read any number of rows without a copy.
