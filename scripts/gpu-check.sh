@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU-host check in one command (run through the device tool, with .deps
-# carried; see ../shared/gpu-host/README.md and README.md "GPU host"):
+# carried; see docs/building.md, "The GPU-host check"):
 #   build, every test (the GPU ones included), and the benchmarks. Logs go to
 #   $OUT (or ./gpu-check-out) so they come back even when a step fails.
 set -uo pipefail

@@ -2,12 +2,12 @@
 // the daemon], trainstream/wire/state_record.h; docs/recovery.md). Pure
 // functions over mapped memory: no files, no threads.
 //
-// A state segment is hostile input like any other (STYLE.md): CheckStateSegment
-// reads every offset and count of its manifest and recovery records once,
-// checks that each lies inside the segment (and, for the slots the updates
-// read and write, inside the staging segment), and only then hands out a view
-// of pointers computed from those checked values. CompleteUpdates uses the
-// view and nothing else of the header.
+// A state segment is hostile input like any other (docs/design.md, "Trust
+// boundary"): CheckStateSegment reads every offset and count of its manifest
+// and recovery records once, checks that each lies inside the segment (and,
+// for the slots the updates read and write, inside the staging segment), and
+// only then hands out a view of pointers computed from those checked values.
+// CompleteUpdates uses the view and nothing else of the header.
 #pragma once
 
 #include <cstdint>

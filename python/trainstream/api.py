@@ -60,7 +60,7 @@ def wrap(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     A ``torch.optim.AdamW`` (or ``Adam`` without weight decay) is converted to
     ``OffloadAdamW`` with its hyper-parameters and any existing state migrated.
     With ``optimizer=None`` an ``OffloadAdamW`` over the model's trainable
-    parameters is made (``lr`` option, default 1e-3). Options: README, "Options";
+    parameters is made (``lr`` option, default 1e-3). Options: docs/options.md;
     an unknown option or value raises ``ValueError`` naming it.
 
     Four steps (trainstream/memory/install.py): measure what the machine offers, plan

@@ -229,7 +229,7 @@ OPTIONS: Dict[str, tuple] = {
                _module_list_or_none),
     "profile": (True, "True (measure the PCIe bandwidth, or read the cached figure) or False "
                 "(the planner uses no measured PCIe figure)", _bool),
-    # OffloadAdamW's reference names (README, "OffloadAdamW").
+    # OffloadAdamW's reference names (docs/options.md, "OffloadAdamW").
     "mode": (None, "None (optimizer_mode decides), 'cpu' or 'gpu'",
              lambda v: v is None or v in ("cpu", "gpu")),
     "compute_grad_norm": (False, "True or False", _bool),

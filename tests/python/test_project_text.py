@@ -4,7 +4,8 @@
   is named by its host and date (benchmarks/results/README.md), a change by what it does.
   The daemon's own sessions ("session 7" in its log lines, "no session 999" in an error)
   are the product speaking, and are listed below one by one.
-- Every reference to the design document points into the repository (docs/design.md).
+- Every reference to the design document points into the repository (docs/design.md),
+  and no reference points outside it.
 - README.md is at most 250 lines; every kept result lives in benchmarks/results/ and is
   listed in its index.
 """
@@ -71,6 +72,15 @@ def test_the_design_doc_is_in_the_repository():
     proc = _git("grep", "-n", "DESIGN.md", "--", ".", ":!tests/python/test_project_text.py")
     outside = [row for row in proc.stdout.splitlines() if "docs/design.md" not in row.split(":", 2)[2]]
     assert not outside, "cite docs/design.md, the project's design document:\n" + "\n".join(outside)
+
+
+def test_nothing_points_outside_the_repository():
+    """A reader who follows a reference finds it in the checkout: no path into the
+    machine the project was written on, and no document that is not in the repository."""
+    proc = _git("grep", "-I", "-n", "-E", r"/work/|\.\./shared/|STYLE\.md", "--", ".",
+                ":!tests/python/test_project_text.py", ":!benchmarks/results/")
+    assert proc.returncode in (0, 1), proc.stderr
+    assert not proc.stdout, "cite a file in the repository:\n" + proc.stdout[:2000]
 
 
 def test_readme_is_a_front_page():

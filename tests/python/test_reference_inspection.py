@@ -1,5 +1,5 @@
 """Conformance with the reference API's "Inspection and utilities" and
-"ActivationOffloader" sections (/work/shared/reference/trainstream-0.5-README.md),
+"ActivationOffloader" sections (TrainStream 0.5's README),
 on CPU: memory_report, pinned_stats, transfer_stats, profile_hardware and
 HardwareProfile, find_blocks, the exported internals, TrainStreamSession's
 attributes, and ActivationOffloader with each documented argument value. Test ids

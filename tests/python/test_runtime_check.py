@@ -51,7 +51,7 @@ def _built_files(build_dir: Path):
                     reason="needs readelf and dpkg (Debian/Ubuntu) to read what the built files link")
 def test_table_names_the_package_of_every_library_the_built_files_need(build_dir):
     """Every non-libc library the daemon, trainstreamctl and _control link is in the
-    table, under the package that ships it here (so README's list stays true)."""
+    table, under the package that ships it here (so docs/install.md's list stays true)."""
     base = {"libc.so", "libm.so", "libstdc++.so", "libgcc_s.so", "ld-linux", "libpthread.so", "libdl.so",
             "librt.so"}
     files = _built_files(build_dir)

@@ -4,7 +4,7 @@
   trainstream`` with any other torch fails at once, naming both versions and the
   reinstall command, instead of an undefined symbol deep in the first ``wrap()``.
 * ``explain_missing_library()``: ``_control`` and the two binaries link gRPC, protobuf
-  and abseil from the distribution (README.md, "Install"); a missing one becomes an
+  and abseil from the distribution (docs/install.md); a missing one becomes an
   error naming the package to install rather than the loader's bare soname.
 
 Neither loads ``_C`` or ``_control``: ``import trainstream`` stays light.
@@ -76,7 +76,7 @@ def explain_missing_library(text: str) -> Optional[str]:
         if package is not None:
             return (f"{soname} is missing: TrainStream's compiled parts link gRPC, protobuf and "
                     f"abseil from the system. Install them with `apt-get install {package}` "
-                    f"(Debian 12; README.md, \"Install\", lists every package), or source the "
+                    f"(Debian 12; docs/install.md lists every package), or source the "
                     f"air-gapped bundle's env.sh (deploy/bundle-deps.sh)")
     return None
 

@@ -97,7 +97,7 @@ class TrainStreamTrainer(Trainer):
     """``transformers.Trainer`` whose optimizer is ``OffloadAdamW`` (``trainstream.wrap``).
 
     ``trainstream`` (or its other name, ``trainstream_options``; one of the two): further
-    ``wrap()`` options (README, "Options"), paging included, for example
+    ``wrap()`` options (docs/options.md), paging included, for example
     ``{"moment_dtype": "bf16", "param_offload": True}``, plus this class's own:
 
     * ``chunked_loss`` (default True): a causal LM's loss is computed from its last
@@ -123,7 +123,7 @@ class TrainStreamTrainer(Trainer):
         given = trainstream if trainstream is not None else trainstream_options
         if given is not None and not isinstance(given, dict):
             raise ValueError(f"trainstream={given!r}: accepted: a dict of wrap() options "
-                             "(README, \"Options\") or None")
+                             "(docs/options.md) or None")
         options = dict(given or {})
         loss = _loss_options(options)
         for key, arg in _FROM_ARGS.items():

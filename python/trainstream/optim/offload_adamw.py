@@ -61,7 +61,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     Same hyper-parameters and ``state_dict`` format as ``torch.optim.AdamW`` (plus
     each parameter's fp32 ``master_weight``). Extra keyword options are those of
-    ``trainstream.wrap`` (README, "Options"), validated once, here.
+    ``trainstream.wrap`` (docs/options.md), validated once, here.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,

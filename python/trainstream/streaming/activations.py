@@ -33,7 +33,7 @@ from .weights import KEEP, OFFLOAD, RECOMPUTE, BlockPager, in_backward
 
 __all__ = ["ActivationOffloader", "HostArena", "SavedTensorPager"]
 
-# The standalone class's defaults (README, "ActivationOffloader"). Paging inside wrap()
+# The standalone class's defaults (docs/inspection.md, "ActivationOffloader"). Paging inside wrap()
 # takes wrap()'s options instead (options.py).
 DEFAULTS = {"min_bytes": 1 << 20, "prefetch_depth": 1, "calibrate_steps": 3,
             "max_slowdown": 0.15, "tune_window": 3, "max_inflight_bytes": 1 << 30}
@@ -63,7 +63,7 @@ def _block_choice(name: str, value: Any, n: int, allow_list: bool = True) -> Opt
 
 class ActivationOffloader(SavedTensorPager):
     """Pages (or recomputes) the activations of ``blocks`` of ``model``; see the module
-    docstring and README ("ActivationOffloader") for the arguments. ``remove()`` gives
+    docstring and docs/inspection.md ("ActivationOffloader") for the arguments. ``remove()`` gives
     the blocks their own forward back and frees the host memory.
 
     ``min_offload_bytes`` is the name wrap()'s option gives ``min_bytes`` (either is
