@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "trainstream/kernels/quant.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/threads.h"
 
 namespace trainstream::daemon::base {
@@ -52,8 +53,9 @@ Status ReadFully(const SourceFile& f, const std::string& tensor, uint64_t offset
     const int64_t r = f.file.ReadAt(dst + done, static_cast<size_t>(bytes - done), offset + done);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
-      return Status(StatusCode::kDataLoss,
-                    f.path + ": reading tensor \"" + tensor + "\": " + std::strerror(errno));
+      const int err = errno;
+      return platform::ErrnoStatus(StatusCode::kDataLoss,
+                                   f.path + ": reading tensor \"" + tensor + "\"", err);
     }
     if (r == 0) {
       return Status(StatusCode::kDataLoss,
