@@ -376,15 +376,15 @@ Status Filler::Quantize(size_t i, const Piece& p, char* scratch) {
                       "; only finite weights can be quantized (load it with format none)");
   }
   const void* src = scratch;
-  kernels::QuantElemType type = kernels::QuantElemType::kBFloat16;
+  kernels::DType type = kernels::DType::kBFloat16;
   if (t.src.dtype == SafetensorsDType::kF32) {
-    type = kernels::QuantElemType::kFloat32;
+    type = kernels::DType::kFloat32;
   } else if (t.src.dtype == SafetensorsDType::kF16) {
     const auto* h = reinterpret_cast<const uint16_t*>(scratch);
     auto* out = reinterpret_cast<float*>(scratch + Fp32CopyOffset(n * esize));
     for (uint64_t k = 0; k < n; ++k) out[k] = HalfToFloat(h[k]);
     src = out;
-    type = kernels::QuantElemType::kFloat32;
+    type = kernels::DType::kFloat32;
   }
   kernels::QuantCpuOptions one_thread;  // the other loader threads have the other cores
   one_thread.num_threads = 1;
