@@ -21,6 +21,12 @@
 
 namespace trainstream::daemon {
 
+// Note [Segment kind numbers are the wire's]: a segment's kind, a
+// trainstream.v1.SegmentKind here, is written into its header as the wire's.
+static_assert(static_cast<uint32_t>(wire::SegmentKind::kBase) == v1::SEGMENT_KIND_BASE);
+static_assert(static_cast<uint32_t>(wire::SegmentKind::kSession) == v1::SEGMENT_KIND_SESSION);
+static_assert(static_cast<uint32_t>(wire::SegmentKind::kState) == v1::SEGMENT_KIND_STATE);
+
 namespace {
 
 std::string g_segment_tag;  // set once at startup (SetSegmentTag)
