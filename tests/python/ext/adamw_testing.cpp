@@ -270,8 +270,3 @@ void RegisterAdamWBindings(pybind11::module_& m) {
 }
 
 }  // namespace trainstream::python
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "TrainStream test-only bindings: the CPU AdamW kernel and the daemon's AdamWEngine";
-  trainstream::python::RegisterAdamWBindings(m);
-}

@@ -9,7 +9,7 @@
 // whose DTYPE_UNSPECIFIED = 0 is why kFloat32 is 1, not 0. They never change:
 // daemon/sessions/param_layout.cc static_asserts them against the generated
 // trainstream.v1.DType, and tests/python/test_wire_constants.py pins them as
-// trainstream._C.wire exports them.
+// the test-only trainstream_testing.wire exports them.
 #pragma once
 
 #include <cstddef>
