@@ -13,6 +13,7 @@
 
 #include "trainstream/platform/default_endpoint.h"
 #include "trainstream/platform/machine.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/threads.h"
 
 namespace trainstream::daemon {
@@ -194,8 +195,8 @@ Status ParseConfigText(const std::string& text, const std::string& origin, Daemo
 Status LoadConfigFile(const std::string& path, DaemonConfig* config) {
   std::ifstream in(path);
   if (!in) {
-    return Status(StatusCode::kNotFound,
-                  "cannot read config file " + path + ": " + std::strerror(errno));
+    const int err = errno;
+    return platform::ErrnoStatus(StatusCode::kNotFound, "cannot read config file " + path, err);
   }
   std::stringstream buf;
   buf << in.rdbuf();

@@ -37,6 +37,7 @@
 #include "trainstream/platform/files.h"
 #include "trainstream/platform/process_watcher.h"
 #include "trainstream/platform/stop_signals.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/this_process.h"
 #include "trainstream/platform/user.h"
 #include "transport/control_listener.h"
@@ -102,7 +103,7 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
                          .count()) +
       "\n";
   if (const int err = platform::OverwriteFile(lock_path, identity); err != 0) {
-    spdlog::warn("cannot record this daemon in {}: {}", lock_path, std::strerror(err));
+    spdlog::warn("cannot record this daemon in {}: {}", lock_path, platform::ErrnoMessage(err));
   }
 }
 

@@ -20,6 +20,7 @@
 #include "trainstream/platform/default_endpoint.h"
 #include "trainstream/platform/service.h"
 #include "trainstream/platform/stop_signals.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/this_process.h"
 
 namespace {
@@ -35,7 +36,7 @@ void RaiseOpenFileLimit() {
   if (err == ENOTSUP) return;
   if (err != 0) {
     spdlog::warn("cannot raise the open-file limit from {} to {}: {}", from, to,
-                 std::strerror(err));
+                 trainstream::platform::ErrnoMessage(err));
   } else if (from == to) {
     spdlog::info("open-file limit {} (the hard limit)", from);
   } else {
@@ -189,7 +190,7 @@ int main(int argc, char** argv) {
   // so that every thread inherits their mask.
   std::unique_ptr<trainstream::platform::StopSignals> stop_signals;
   if (int err = trainstream::platform::StopSignals::Create(&stop_signals); err != 0) {
-    const std::string msg = std::string("cannot receive signals: ") + std::strerror(err);
+    const std::string msg = trainstream::platform::ErrnoText("cannot receive signals", err);
     if (config.foreground) std::fprintf(stderr, "trainstreamd: %s\n", msg.c_str());
     trainstream::platform::ReportBackgroundReady(msg.c_str());  // the waiting parent prints it
     return 1;

@@ -2,13 +2,13 @@
 
 #include <cerrno>
 #include <cstdint>
-#include <cstring>
 
 #include "config.h"
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
 #include "trainstream/platform/files.h"
 #include "trainstream/platform/machine.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/user.h"
 
 namespace trainstream::daemon {
@@ -35,11 +35,12 @@ StartupReport CheckStartup(const StartupFacts& f) {
     r.error = "shm directory " + f.shm_dir + " is not a directory";
     return r;
   } else if (err == EACCES || err == EPERM || err == EROFS) {
-    r.error = "shm directory " + f.shm_dir + " is not writable by " +
-              platform::DescribeCurrentUser() + ": " + std::strerror(err);
+    r.error = platform::ErrnoText(
+        "shm directory " + f.shm_dir + " is not writable by " + platform::DescribeCurrentUser(),
+        err);
     return r;
   } else if (err != 0) {
-    r.error = "shm directory " + f.shm_dir + ": " + std::strerror(err) +
+    r.error = platform::ErrnoText("shm directory " + f.shm_dir, err) +
               " (create it, or choose another with --shm-dir / shm_dir)";
     return r;
   }

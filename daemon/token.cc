@@ -2,17 +2,17 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 
 #include "trainstream/platform/random.h"
+#include "trainstream/platform/sys_call.h"
 
 namespace trainstream::daemon {
 
 std::string RandomHex(size_t bytes) {
   std::string out;
   if (int err = platform::RandomHex(bytes, &out); err != 0) {
-    std::fprintf(stderr, "trainstreamd: the system's random source failed: %s\n",
-                 std::strerror(err));
+    std::fprintf(stderr, "trainstreamd: %s\n",
+                 platform::ErrnoText("the system's random source failed", err).c_str());
     std::abort();  // No safe fallback for secrets.
   }
   return out;

@@ -10,6 +10,7 @@
 #include "base_commands.h"
 #include "status_table.h"
 #include "trainstream/client.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/this_process.h"
 
 namespace {
@@ -33,7 +34,8 @@ int PrintDaemonPath() {
   namespace platform = trainstream::platform;
   std::string self;
   if (int err = platform::CurrentExecutablePath(&self); err != 0) {
-    std::fprintf(stderr, "trainstreamctl: cannot find this program's own file (errno %d)\n", err);
+    std::fprintf(stderr, "trainstreamctl: %s\n",
+                 platform::ErrnoText("cannot find this program's own file", err).c_str());
     return 1;
   }
   const std::string path =

@@ -17,6 +17,11 @@ using internal::FromGrpc;
 // possibly locks gigabytes.
 constexpr int kUnaryTimeoutS = 120;
 
+// Note [Segment kind numbers are the wire's]: a Region's kind is a cast.
+static_assert(static_cast<uint32_t>(SegmentKind::kBase) == v1::SEGMENT_KIND_BASE);
+static_assert(static_cast<uint32_t>(SegmentKind::kSession) == v1::SEGMENT_KIND_SESSION);
+static_assert(static_cast<uint32_t>(SegmentKind::kState) == v1::SEGMENT_KIND_STATE);
+
 RegionInfo ToInfo(const v1::Region& r) {
   RegionInfo info;
   info.region_id = r.region_id();

@@ -1,9 +1,9 @@
 #include <cerrno>
 #include <cstdint>
-#include <cstring>
 
 #include "trainstream/client.h"
 #include "trainstream/platform/shm.h"
+#include "trainstream/platform/sys_call.h"
 
 namespace trainstream {
 
@@ -26,9 +26,9 @@ Status MappedRegion::Map(const std::string& shm_dir, const RegionInfo& info,
       info.read_only ? platform::ShmAccess::kReadOnly : platform::ShmAccess::kReadWrite;
   platform::ShmFile file;
   if (int err = platform::ShmFile::Open(shm_dir, info.segment_name, access, &file); err != 0) {
-    return Status(
+    return platform::ErrnoStatus(
         err == EACCES || err == EPERM ? StatusCode::kPermissionDenied : StatusCode::kNotFound,
-        "cannot open segment " + path + ": " + std::strerror(err));
+        "cannot open segment " + path, err);
   }
   uint64_t file_size = 0;
   if (file.GetSize(&file_size) != 0 || file_size < info.segment_size) {
@@ -39,7 +39,7 @@ Status MappedRegion::Map(const std::string& shm_dir, const RegionInfo& info,
   if (int err =
           platform::ShmMapping::Map(file, access, info.segment_size, /*populate=*/false, &mapping);
       err != 0) {
-    return Status(StatusCode::kInternal, "mmap " + path + ": " + std::strerror(err));
+    return platform::ErrnoStatus(StatusCode::kInternal, "mmap " + path, err);
   }
   out->reset(new MappedRegion(info, std::move(mapping)));
   return Status::Ok();

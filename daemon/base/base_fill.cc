@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "trainstream/kernels/quant.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/threads.h"
 
 namespace trainstream::daemon::base {
@@ -52,8 +53,9 @@ Status ReadFully(const SourceFile& f, const std::string& tensor, uint64_t offset
     const int64_t r = f.file.ReadAt(dst + done, static_cast<size_t>(bytes - done), offset + done);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
-      return Status(StatusCode::kDataLoss,
-                    f.path + ": reading tensor \"" + tensor + "\": " + std::strerror(errno));
+      const int err = errno;
+      return platform::ErrnoStatus(StatusCode::kDataLoss,
+                                   f.path + ": reading tensor \"" + tensor + "\"", err);
     }
     if (r == 0) {
       return Status(StatusCode::kDataLoss,
@@ -374,15 +376,15 @@ Status Filler::Quantize(size_t i, const Piece& p, char* scratch) {
                       "; only finite weights can be quantized (load it with format none)");
   }
   const void* src = scratch;
-  kernels::QuantElemType type = kernels::QuantElemType::kBFloat16;
+  kernels::DType type = kernels::DType::kBFloat16;
   if (t.src.dtype == SafetensorsDType::kF32) {
-    type = kernels::QuantElemType::kFloat32;
+    type = kernels::DType::kFloat32;
   } else if (t.src.dtype == SafetensorsDType::kF16) {
     const auto* h = reinterpret_cast<const uint16_t*>(scratch);
     auto* out = reinterpret_cast<float*>(scratch + Fp32CopyOffset(n * esize));
     for (uint64_t k = 0; k < n; ++k) out[k] = HalfToFloat(h[k]);
     src = out;
-    type = kernels::QuantElemType::kFloat32;
+    type = kernels::DType::kFloat32;
   }
   kernels::QuantCpuOptions one_thread;  // the other loader threads have the other cores
   one_thread.num_threads = 1;

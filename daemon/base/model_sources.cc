@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <thread>
 
 #include "trainstream/platform/read_only_file.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/user.h"
 
 namespace trainstream::daemon::base {
@@ -26,9 +26,9 @@ Status Errno(int err, const std::string& what, const PeerCredentials& caller) {
                       " (the daemon opens base files with the caller's credentials)");
   }
   if (err == ENOENT || err == ENOTDIR) {
-    return Status(StatusCode::kNotFound, what + ": " + std::strerror(err));
+    return platform::ErrnoStatus(StatusCode::kNotFound, what, err);
   }
-  return Status(StatusCode::kInvalidArgument, what + ": " + std::strerror(err));
+  return platform::ErrnoStatus(StatusCode::kInvalidArgument, what, err);
 }
 
 // Opens `name` (under the folder `dir`, or absolute when `dir` is null) as a
@@ -160,9 +160,10 @@ Status OpenModelAsCaller(const PeerCredentials& caller, const std::string& path,
       // Thread-local identity switch; see the Note in model_sources.h.
       if (int err = platform::TakeFilesystemIdentity(caller.uid, caller.gid, caller.groups);
           err != 0) {
-        result = Status(StatusCode::kInternal, "cannot take uid " + std::to_string(caller.uid) +
-                                                   "'s filesystem credentials to open " + path +
-                                                   ": " + std::strerror(err));
+        result = platform::ErrnoStatus(StatusCode::kInternal,
+                                       "cannot take uid " + std::to_string(caller.uid) +
+                                           "'s filesystem credentials to open " + path,
+                                       err);
         return;
       }
     }

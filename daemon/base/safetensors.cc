@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "trainstream/platform/sys_call.h"
+
 namespace trainstream::daemon::base {
 namespace {
 
@@ -454,11 +456,12 @@ Status ReadSafetensorsHeader(const platform::ReadOnlyFile& file, const std::stri
                              SafetensorsHeader* out, const CancelCheck& cancelled) {
   uint64_t size = 0;
   if (int err = file.CurrentSize(&size); err != 0)
-    return Invalid(file_label + ": cannot seek: " + std::strerror(err));
+    return Invalid(platform::ErrnoText(file_label + ": cannot seek", err));
   uint8_t len_bytes[8];
   if (size < 8) return TooShort(file_label, size);
   if (file.ReadAt(len_bytes, 8, 0) != 8) {
-    return Invalid(file_label + ": cannot read the header length: " + std::strerror(errno));
+    const int err = errno;
+    return Invalid(platform::ErrnoText(file_label + ": cannot read the header length", err));
   }
   uint64_t n = 0;
   if (Status st = DecodeHeaderLength(file_label, len_bytes, size, &n); !st.ok()) return st;
@@ -467,7 +470,10 @@ Status ReadSafetensorsHeader(const platform::ReadOnlyFile& file, const std::stri
   while (done < n) {
     const int64_t r = file.ReadAt(text.data() + done, n - done, 8 + done);
     if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return Invalid(file_label + ": cannot read the header: " + std::strerror(errno));
+    if (r <= 0) {
+      const int err = errno;
+      return Invalid(platform::ErrnoText(file_label + ": cannot read the header", err));
+    }
     done += static_cast<uint64_t>(r);
   }
   return ParseSafetensorsJson(file_label, text, size, out, cancelled);

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "trainstream/platform/mapping_faults.h"
+#include "trainstream/platform/sys_call.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -59,7 +60,7 @@ bool OnMappingFault(uintptr_t addr) {
 Status ClientMemoryGuard::Install() {
   std::call_once(g_install_once, [] {
     if (int err = platform::WakeEvent::Create(&g_fault_event); err != 0) {
-      g_install_error = std::string("cannot create the fault wake-up: ") + std::strerror(err);
+      g_install_error = platform::ErrnoText("cannot create the fault wake-up", err);
       return;
     }
     std::string why;

@@ -15,10 +15,17 @@
 #include "trainstream/platform/files.h"
 #include "trainstream/platform/machine.h"
 #include "trainstream/platform/shm.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/user.h"
 #include "trainstream/v1/control.pb.h"
 
 namespace trainstream::daemon {
+
+// Note [Segment kind numbers are the wire's]: a segment's kind, a
+// trainstream.v1.SegmentKind here, is written into its header as the wire's.
+static_assert(static_cast<uint32_t>(wire::SegmentKind::kBase) == v1::SEGMENT_KIND_BASE);
+static_assert(static_cast<uint32_t>(wire::SegmentKind::kSession) == v1::SEGMENT_KIND_SESSION);
+static_assert(static_cast<uint32_t>(wire::SegmentKind::kState) == v1::SEGMENT_KIND_STATE);
 
 namespace {
 
@@ -54,7 +61,7 @@ ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag,
   const std::string prefix = "trainstream-" + tag + "-";
   std::vector<platform::DirectoryEntry> entries;
   if (int err = platform::ListDirectory(dir, &entries); err != 0) {
-    out.error = "cannot list " + dir + ": " + std::strerror(err);
+    out.error = platform::ErrnoText("cannot list " + dir, err);
     return out;
   }
   for (const auto& e : entries) {
@@ -68,7 +75,7 @@ ReclaimResult ReclaimSegments(const std::string& dir, const std::string& tag,
     wire::SegmentHeader h{};
     const bool has_header = PeekSegmentHeader(path, &h);
     if (int err = platform::RemoveFile(path); err != 0) {
-      if (out.error.empty()) out.error = "cannot remove " + path + ": " + std::strerror(err);
+      if (out.error.empty()) out.error = platform::ErrnoText("cannot remove " + path, err);
       continue;
     }
     ++out.files;
@@ -102,7 +109,7 @@ Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_
   if (int err = platform::ShmFile::Create(dir, seg->name_, &file); err != 0) {
     auto code =
         err == EACCES || err == EPERM ? StatusCode::kPermissionDenied : StatusCode::kInternal;
-    return Status(code, "cannot create segment " + path + ": " + std::strerror(err));
+    return platform::ErrnoStatus(code, "cannot create segment " + path, err);
   }
   // The file is ours now: from here on, destroying `seg` unlinks it.
   seg->dir_ = dir;
@@ -112,11 +119,12 @@ Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_
   if (rc != 0) {
     uint64_t free_bytes = 0, fs_total = 0;
     FilesystemSpace(dir, &free_bytes, &fs_total);
-    std::string msg = "cannot allocate " + std::to_string(total_bytes) + " bytes (" +
-                      HumanBytes(total_bytes) + ") in " + dir +
-                      ": posix_fallocate: " + std::strerror(rc) + "; " + dir + " has " +
-                      std::to_string(free_bytes) + " bytes (" + HumanBytes(free_bytes) +
-                      ") free of " + HumanBytes(fs_total);
+    std::string msg =
+        platform::ErrnoText("cannot allocate " + std::to_string(total_bytes) + " bytes (" +
+                                HumanBytes(total_bytes) + ") in " + dir + ": posix_fallocate",
+                            rc) +
+        "; " + dir + " has " + std::to_string(free_bytes) + " bytes (" + HumanBytes(free_bytes) +
+        ") free of " + HumanBytes(fs_total);
     if (rc == ENOSPC) {
       msg += "; enlarge it (e.g. `mount -o remount,size=<bytes> " + dir +
              "`) or lower the daemon's --budget";
@@ -127,7 +135,7 @@ Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_
   if (int err = platform::ShmMapping::Map(file, platform::ShmAccess::kReadWrite, total_bytes,
                                           /*populate=*/prefault, &seg->mapping_);
       err != 0) {
-    return Status(StatusCode::kInternal, "mmap " + seg->path_ + ": " + std::strerror(err));
+    return platform::ErrnoStatus(StatusCode::kInternal, "mmap " + seg->path_, err);
   }
   void* base = seg->mapping_->data();
   seg->base_ = base;
@@ -157,9 +165,9 @@ Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_
   // Note [Who may open a segment]: only session segments become the client's.
   if (kind == v1::SEGMENT_KIND_SESSION && platform::RunsPrivileged() && owner.uid != 0) {
     if (int err = file.GiveTo(owner.uid); err != 0) {
-      return Status(StatusCode::kInternal, "cannot give " + seg->path_ + " to uid " +
-                                               std::to_string(owner.uid) + ": " +
-                                               std::strerror(err));
+      return platform::ErrnoStatus(
+          StatusCode::kInternal,
+          "cannot give " + seg->path_ + " to uid " + std::to_string(owner.uid), err);
     }
   }
   *out = std::move(seg);
@@ -169,8 +177,7 @@ Status ShmSegment::Create(const std::string& dir, uint32_t kind, uint64_t total_
 Status ShmSegment::ShareReadOnly() {
   // Note [Why base segments are read-only] (wire/base_manifest.h).
   if (int err = platform::ShmFile::ShareReadOnly(dir_, name_, share_uid_); err != 0) {
-    return Status(StatusCode::kInternal,
-                  "cannot make " + path_ + " read-only: " + std::strerror(err));
+    return platform::ErrnoStatus(StatusCode::kInternal, "cannot make " + path_ + " read-only", err);
   }
   return Status::Ok();
 }
@@ -184,10 +191,10 @@ Status ShmSegment::Adopt(const std::string& dir, const std::string& name, uint32
   };
   platform::ShmFile file;
   if (int err = platform::ShmFile::OpenForAdoption(dir, name, &file); err != 0) {
-    return refuse(std::strerror(err));
+    return refuse(platform::ErrnoMessage(err));
   }
   platform::ShmFileFacts facts;
-  if (int err = file.Describe(&facts); err != 0) return refuse(std::strerror(err));
+  if (int err = file.Describe(&facts); err != 0) return refuse(platform::ErrnoMessage(err));
   if (!facts.regular) return refuse("not a regular file");
   if (facts.links != 1) return refuse("it has " + std::to_string(facts.links) + " links");
   if (facts.owner != owner_uid)
@@ -209,7 +216,7 @@ Status ShmSegment::Adopt(const std::string& dir, const std::string& name, uint32
                                         /*populate=*/true, &seg->mapping_);
       e != 0) {
     seg->unlinked_ = true;  // not ours to remove on this failure: the caller decides
-    return refuse(std::string("mmap: ") + std::strerror(e));
+    return refuse(platform::ErrnoText("mmap", e));
   }
   seg->base_ = seg->mapping_->data();
   // Guarded before the first access: a client may truncate its staging segment.

@@ -14,6 +14,7 @@
 #include "sessions/param_layout.h"
 #include "token.h"
 #include "trainstream/platform/mapping_faults.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/wire/segment_header.h"
 #include "trainstream/wire/session_control.h"
 
@@ -73,7 +74,7 @@ SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
   if (int err = platform::WakeEvent::Create(&reaper_wake_); err != 0) {
     // Only at startup, out of descriptors or handles: a registry without its
     // reaper would never end a session.
-    spdlog::critical("cannot create the session reaper's wake-up: {}", std::strerror(err));
+    spdlog::critical("cannot create the session reaper's wake-up: {}", platform::ErrnoMessage(err));
     std::abort();
   }
   reaper_ = std::thread([this] { ReaperLoop(); });

@@ -19,6 +19,7 @@
 
 #include "trainstream/platform/endpoint.h"
 #include "trainstream/platform/files.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/user.h"
 #include "transport/control_listener.h"
 #include "transport/peer_credentials.h"
@@ -38,8 +39,7 @@ Status ControlListener::Bind(const std::string& path, mode_t, platform::GroupId,
   std::unique_ptr<ControlListener> l(new ControlListener());
   if (const std::string folder = FolderOf(path); !folder.empty()) {
     if (int err = platform::MakeDirectories(folder); err != 0) {
-      return Status(StatusCode::kPermissionDenied,
-                    "cannot create " + folder + ": " + std::strerror(err));
+      return platform::ErrnoStatus(StatusCode::kPermissionDenied, "cannot create " + folder, err);
     }
   }
   const std::string lock_path = path + ".lock";
@@ -51,12 +51,10 @@ Status ControlListener::Bind(const std::string& path, mode_t, platform::GroupId,
                         "; stop it first (`trainstreamctl --socket " + path +
                         " shutdown`, or `sc stop` for the service) or choose another --socket");
     }
-    return Status(StatusCode::kPermissionDenied,
-                  "cannot open " + lock_path + ": " + std::strerror(err));
+    return platform::ErrnoStatus(StatusCode::kPermissionDenied, "cannot open " + lock_path, err);
   }
   if (int err = platform::NewEndpointSecret(&l->secret_); err != 0) {
-    return Status(StatusCode::kInternal,
-                  std::string("cannot draw the endpoint secret: ") + std::strerror(err));
+    return platform::ErrnoStatus(StatusCode::kInternal, "cannot draw the endpoint secret", err);
   }
   l->path_ = path;
   *out = std::move(l);
@@ -77,8 +75,8 @@ Status ControlListener::Start(grpc::Server*, OnAccept on_accept) {
     return Status(StatusCode::kInternal, refusal);
   platform::Endpoint endpoint{"127.0.0.1:" + std::to_string(port_), secret_};
   if (int err = platform::WriteEndpointFile(path_, endpoint); err != 0) {
-    return Status(StatusCode::kPermissionDenied,
-                  "cannot write the endpoint file " + path_ + ": " + std::strerror(err));
+    return platform::ErrnoStatus(StatusCode::kPermissionDenied,
+                                 "cannot write the endpoint file " + path_, err);
   }
   accepted_.store(1);
   return Status::Ok();

@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "log_limiter.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/user.h"
 #include "transport/control_listener.h"
 #include "transport/peer_credentials.h"
@@ -43,7 +44,8 @@ bool MakeParentDirs(const std::string& path, std::string* error) {
   for (size_t pos = 1; (pos = path.find('/', pos)) != std::string::npos; ++pos) {
     std::string dir = path.substr(0, pos);
     if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-      *error = "cannot create " + dir + ": " + std::strerror(errno);
+      const int err = errno;
+      *error = platform::ErrnoText("cannot create " + dir, err);
       return false;
     }
   }
@@ -85,8 +87,8 @@ Status ControlListener::Bind(const std::string& path, mode_t mode, platform::Gro
   const std::string lock_path = path + ".lock";
   l->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (l->lock_fd_ < 0) {
-    return Fail(StatusCode::kPermissionDenied,
-                "cannot open " + lock_path + ": " + std::strerror(errno));
+    const int err = errno;
+    return platform::ErrnoStatus(StatusCode::kPermissionDenied, "cannot open " + lock_path, err);
   }
   pid_t other = 0;
   const bool locked = flock(l->lock_fd_, LOCK_EX | LOCK_NB) == 0;
@@ -114,26 +116,30 @@ Status ControlListener::Bind(const std::string& path, mode_t mode, platform::Gro
   l->path_ = path;
 
   l->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (l->listen_fd_ < 0)
-    return Fail(StatusCode::kInternal, std::string("socket: ") + std::strerror(errno));
+  if (l->listen_fd_ < 0) {
+    const int err = errno;
+    return platform::ErrnoStatus(StatusCode::kInternal, "socket", err);
+  }
   // Bind under a restrictive umask so there is no window with a wider mode.
   mode_t old_umask = umask(0177);
   int rc = bind(l->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   int bind_errno = errno;
   umask(old_umask);
   if (rc != 0) {
-    return Fail(StatusCode::kPermissionDenied,
-                "cannot bind " + path + ": " + std::strerror(bind_errno));
+    return platform::ErrnoStatus(StatusCode::kPermissionDenied, "cannot bind " + path, bind_errno);
   }
   if (gid != static_cast<platform::GroupId>(-1) &&
       chown(path.c_str(), static_cast<platform::UserId>(-1), gid) != 0) {
-    spdlog::warn("cannot give {} to gid {}: {}", path, gid, std::strerror(errno));
+    const int err = errno;
+    spdlog::warn("cannot give {} to gid {}: {}", path, gid, platform::ErrnoMessage(err));
   }
   if (chmod(path.c_str(), mode) != 0) {
-    return Fail(StatusCode::kInternal, "chmod " + path + ": " + std::strerror(errno));
+    const int err = errno;
+    return platform::ErrnoStatus(StatusCode::kInternal, "chmod " + path, err);
   }
   if (listen(l->listen_fd_, kListenBacklog) != 0) {
-    return Fail(StatusCode::kInternal, "listen " + path + ": " + std::strerror(errno));
+    const int err = errno;
+    return platform::ErrnoStatus(StatusCode::kInternal, "listen " + path, err);
   }
   l->stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   l->reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -164,8 +170,9 @@ void ControlListener::AcceptLoop(grpc::Server* server, OnAccept on_accept) {
     pollfd fds[2] = {{backing_off ? -1 : listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
     int n = poll(fds, 2, backing_off ? kEmfileBackoffMs : -1);
     if (n < 0) {
-      if (errno == EINTR) continue;
-      spdlog::error("accept loop: poll: {}", std::strerror(errno));
+      const int err = errno;
+      if (err == EINTR) continue;
+      spdlog::error("accept loop: poll: {}", platform::ErrnoMessage(err));
       return;
     }
     if (fds[1].revents != 0) return;
@@ -188,20 +195,21 @@ void ControlListener::AcceptLoop(grpc::Server* server, OnAccept on_accept) {
               "accept on {}: {} (open-file limit {}): closed {} waiting connection(s), next "
               "accept in {} ms; sessions already attached go on. Lower max_connections_per_uid "
               "or raise the limit (systemd LimitNOFILE=){}",
-              path_, std::strerror(err), static_cast<uint64_t>(lim.rlim_cur), shed,
+              path_, platform::ErrnoMessage(err), static_cast<uint64_t>(lim.rlim_cur), shed,
               kEmfileBackoffMs, and_suppressed());
         }
       } else if (err != EAGAIN && err != EINTR && err != ECONNABORTED) {
         if (error_log.Allow(&suppressed))
-          spdlog::warn("accept on {}: {}{}", path_, std::strerror(err), and_suppressed());
+          spdlog::warn("accept on {}: {}{}", path_, platform::ErrnoMessage(err), and_suppressed());
       }
       continue;
     }
     PeerCredentials creds;
     if (!ReadPeerCredentials(fd, &creds)) {
+      const int err = errno;  // ReadPeerCredentials leaves the call's errno
       if (error_log.Allow(&suppressed)) {
         spdlog::warn("SO_PEERCRED failed on a new connection: {}; closing it{}",
-                     std::strerror(errno), and_suppressed());
+                     platform::ErrnoMessage(err), and_suppressed());
       }
       close(fd);
       continue;

@@ -10,31 +10,6 @@
 
 namespace trainstream::kernels {
 
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "fp32";
-    case DType::kBFloat16:
-      return "bf16";
-    case DType::kFloat16:
-      return "fp16";
-  }
-  return "unknown";
-}
-
-bool ParseDType(const char* name, DType* out) {
-  const auto is = [name](const char* s) { return std::strcmp(name, s) == 0; };
-  if (is("fp32") || is("float32"))
-    *out = DType::kFloat32;
-  else if (is("bf16") || is("bfloat16"))
-    *out = DType::kBFloat16;
-  else if (is("fp16") || is("float16"))
-    *out = DType::kFloat16;
-  else
-    return false;
-  return true;
-}
-
 AdamWStepScalars ComputeAdamWStepScalars(const AdamWHyperParams& hp, uint64_t step,
                                          float grad_scale) {
   // Python floats in torch's _single_tensor_adam are doubles; the CPU kernels

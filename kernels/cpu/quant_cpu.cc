@@ -16,11 +16,11 @@ namespace {
 constexpr int64_t kMinElementsPerThread = 1 << 16;
 
 struct IsaKernels {
-  float (*abs_max)(QuantElemType, const void*, int64_t, int64_t);
-  void (*quantize)(QuantFormat, const QuantLayout&, QuantElemType, const void*, const QuantBuffers&,
-                   float, int64_t, int64_t);
-  void (*dequantize)(QuantFormat, const QuantLayout&, const QuantConstBuffers&, QuantElemType,
-                     void*, int64_t, int64_t);
+  float (*abs_max)(DType, const void*, int64_t, int64_t);
+  void (*quantize)(QuantFormat, const QuantLayout&, DType, const void*, const QuantBuffers&, float,
+                   int64_t, int64_t);
+  void (*dequantize)(QuantFormat, const QuantLayout&, const QuantConstBuffers&, DType, void*,
+                     int64_t, int64_t);
 };
 
 IsaKernels KernelsFor(Isa requested) {
@@ -45,8 +45,7 @@ int64_t MinBlocksPerThread(const QuantLayout& l) {
 }
 
 // The whole tensor's largest |x|, split over threads.
-float ParallelAbsMax(const IsaKernels& k, QuantElemType type, const void* src, int64_t n,
-                     int threads) {
+float ParallelAbsMax(const IsaKernels& k, DType type, const void* src, int64_t n, int threads) {
   std::vector<float> partial(std::max(1, threads), 0.0f);
   std::atomic<int> slot{0};
   quant_internal::ParallelFor(n, kMinElementsPerThread, threads, [&](int64_t b, int64_t e) {
@@ -104,12 +103,12 @@ std::string QuantArgsError(QuantFormat fmt, int64_t block_size) {
 
 float Nvfp4TensorScale(float amax) { return amax / (kE2m1Max * kE4m3Max); }
 
-float AbsMaxCpu(QuantElemType src_type, const void* src, int64_t n, const QuantCpuOptions& opts) {
+float AbsMaxCpu(DType src_type, const void* src, int64_t n, const QuantCpuOptions& opts) {
   if (n <= 0) return 0.0f;
   return ParallelAbsMax(KernelsFor(opts.isa), src_type, src, n, ThreadsFor(opts));
 }
 
-void QuantizeCpu(QuantFormat fmt, const QuantLayout& l, QuantElemType src_type, const void* src,
+void QuantizeCpu(QuantFormat fmt, const QuantLayout& l, DType src_type, const void* src,
                  const QuantBuffers& out, const QuantCpuOptions& opts) {
   if (l.num_blocks == 0) {
     if (out.tensor_scale != nullptr) *out.tensor_scale = 0.0f;
@@ -128,10 +127,9 @@ void QuantizeCpu(QuantFormat fmt, const QuantLayout& l, QuantElemType src_type, 
                               });
 }
 
-void QuantizeBlockRangeCpu(QuantFormat fmt, const QuantLayout& l, QuantElemType src_type,
-                           const void* src, int64_t first_block, int64_t end_block,
-                           const QuantBuffers& out, float tensor_scale,
-                           const QuantCpuOptions& opts) {
+void QuantizeBlockRangeCpu(QuantFormat fmt, const QuantLayout& l, DType src_type, const void* src,
+                           int64_t first_block, int64_t end_block, const QuantBuffers& out,
+                           float tensor_scale, const QuantCpuOptions& opts) {
   if (end_block <= first_block) return;
   // The piece as a tensor of its own: the kernels index blocks from the layout's
   // start and pad past its numel, and a block's bytes depend only on its elements
@@ -156,7 +154,7 @@ void QuantizeBlockRangeCpu(QuantFormat fmt, const QuantLayout& l, QuantElemType 
 }
 
 void DequantizeCpu(QuantFormat fmt, const QuantLayout& l, const QuantConstBuffers& in,
-                   QuantElemType dst_type, void* dst, const QuantCpuOptions& opts) {
+                   DType dst_type, void* dst, const QuantCpuOptions& opts) {
   const IsaKernels k = KernelsFor(opts.isa);
   quant_internal::ParallelFor(
       l.num_blocks, MinBlocksPerThread(l), opts.num_threads,

@@ -8,13 +8,13 @@
 
 namespace trainstream::kernels::quant_internal {
 
-#define TS_QUANT_DECLARE_ISA(ns)                                                                  \
-  namespace ns {                                                                                  \
-  float AbsMaxRange(QuantElemType type, const void* src, int64_t begin, int64_t end);             \
-  void QuantizeBlocks(QuantFormat fmt, const QuantLayout& l, QuantElemType type, const void* src, \
-                      const QuantBuffers& out, float tensor_scale, int64_t b0, int64_t b1);       \
-  void DequantizeBlocks(QuantFormat fmt, const QuantLayout& l, const QuantConstBuffers& in,       \
-                        QuantElemType type, void* dst, int64_t b0, int64_t b1);                   \
+#define TS_QUANT_DECLARE_ISA(ns)                                                            \
+  namespace ns {                                                                            \
+  float AbsMaxRange(DType type, const void* src, int64_t begin, int64_t end);               \
+  void QuantizeBlocks(QuantFormat fmt, const QuantLayout& l, DType type, const void* src,   \
+                      const QuantBuffers& out, float tensor_scale, int64_t b0, int64_t b1); \
+  void DequantizeBlocks(QuantFormat fmt, const QuantLayout& l, const QuantConstBuffers& in, \
+                        DType type, void* dst, int64_t b0, int64_t b1);                     \
   }
 
 TS_QUANT_DECLARE_ISA(scalar)

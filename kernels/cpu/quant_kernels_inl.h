@@ -190,9 +190,9 @@ void DequantizeBlock(QuantFormat fmt, const QuantLayout& l, const QuantConstBuff
 
 }  // namespace
 
-float AbsMaxRange(QuantElemType type, const void* src, int64_t begin, int64_t end) {
+float AbsMaxRange(DType type, const void* src, int64_t begin, int64_t end) {
   uint32_t m = 0;
-  if (type == QuantElemType::kFloat32) {
+  if (type == DType::kFloat32) {
     const auto* p = static_cast<const float*>(src);
     for (int64_t i = begin; i < end; ++i) m = std::max(m, FloatBits(p[i]) & 0x7FFFFFFFu);
   } else {
@@ -204,9 +204,9 @@ float AbsMaxRange(QuantElemType type, const void* src, int64_t begin, int64_t en
   return BitsFloat(m);
 }
 
-void QuantizeBlocks(QuantFormat fmt, const QuantLayout& l, QuantElemType type, const void* src,
+void QuantizeBlocks(QuantFormat fmt, const QuantLayout& l, DType type, const void* src,
                     const QuantBuffers& out, float tensor_scale, int64_t b0, int64_t b1) {
-  if (type == QuantElemType::kFloat32) {
+  if (type == DType::kFloat32) {
     QuantizeBlocksT(fmt, l, static_cast<const float*>(src), out, tensor_scale, b0, b1);
   } else {
     QuantizeBlocksT(fmt, l, static_cast<const uint16_t*>(src), out, tensor_scale, b0, b1);
@@ -214,13 +214,13 @@ void QuantizeBlocks(QuantFormat fmt, const QuantLayout& l, QuantElemType type, c
 }
 
 void DequantizeBlocks(QuantFormat fmt, const QuantLayout& l, const QuantConstBuffers& in,
-                      QuantElemType type, void* dst, int64_t b0, int64_t b1) {
+                      DType type, void* dst, int64_t b0, int64_t b1) {
   std::vector<float> y(l.block_size);
   for (int64_t b = b0; b < b1; ++b) {
     DequantizeBlock(fmt, l, in, b, y.data());
     const int64_t start = b * l.block_size;
     const int64_t valid = std::min(l.block_size, l.numel - start);
-    if (type == QuantElemType::kFloat32) {
+    if (type == DType::kFloat32) {
       float* o = static_cast<float*>(dst) + start;
       for (int64_t i = 0; i < valid; ++i) o[i] = y[i];
     } else {

@@ -384,10 +384,11 @@ cudaError_t Dequantize(QuantFormat fmt, const QuantLayout& l, const uint8_t* dat
 }  // namespace
 
 cudaError_t DequantizeCuda(QuantFormat fmt, const QuantLayout& layout, const uint8_t* data,
-                           const void* scales, const float* tensor_scale, QuantElemType dst_type,
-                           void* dst, cudaStream_t stream) {
+                           const void* scales, const float* tensor_scale, DType dst_type, void* dst,
+                           cudaStream_t stream) {
+  if (!QuantTakesDType(dst_type)) return cudaErrorInvalidValue;
   if (layout.numel == 0) return cudaSuccess;
-  if (dst_type == QuantElemType::kFloat32) {
+  if (dst_type == DType::kFloat32) {
     return Dequantize(fmt, layout, data, scales, tensor_scale, static_cast<float*>(dst), stream);
   }
   return Dequantize(fmt, layout, data, scales, tensor_scale, static_cast<__nv_bfloat16*>(dst),

@@ -148,16 +148,17 @@ cudaError_t Quantize(QuantFormat fmt, const QuantLayout& l, const SrcT* src,
 
 }  // namespace
 
-cudaError_t QuantizeCuda(QuantFormat fmt, const QuantLayout& layout, QuantElemType src_type,
+cudaError_t QuantizeCuda(QuantFormat fmt, const QuantLayout& layout, DType src_type,
                          const void* src, const QuantBuffers& out, uint32_t* amax_workspace,
                          cudaStream_t stream) {
+  if (!QuantTakesDType(src_type)) return cudaErrorInvalidValue;
   if (layout.num_blocks == 0) {
     if (fmt == QuantFormat::kNvfp4) {
       TS_CUDA_CHECK(cudaMemsetAsync(out.tensor_scale, 0, sizeof(float), stream));
     }
     return cudaSuccess;
   }
-  if (src_type == QuantElemType::kFloat32) {
+  if (src_type == DType::kFloat32) {
     return Quantize(fmt, layout, static_cast<const float*>(src), out, amax_workspace, stream);
   }
   return Quantize(fmt, layout, static_cast<const uint16_t*>(src), out, amax_workspace, stream);

@@ -174,16 +174,16 @@ cudaError_t Launch(const T* src, int64_t rows, int64_t cols, uint8_t* q, float* 
 
 }  // namespace
 
-cudaError_t QuantizeRowsE4m3Cuda(RowElemType src_type, const void* src, int64_t rows, int64_t cols,
+cudaError_t QuantizeRowsE4m3Cuda(DType src_type, const void* src, int64_t rows, int64_t cols,
                                  uint8_t* q, float* scales, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (cols <= 0) return cudaErrorInvalidValue;  // the caller rejects empty rows
   switch (src_type) {
-    case RowElemType::kFloat32:
+    case DType::kFloat32:
       return Launch(static_cast<const float*>(src), rows, cols, q, scales, stream);
-    case RowElemType::kBFloat16:
+    case DType::kBFloat16:
       return Launch(static_cast<const __nv_bfloat16*>(src), rows, cols, q, scales, stream);
-    case RowElemType::kFloat16:
+    case DType::kFloat16:
       return Launch(static_cast<const __half*>(src), rows, cols, q, scales, stream);
   }
   return cudaErrorInvalidValue;

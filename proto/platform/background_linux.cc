@@ -7,10 +7,10 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <string>
 
 #include "trainstream/platform/background.h"
+#include "trainstream/platform/sys_call.h"
 
 namespace trainstream::platform {
 namespace {
@@ -22,15 +22,16 @@ int g_ready_fd = -1;  // write end of the pipe the waiting parent reads
 int StartInBackground(bool* is_parent, int* exit_code, std::string* error) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) {
-    *error = std::string("pipe2: ") + std::strerror(errno);
-    return errno;
+    const int err = errno;
+    *error = ErrnoText("pipe2", err);
+    return err;
   }
   const pid_t pid = fork();
   if (pid < 0) {
     const int err = errno;
     close(fds[0]);
     close(fds[1]);
-    *error = std::string("fork: ") + std::strerror(err);
+    *error = ErrnoText("fork", err);
     return err;
   }
   if (pid > 0) {

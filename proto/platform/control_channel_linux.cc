@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "trainstream/platform/control_channel.h"
+#include "trainstream/platform/sys_call.h"
 
 namespace trainstream::platform {
 namespace {
@@ -99,7 +100,7 @@ std::string DescribeEndpointUnreachable(const std::string& socket_path, bool* cl
   if (socket_path.size() >= sizeof(addr.sun_path)) return "the socket path is too long";
   std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size());
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return std::string("cannot create a socket here: ") + std::strerror(errno);
+  if (fd < 0) return ErrnoText("cannot create a socket here", errno);
   const int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   const int err = rc == 0 ? 0 : errno;
   std::string why;
@@ -111,13 +112,13 @@ std::string DescribeEndpointUnreachable(const std::string& socket_path, bool* cl
         "`trainstreamd`)";
   } else if (err == EACCES || err == EPERM) {
     why = DescribeEndpointAccessDenied(socket_path);
-    if (why.empty()) why = std::string("connect: ") + std::strerror(err);
+    if (why.empty()) why = ErrnoText("connect", err);
   } else if (err == EAGAIN) {
     why =
         "trainstreamd's queue of connections waiting to be accepted is full (it is overloaded, "
         "or many connections are being opened at once); try again";
   } else if (err != 0) {
-    why = std::string("connect: ") + std::strerror(err);
+    why = ErrnoText("connect", err);
   } else {
     // The daemon accepted. One that closes at once is refusing this uid (over
     // max_connections_per_uid) or out of file descriptors; wait briefly to see.

@@ -16,6 +16,7 @@
 
 #include "trainstream/platform/control_channel.h"
 #include "trainstream/platform/endpoint.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/user.h"
 
 namespace trainstream::platform {
@@ -75,8 +76,7 @@ int ResolveControlTarget(const std::string& endpoint, ControlTarget* out, std::s
   } else if (err == EINVAL) {
     *why = bad;
   } else if (err != 0) {
-    *why =
-        "cannot read the endpoint file " + endpoint + ": " + std::generic_category().message(err);
+    *why = ErrnoText("cannot read the endpoint file " + endpoint, err);
   }
   if (err != 0) return err;
   out->grpc_target = e.address;

@@ -9,11 +9,11 @@
 
 #include <atomic>
 #include <cerrno>
-#include <cstring>
 #include <mutex>
 #include <string>
 
 #include "trainstream/platform/mapping_faults.h"
+#include "trainstream/platform/sys_call.h"
 
 namespace trainstream::platform {
 namespace {
@@ -55,7 +55,7 @@ int InstallMappingFaultHandler(MappingFaultHandler handler, std::string* error) 
     sigemptyset(&sa.sa_mask);
     if (sigaction(SIGBUS, &sa, &g_previous) != 0) {
       g_install_error = errno;
-      g_install_message = std::string("sigaction(SIGBUS): ") + std::strerror(errno);
+      g_install_message = ErrnoText("sigaction(SIGBUS)", g_install_error);
     }
   });
   if (g_install_error != 0) *error = g_install_message;

@@ -35,11 +35,14 @@ void Check(const Status& status) {
   if (!status.ok()) Raise(status);
 }
 
-DType ParseDType(const std::string& name) {
-  if (name == "float32") return DType::kFloat32;
-  if (name == "bfloat16") return DType::kBFloat16;
-  if (name == "float16") return DType::kFloat16;
-  throw py::value_error("dtype must be one of float32, bfloat16, float16; got " + name);
+// A dtype field of a request: a name wire::ParseDType accepts, else ValueError.
+DType DTypeOrThrow(const char* field, const std::string& name) {
+  DType dtype;
+  if (!wire::ParseDType(name, &dtype)) {
+    throw py::value_error(std::string(field) + " must be one of " + std::string(wire::kDTypeNames) +
+                          "; got '" + name + "'");
+  }
+  return dtype;
 }
 
 // A mapped region, shared between the Python object and anything that holds it.
@@ -199,7 +202,7 @@ del _error_base
               h.weight_decay = GetOr(d, "weight_decay", h.weight_decay);
               options.groups.push_back(h);
             }
-            options.moment_dtype = ParseDType(moment_dtype);
+            options.moment_dtype = DTypeOrThrow("moment_dtype", moment_dtype);
             options.max_grad_norm = max_grad_norm;
             options.seed = seed;
             options.threads = threads;
@@ -210,9 +213,10 @@ del _error_base
               spec.param_id = d["param_id"].cast<uint64_t>();
               spec.name = GetOr<std::string>(d, "name", "");
               spec.shape = d["shape"].cast<std::vector<int64_t>>();
-              spec.dtype = ParseDType(d["dtype"].cast<std::string>());
+              spec.dtype = DTypeOrThrow("dtype", d["dtype"].cast<std::string>());
               spec.grad_dtype =
-                  ParseDType(GetOr<std::string>(d, "grad_dtype", d["dtype"].cast<std::string>()));
+                  DTypeOrThrow("grad_dtype",
+                               GetOr<std::string>(d, "grad_dtype", d["dtype"].cast<std::string>()));
               spec.group = GetOr<uint32_t>(d, "group", 0);
               specs.push_back(std::move(spec));
             }

@@ -62,9 +62,9 @@ void AdamWCudaStep(const at::Tensor& param, const at::Tensor& grad, uintptr_t ma
   t.exp_avg = reinterpret_cast<void*>(exp_avg);
   t.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
   TS_CHECK(t.exp_avg != nullptr && t.exp_avg_sq != nullptr, "adamw_cuda_step: null moments");
-  TS_CHECK(tk::ParseDType(moment_dtype.c_str(), &t.moment_dtype) &&
-               t.moment_dtype != tk::DType::kFloat16,
-           "adamw_cuda_step: moment_dtype '", moment_dtype, "'; accepted: float32, bfloat16");
+  TS_CHECK(tk::ParseDType(moment_dtype, &t.moment_dtype) && t.moment_dtype != tk::DType::kFloat16,
+           "adamw_cuda_step: moment_dtype '", moment_dtype,
+           "'; accepted: float32 (fp32), bfloat16 (bf16)");
   t.numel = static_cast<size_t>(param.numel());
   const int32_t* skip_flag = nullptr;
   if (skip.has_value()) {
@@ -89,10 +89,10 @@ void FlagNonFinite(const at::Tensor& grad, const at::Tensor& flag) {
   TS_CHECK(flag.scalar_type() == at::kInt && flag.numel() == 1 && flag.device() == grad.device(),
            "flag_nonfinite: flag must be one int32 on the gradient's device");
   const c10::cuda::CUDAGuard guard(grad.device());
-  const cudaError_t err = tk::FlagNonFiniteCuda(
-      grad.data_ptr(), ToDType(grad.scalar_type(), "flag_nonfinite: grad"),
-      static_cast<size_t>(grad.numel()), flag.data_ptr<int32_t>(),
-      c10::cuda::getCurrentCUDAStream(grad.device().index()).stream());
+  const cudaError_t err =
+      tk::FlagNonFiniteCuda(grad.data_ptr(), ToDType(grad.scalar_type(), "flag_nonfinite: grad"),
+                            static_cast<size_t>(grad.numel()), flag.data_ptr<int32_t>(),
+                            c10::cuda::getCurrentCUDAStream(grad.device().index()).stream());
   TS_CHECK(err == cudaSuccess, "flag_nonfinite: launch failed: ", cudaGetErrorString(err));
 }
 #endif

@@ -30,6 +30,7 @@
 #include <unordered_map>
 
 #include "check.h"
+#include "torch_dtype.h"
 #include "trainstream/platform/shared_word.h"
 #include "trainstream/wire/grad_pool.h"
 #include "trainstream/wire/ring.h"
@@ -60,13 +61,13 @@ struct DaemonGone : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-at::ScalarType ParseDType(const std::string& name) {
-  if (name == "float32") return at::kFloat;
-  if (name == "bfloat16") return at::kBFloat16;
-  if (name == "float16") return at::kHalf;
+// A view's element type by name: a wire DType's (wire::ParseDType) or "uint8", bytes.
+at::ScalarType ScalarTypeOf(const std::string& name) {
   if (name == "uint8") return at::kByte;
-  throw std::invalid_argument("dtype must be one of float32, bfloat16, float16, uint8; got " +
-                              name);
+  wire::DType dtype;
+  if (wire::ParseDType(name, &dtype)) return ToScalarType(dtype);
+  throw std::invalid_argument("dtype must be one of " + std::string(wire::kDTypeNames) +
+                              ", uint8; got " + name);
 }
 
 // A tensor viewing `numel` elements at `address`. The caller keeps the mapping
@@ -74,7 +75,7 @@ at::ScalarType ParseDType(const std::string& name) {
 torch::Tensor TensorFromAddress(uintptr_t address, std::vector<int64_t> shape,
                                 const std::string& dtype) {
   if (address == 0) throw std::invalid_argument("address must be non-zero");
-  auto options = torch::TensorOptions().dtype(ParseDType(dtype)).device(torch::kCPU);
+  auto options = torch::TensorOptions().dtype(ScalarTypeOf(dtype)).device(torch::kCPU);
   return torch::from_blob(reinterpret_cast<void*>(address), shape, options);
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "check.h"
+#include "torch_dtype.h"
 #include "trainstream/kernels/quant.h"
 
 #ifdef TRAINSTREAM_WITH_CUDA
@@ -45,10 +46,10 @@ tk::QuantCpuOptions CpuOptions(const std::string& isa) {
   return opts;
 }
 
-tk::QuantElemType ElemType(at::ScalarType t) {
+tk::DType ElemType(at::ScalarType t) {
   TS_CHECK(t == at::kFloat || t == at::kBFloat16,
            "quantization kernels take float32 or bfloat16, got ", t);
-  return t == at::kFloat ? tk::QuantElemType::kFloat32 : tk::QuantElemType::kBFloat16;
+  return ToDType(t, "a quantization kernel's tensor");
 }
 
 // Returns (data uint8, scales float32 or uint8, tensor_scale float32[1]) on t's device.
@@ -59,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Quantize(const at::Tensor& t,
   const tk::QuantFormat fmt = FormatOrThrow(format);
   const at::Tensor src = t.contiguous();
   const tk::QuantLayout l = LayoutOrThrow(fmt, src.numel(), block_size);
-  const tk::QuantElemType type = ElemType(src.scalar_type());
+  const tk::DType type = ElemType(src.scalar_type());
   const auto bytes = src.options().dtype(at::kByte);
   at::Tensor data = at::empty({l.data_bytes}, bytes);
   at::Tensor scales = l.scale_bytes_each == 4
@@ -100,7 +101,7 @@ at::Tensor Dequantize(const at::Tensor& data, const at::Tensor& scales,
            "dequantize: scales must be contiguous, ", l.scale_bytes(), " bytes");
   TS_CHECK(scales.device() == data.device() && tensor_scale.device() == data.device(),
            "dequantize: data, scales and tensor_scale must be on one device");
-  const tk::QuantElemType type = ElemType(out_dtype);
+  const tk::DType type = ElemType(out_dtype);
   at::Tensor out = at::empty({numel}, data.options().dtype(out_dtype));
   if (data.is_cpu()) {
     const float ts = tensor_scale.to(at::kFloat).item<float>();
@@ -131,21 +132,7 @@ std::tuple<at::Tensor, at::Tensor> QuantizeRowsE4m3(const at::Tensor& x) {
   TS_CHECK(x.size(1) > 0, "quantize_rows_e4m3: rows must not be empty");
 #ifdef TRAINSTREAM_WITH_CUDA
   TS_CHECK(x.is_cuda(), "quantize_rows_e4m3: x must be a CUDA tensor, got ", x.device());
-  tk::RowElemType type;
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      type = tk::RowElemType::kFloat32;
-      break;
-    case at::kBFloat16:
-      type = tk::RowElemType::kBFloat16;
-      break;
-    case at::kHalf:
-      type = tk::RowElemType::kFloat16;
-      break;
-    default:
-      TS_CHECK(false, "quantize_rows_e4m3: x must be float32, bfloat16 or float16, got ",
-               x.scalar_type());
-  }
+  const tk::DType type = ToDType(x.scalar_type(), "quantize_rows_e4m3: x");
   const at::Tensor src = x.contiguous();
   const c10::cuda::CUDAGuard guard(src.device());
   at::Tensor q = at::empty({src.size(0), src.size(1)}, src.options().dtype(at::kFloat8_e4m3fn));

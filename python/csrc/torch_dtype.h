@@ -1,5 +1,6 @@
-// The wire's DType (proto/include/trainstream/wire/dtype.h) of a torch dtype, for
-// the bindings that hand tensors to the kernels (CPU and CUDA AdamW).
+// The wire's DType (proto/include/trainstream/wire/dtype.h) of a torch dtype and
+// back, for the bindings that hand tensors to the kernels (AdamW, quantization) and
+// view shared memory as tensors.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -23,6 +24,20 @@ inline wire::DType ToDType(c10::ScalarType t, const char* what) {
   }
   TS_CHECK(false, what, " must be float32, bfloat16 or float16, got ", t);
   return wire::DType::kFloat32;
+}
+
+// The torch dtype of a DType; a number that is no DType throws.
+inline c10::ScalarType ToScalarType(wire::DType dtype) {
+  switch (dtype) {
+    case wire::DType::kFloat32:
+      return c10::kFloat;
+    case wire::DType::kBFloat16:
+      return c10::kBFloat16;
+    case wire::DType::kFloat16:
+      return c10::kHalf;
+  }
+  TS_CHECK(false, "no DType is numbered ", static_cast<uint32_t>(dtype));
+  return c10::kFloat;
 }
 
 }  // namespace trainstream::python

@@ -18,6 +18,7 @@
 
 #include "trainstream/status.h"
 #include "trainstream/wire/dtype.h"
+#include "trainstream/wire/segment_kind.h"
 
 namespace trainstream {
 
@@ -31,10 +32,11 @@ std::string DefaultSocketPath();
 std::string EmbeddedSocketPath();
 
 // Element types: the wire's one DType (Note [DType numbers are the wire's]);
-// DTypeSize(d) is its bytes per element.
+// DTypeSize(d) is its bytes per element. What a segment holds: the wire's
+// SegmentKind (Note [Segment kind numbers are the wire's]).
 using wire::DType;
 using wire::DTypeSize;
-enum class SegmentKind { kBase = 1, kSession = 2, kState = 3 };
+using wire::SegmentKind;
 
 // A byte range of a daemon segment, as the daemon described it.
 struct RegionInfo {

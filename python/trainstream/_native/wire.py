@@ -2,8 +2,8 @@
 
 They are defined by the C++ headers in proto/include/trainstream/wire/; this copy
 lets ``import trainstream`` work without loading the torch extension, and
-tests/python/test_wire_constants.py pins every value here to ``trainstream._C.wire``
-(which reads them from those headers).
+tests/python/test_wire_constants.py pins every value here to ``trainstream_testing.wire``
+(the test-only extension, which reads them from those headers).
 """
 
 # Opcodes (session_control.h, Opcode): daemon -> client.

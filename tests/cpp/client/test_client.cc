@@ -48,6 +48,7 @@
 #include "segment_file_commands.h"
 #include "trainstream/client.h"
 #include "trainstream/platform/control_channel.h"
+#include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/this_process.h"
 #include "trainstream/v1/control.grpc.pb.h"
 #include "trainstream/wire/ring.h"
@@ -330,7 +331,10 @@ json Run(State& st, const std::string& line) {
     const std::string path = st.session->shm_dir() + "/" + name;
     const int err = RunSegmentFileCommand(cmd, path, arg);
     if (err != 0) {
-      return {{"ok", false}, {"code", "ERRNO"}, {"errno", err}, {"message", std::strerror(err)}};
+      return {{"ok", false},
+              {"code", "ERRNO"},
+              {"errno", err},
+              {"message", trainstream::platform::ErrnoMessage(err)}};
     }
     return {{"ok", true}};
   }

@@ -193,7 +193,7 @@ TEST_CASE("Quantized tensors are QuantizeCpu's bytes, the others the checkpoint'
           }
           const uint64_t n = Numel(src.shape);
           std::vector<float> f32(n);
-          tk::QuantElemType type = tk::QuantElemType::kFloat32;
+          tk::DType type = tk::DType::kFloat32;
           const void* in = f32.data();
           if (dtype == "F32") {
             std::memcpy(f32.data(), src.bytes.data(), n * 4);
@@ -204,7 +204,7 @@ TEST_CASE("Quantized tensors are QuantizeCpu's bytes, the others the checkpoint'
               f32[i] = HalfBitsToFloat(h);
             }
           } else {
-            type = tk::QuantElemType::kBFloat16;
+            type = tk::DType::kBFloat16;
             in = src.bytes.data();
           }
           std::vector<uint8_t> data(t.layout.data_bytes), scales(t.layout.scale_bytes());

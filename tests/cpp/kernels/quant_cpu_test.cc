@@ -8,6 +8,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "catch_compat.h"
@@ -33,7 +34,7 @@ Quantized Quantize(tk::QuantFormat fmt, const std::vector<float>& x, int64_t blo
   tk::QuantCpuOptions opts;
   opts.isa = isa;
   opts.num_threads = threads;
-  tk::QuantizeCpu(fmt, q.layout, tk::QuantElemType::kFloat32, x.data(),
+  tk::QuantizeCpu(fmt, q.layout, tk::DType::kFloat32, x.data(),
                   {q.data.data(), q.scales.data(), &q.tensor_scale}, opts);
   return q;
 }
@@ -43,7 +44,7 @@ std::vector<float> Dequantize(tk::QuantFormat fmt, const Quantized& q, tk::Isa i
   tk::QuantCpuOptions opts;
   opts.isa = isa;
   tk::DequantizeCpu(fmt, q.layout, {q.data.data(), q.scales.data(), q.tensor_scale},
-                    tk::QuantElemType::kFloat32, y.data(), opts);
+                    tk::DType::kFloat32, y.data(), opts);
   return y;
 }
 
@@ -80,6 +81,15 @@ const tk::QuantFormat kFormats[] = {tk::QuantFormat::kInt8, tk::QuantFormat::kNf
                                     tk::QuantFormat::kFp8, tk::QuantFormat::kNvfp4};
 
 }  // namespace
+
+TEST_CASE("the kernels take the wire's float32 and bfloat16, not float16") {
+  // Element types are the wire's DType (quant.h); fp16 is the caller's to widen.
+  static_assert(std::is_same_v<tk::DType, trainstream::wire::DType>);
+  CHECK(tk::QuantTakesDType(tk::DType::kFloat32));
+  CHECK(tk::QuantTakesDType(tk::DType::kBFloat16));
+  CHECK_FALSE(tk::QuantTakesDType(tk::DType::kFloat16));
+  CHECK_FALSE(tk::QuantTakesDType(static_cast<tk::DType>(0)));
+}
 
 TEST_CASE("vectorized and threaded paths equal the scalar reference byte for byte") {
   for (const auto& [name, x] : TestTensors()) {
@@ -121,8 +131,8 @@ TEST_CASE("quantizing a tensor in pieces gives QuantizeCpu's bytes") {
           for (int64_t b = 0; b < l.num_blocks; b += per_piece) {
             const int64_t begin = b * l.block_size;
             const int64_t end = std::min(l.numel, (b + per_piece) * l.block_size);
-            amax = std::max(
-                amax, tk::AbsMaxCpu(tk::QuantElemType::kFloat32, x.data() + begin, end - begin));
+            amax =
+                std::max(amax, tk::AbsMaxCpu(tk::DType::kFloat32, x.data() + begin, end - begin));
           }
           const float tensor_scale =
               fmt == tk::QuantFormat::kNvfp4 ? tk::Nvfp4TensorScale(amax) : 0.0f;
@@ -133,7 +143,7 @@ TEST_CASE("quantizing a tensor in pieces gives QuantizeCpu's bytes") {
             const int64_t begin = b * l.block_size;
             const int64_t end = std::min(l.numel, (b + per_piece) * l.block_size);
             const std::vector<float> piece(x.begin() + begin, x.begin() + end);
-            tk::QuantizeBlockRangeCpu(fmt, l, tk::QuantElemType::kFloat32, piece.data(), b,
+            tk::QuantizeBlockRangeCpu(fmt, l, tk::DType::kFloat32, piece.data(), b,
                                       std::min(l.num_blocks, b + per_piece), out, tensor_scale);
           }
           REQUIRE(data == ref.data);
@@ -238,7 +248,7 @@ TEST_CASE("bf16 input gives the bytes of the same values in fp32") {
     b.layout = a.layout;
     b.data.resize(a.data.size());
     b.scales.resize(a.scales.size());
-    tk::QuantizeCpu(fmt, b.layout, tk::QuantElemType::kBFloat16, bf.data(),
+    tk::QuantizeCpu(fmt, b.layout, tk::DType::kBFloat16, bf.data(),
                     {b.data.data(), b.scales.data(), &b.tensor_scale});
     REQUIRE(a.data == b.data);
     REQUIRE(a.scales == b.scales);

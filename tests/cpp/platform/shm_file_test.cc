@@ -13,6 +13,7 @@
 
 #include "catch_compat.h"
 #include "trainstream/platform/shm.h"
+#include "trainstream/platform/sys_call.h"
 
 using namespace trainstream::platform;
 namespace fs = std::filesystem;
@@ -138,7 +139,7 @@ TEST_CASE("a mapping is locked in RAM, past the default working-set quota", "[sh
   // Over RLIMIT_MEMLOCK without CAP_IPC_LOCK: what the daemon's startup check
   // warns about (startup_checks.cc); the seam reports it as mlock does.
   if (err == ENOMEM || err == EPERM || err == EAGAIN) {
-    TS_SKIP(std::string("this process may not lock 16 MiB: ") + std::strerror(err));
+    TS_SKIP(ErrnoText("this process may not lock 16 MiB", err));
   }
   REQUIRE(err == 0);
   std::memset(mapping->data(), 0x5a, kLocked);

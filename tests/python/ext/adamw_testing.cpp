@@ -109,11 +109,12 @@ class PyAdamWEngine {
                 int64_t seed, bool skip_nonfinite_step, const std::string& isa,
                 int64_t chunk_elems) {
     to::EngineOptions opt;
-    if (moment_dtype != "fp32" && moment_dtype != "bf16") {
-      throw pybind11::value_error("moment_dtype must be 'fp32' or 'bf16', got '" + moment_dtype +
-                                  "'");
+    if (!tk::ParseDType(moment_dtype, &opt.moment_dtype) ||
+        opt.moment_dtype == tk::DType::kFloat16) {
+      throw pybind11::value_error(
+          "moment_dtype must be 'fp32' or 'bf16' (or float32, bfloat16), got '" + moment_dtype +
+          "'");
     }
-    opt.moment_dtype = moment_dtype == "bf16" ? tk::DType::kBFloat16 : tk::DType::kFloat32;
     opt.max_grad_norm = max_grad_norm;
     opt.seed = static_cast<uint64_t>(seed);
     opt.skip_nonfinite_step = skip_nonfinite_step;
@@ -269,8 +270,3 @@ void RegisterAdamWBindings(pybind11::module_& m) {
 }
 
 }  // namespace trainstream::python
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "TrainStream test-only bindings: the CPU AdamW kernel and the daemon's AdamWEngine";
-  trainstream::python::RegisterAdamWBindings(m);
-}

@@ -13,12 +13,12 @@
 
 namespace trainstream::kernels {
 
-// The kernels take the wire's DType as it arrives (Note [DType numbers are the wire's]).
+// The kernels take the wire's DType as it arrives (Note [DType numbers are the wire's]),
+// named and parsed as the wire names them (DTypeName, ParseDType: wire/dtype.h).
 using wire::DType;
+using wire::DTypeName;
 using wire::DTypeSize;
-
-const char* DTypeName(DType dtype);
-bool ParseDType(const char* name, DType* out);  // "fp32"/"float32", "bf16", "fp16"
+using wire::ParseDType;
 
 // Hyper-parameters of one step of one parameter (they arrive with every step, so
 // schedulers and parameter groups need nothing else).

@@ -10,12 +10,20 @@
 
 #include "trainstream/kernels/cpu_features.h"
 #include "trainstream/kernels/quant_format.h"
+#include "trainstream/wire/dtype.h"
 
 namespace trainstream::kernels {
 
-// Element types the kernels read (quantize) and write (dequantize). Other dtypes are
-// converted to fp32 by the caller (fp16 -> fp32 is exact, so the bytes do not change).
-enum class QuantElemType : int { kFloat32 = 0, kBFloat16 = 1 };
+// Element types are the wire's DType, as everywhere (Note [DType numbers are the
+// wire's]). The kernels here read (quantize) and write (dequantize) kFloat32 and
+// kBFloat16 only: a caller converts fp16 to fp32 first (exact, so the bytes do not
+// change) and checks QuantTakesDType before it calls; any other value is a
+// precondition broken. The CUDA launchers (quant_cuda.h) refuse it with
+// cudaErrorInvalidValue.
+using wire::DType;
+constexpr bool QuantTakesDType(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kBFloat16;
+}
 
 // "int8", "nf4", "fp8", "nvfp4". Returns false for anything else.
 bool ParseQuantFormat(std::string_view name, QuantFormat* out);
@@ -49,8 +57,8 @@ struct QuantConstBuffers {
 // a NaN or infinity gives defined but meaningless bytes). Padding elements are zeros.
 // Preconditions: QuantArgsError(fmt, layout.block_size) is empty and `layout` came
 // from MakeQuantLayout(fmt, ...).
-void QuantizeCpu(QuantFormat fmt, const QuantLayout& layout, QuantElemType src_type,
-                 const void* src, const QuantBuffers& out, const QuantCpuOptions& opts = {});
+void QuantizeCpu(QuantFormat fmt, const QuantLayout& layout, DType src_type, const void* src,
+                 const QuantBuffers& out, const QuantCpuOptions& opts = {});
 
 // The piecewise form of QuantizeCpu, for a reader that holds one piece of a tensor
 // at a time (the daemon's base loader). Quantizes blocks [first_block, end_block)
@@ -63,15 +71,14 @@ void QuantizeCpu(QuantFormat fmt, const QuantLayout& layout, QuantElemType src_t
 // other formats ignore it. Blocks are independent, so pieces quantized separately,
 // in any order and on any threads, give exactly QuantizeCpu's bytes.
 // Preconditions: as QuantizeCpu, and 0 <= first_block <= end_block <= num_blocks.
-void QuantizeBlockRangeCpu(QuantFormat fmt, const QuantLayout& layout, QuantElemType src_type,
+void QuantizeBlockRangeCpu(QuantFormat fmt, const QuantLayout& layout, DType src_type,
                            const void* src, int64_t first_block, int64_t end_block,
                            const QuantBuffers& out, float tensor_scale,
                            const QuantCpuOptions& opts = {});
 
 // The largest |x| of n elements of `src` (finite; +0 for n == 0). The maximum of the
 // pieces' AbsMaxCpu is the whole tensor's.
-float AbsMaxCpu(QuantElemType src_type, const void* src, int64_t n,
-                const QuantCpuOptions& opts = {});
+float AbsMaxCpu(DType src_type, const void* src, int64_t n, const QuantCpuOptions& opts = {});
 
 // nvfp4's per-tensor scale for a tensor whose largest |x| is `amax`: amax / (6 * 448),
 // the dequant multiplier of a block scale. Zero for an all-zero tensor.
@@ -79,6 +86,6 @@ float Nvfp4TensorScale(float amax);
 
 // Writes layout.numel elements (padding dropped) of type `dst_type` to `dst`.
 void DequantizeCpu(QuantFormat fmt, const QuantLayout& layout, const QuantConstBuffers& in,
-                   QuantElemType dst_type, void* dst, const QuantCpuOptions& opts = {});
+                   DType dst_type, void* dst, const QuantCpuOptions& opts = {});
 
 }  // namespace trainstream::kernels

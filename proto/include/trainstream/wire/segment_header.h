@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "trainstream/wire/dtype.h"
+#include "trainstream/wire/segment_kind.h"
 
 namespace trainstream::wire {
 
@@ -18,7 +19,7 @@ inline constexpr uint64_t kSegmentHeaderBytes = 4096;  // one page; data starts 
 struct SegmentHeader {
   uint32_t magic;
   uint32_t version;
-  uint32_t kind;  // trainstream.v1.SegmentKind
+  uint32_t kind;  // SegmentKind (segment_kind.h; trainstream.v1.SegmentKind's numbers)
   uint32_t flags;
   uint64_t total_bytes;  // the file's size
   uint64_t session_id;   // owner, 0 for daemon-owned (bases)

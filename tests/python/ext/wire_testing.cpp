@@ -1,7 +1,8 @@
-// trainstream._C.wire: the shared-memory wire constants as the C++ headers define
-// them (proto/include/trainstream/wire/). The Python package keeps its own copy
-// in trainstream/_wire.py, so `import trainstream` need not load this extension;
-// tests/python/test_wire_constants.py pins every value of that copy to these.
+// trainstream_testing.wire: the shared-memory wire constants as the C++ headers
+// define them (proto/include/trainstream/wire/), for the tests only. The Python
+// package keeps its own copy in trainstream/_native/wire.py, so neither
+// `import trainstream` nor the shipped trainstream._C needs these;
+// tests/python/test_wire_constants.py pins every value of that copy to them.
 #include <torch/extension.h>
 
 #include <cstddef>
