@@ -76,10 +76,11 @@ def test_sigterm_keeps_the_sessions_state_for_the_next_daemon(daemon_factory):
     dead = c.send("wait_dead 5000")
     assert dead["ok"] and not dead["alive"], dead
     assert "shut down" not in dead["why"], dead  # a broken stream, as after a crash
+    # The next daemon finds them (this state's masters were never initialised, so it is
+    # not adopted: tests/python/test_stop_keeps_state.py resumes a trained one).
     nxt = daemon_factory(socket=d.socket, shm_dir=d.shm_dir)
-    assert "adopted the optimizer state of 1 sessions" in nxt.log(), nxt.log()
-    waiting = [s for s in nxt.status()["segments"] if "waiting" in s.get("label", "")]
-    assert {s["kind"] for s in waiting} == {"state", "session"}
+    assert "its registration never finished" in nxt.log(), nxt.log()
+    assert nxt.segment_files() == []
 
 
 def test_sigint_exits_zero(daemon_factory):
