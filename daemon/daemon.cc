@@ -10,8 +10,10 @@
 //   pid watcher     pidfd poll: a dead client's session ends at once
 //   optimizer       OptimizerService's threads (when built in)
 //
-// No signal handler runs code: SIGTERM/SIGINT arrive through StopSignals
-// (Note [No code in signal handlers], platform/stop_signals.h).
+// No signal handler runs code: SIGTERM/SIGINT/SIGUSR2 arrive through StopSignals
+// (Note [No code in signal handlers], platform/stop_signals.h). A stop with
+// sessions attached keeps their state for the next daemon (Note [A restart keeps
+// the optimizer state]).
 #include "daemon.h"
 
 #include <spdlog/spdlog.h>
@@ -108,21 +110,71 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
 }
 
 // Note [A restart keeps the optimizer state]
-// A clean stop (SIGTERM) ends every session and frees its memory: that is what
-// `systemctl stop` means. A restart must not: a package upgrade or `systemctl restart`
-// would lose every job's masters and moments. The unit sets RestartKillSignal=SIGUSR2
-// (deploy/trainstreamd.service), and on SIGUSR2 the daemon leaves exactly what a crash leaves: it
-// exits at once, without ending sessions or unlinking segments. The recovery design
-// already makes any moment of death safe (docs/recovery.md: the redo journal, the
-// commit records, roll-forward at adoption), so the next daemon adopts each state and
-// its clients resume as after a SIGKILL; the segments nobody adopts (rings, client
-// regions, bases) are unlinked by that daemon's startup sweep. With recovery_grace 0
-// nothing could be adopted, and SIGUSR2 is a clean stop like SIGTERM.
-[[noreturn]] void ExitForRestart(size_t sessions, uint64_t grace_s) {
+// A stop keeps what a crash keeps. A package upgrade, `systemctl restart` or `systemctl
+// stop` must not lose every job's masters and moments, so a stop request with sessions
+// attached (SIGTERM, SIGINT, SIGUSR2, the Windows service's stop, `trainstreamctl
+// shutdown`) leaves exactly what a crash leaves: the daemon exits at once, without
+// ending a session or unlinking a segment (after a Shutdown call it first stops
+// accepting, lets the calls in flight answer, that one's reply among them, and closes
+// the session streams without ending the sessions: DaemonState::keeping_state). The
+// recovery design already makes any moment of death safe (docs/recovery.md: the redo
+// journal, the commit records, roll-forward at adoption), so the next daemon on the
+// socket adopts each state for recovery_grace and its clients resume as after a
+// SIGKILL; the segments nobody adopts (rings, client regions, bases) are unlinked by
+// that daemon's startup sweep. Adopted states still waiting for their client are kept
+// the same way (the next daemon adopts them again).
+// A clean stop (tell the sessions, end them, free everything) is asked for: by
+// `trainstreamctl shutdown --discard-state`, by the end of a drain (`--drain`: no
+// session is left, and an adopted state's client could not re-attach while draining),
+// and by the idle exit (nothing to keep). It is also what a stop is when nothing can be
+// kept: no session and no adopted state, recovery_grace 0 (adoption off), or the
+// system shutting down (Windows' kShutdown: no client comes back after it).
+
+// What asked for a stop that keeps the state (for the log), or "" for a clean stop:
+// `request` is what ended the main loop's wait (kNone: the loop itself stopped, on
+// `rpc_stop`, a drain's end or the idle exit).
+std::string WhyKeep(const platform::StopRequest& request, const DaemonState& state, bool rpc_stop,
+                    size_t sessions, size_t adopted, uint64_t grace_s) {
+  if (request.kind == platform::StopKind::kNone && !rpc_stop) return "";  // drained, idle
+  if (state.discard_state.load() || (sessions == 0 && adopted == 0)) return "";
+  const std::string what = request.kind == platform::StopKind::kNone
+                               ? std::string("Shutdown request")
+                               : request.description;
+  if (request.kind == platform::StopKind::kShutdown) {
+    spdlog::info("{}: the system is going down and no client comes back, so this is a clean stop",
+                 what);
+    return "";
+  }
+  if (grace_s == 0) {
+    spdlog::info(
+        "{} with recovery_grace 0: nothing can be kept for the next daemon, so this is a "
+        "clean stop",
+        what);
+    return "";
+  }
+  return what;
+}
+
+// Note [A restart keeps the optimizer state]. Leaves every session and adopted state
+// as it is and exits 0: what is in flight is what a crash at this moment would leave.
+// A signal's stop exits at once; a Shutdown call's reply goes out first.
+[[noreturn]] void ExitKeepingState(const std::string& why, bool answer_rpc, size_t sessions,
+                                   size_t adopted, uint64_t grace_s, DaemonState* state,
+                                   ControlListener* listener, ControlServer* server) {
   spdlog::info(
-      "SIGUSR2 (restart): exiting with {} sessions attached and their optimizer state "
-      "left for the next daemon on this socket to adopt (recovery_grace {} s)",
-      sessions, grace_s);
+      "{}: stopping with {} sessions attached and {} adopted states waiting; their optimizer "
+      "state is kept for the next daemon on this socket to adopt (recovery_grace {} s; "
+      "`trainstreamctl shutdown --discard-state` is the stop that frees it)",
+      why, sessions, adopted, grace_s);
+  if (answer_rpc) {
+    // The calls in flight answer; then each session's stream is cancelled and its
+    // handler returns, leaving the session (DaemonState::keeping_state).
+    state->keeping_state.store(true);
+    state->shutting_down.store(true);
+    listener->Stop();
+    server->Shutdown(std::chrono::milliseconds(500));
+  }
+  spdlog::info("trainstreamd stopped, optimizer state kept");
   spdlog::default_logger()->flush();
   std::_Exit(0);
 }
@@ -226,19 +278,12 @@ int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
   ready(nullptr);
 
   std::string why = "shutdown requested";
+  platform::StopRequest request;
   for (;;) {
-    const platform::StopRequest request = stop_signals->Wait(500);
+    request = stop_signals->Wait(500);
     if (request.kind == platform::StopKind::kReload) {
       spdlog::info("SIGHUP: nothing to reload (restart the daemon to apply config changes)");
       continue;
-    }
-    if (request.kind == platform::StopKind::kRestart && config.recovery_grace_s > 0) {
-      ExitForRestart(registry->size(), config.recovery_grace_s);
-    }
-    if (request.kind == platform::StopKind::kRestart) {
-      spdlog::info(
-          "SIGUSR2 (restart) with recovery_grace 0: nothing can be kept for the "
-          "next daemon, so this is a clean stop");
     }
     if (request.kind != platform::StopKind::kNone) {
       why = request.description;
@@ -260,9 +305,20 @@ int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
       }
     }
   }
+  // Note [A restart keeps the optimizer state].
+  const bool rpc_stop = request.kind == platform::StopKind::kNone &&
+                        state.shutdown_requested.load() && !state.draining.load();
+  const size_t attached = registry->size(), adopted = registry->adopted_waiting();
+  if (const std::string keep =
+          WhyKeep(request, state, rpc_stop, attached, adopted, config.recovery_grace_s);
+      !keep.empty()) {
+    ExitKeepingState(keep, rpc_stop, attached, adopted, config.recovery_grace_s, &state,
+                     listener.get(), server.get());
+  }
 
-  // Shutdown: stop accepting, tell the sessions, free everything, exit 0.
-  spdlog::info("shutting down ({}): {} sessions attached", why, registry->size());
+  // The clean stop: stop accepting, tell the sessions, free everything, exit 0.
+  spdlog::info("shutting down ({}): {} sessions attached, {} adopted states freed", why,
+               registry->size(), registry->adopted_waiting());
   state.shutting_down.store(true);
   listener->Stop();
   v1::DaemonNotice notice;

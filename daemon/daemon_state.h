@@ -24,6 +24,12 @@ struct DaemonState {
   std::atomic<bool> shutting_down{false};
   // A Shutdown RPC asked the main loop to stop (now or after draining).
   std::atomic<bool> shutdown_requested{false};
+  // That RPC asked for a clean stop (ShutdownRequest.discard_state).
+  std::atomic<bool> discard_state{false};
+  // The daemon stops keeping its sessions' state for the next one (Note [A
+  // restart keeps the optimizer state], daemon.cc): a session's stream that
+  // closes now leaves the session as it is, for the exit to keep.
+  std::atomic<bool> keeping_state{false};
   // steady_clock nanoseconds of the last RPC (idle exit).
   std::atomic<int64_t> last_activity_ns{0};
   // What the main loop waits on; Wake() ends its wait. Set before the first

@@ -185,9 +185,10 @@ int main(int argc, char** argv) {
     if (err == 0 && is_parent) return exit_code;
   }
 
-  // SIGTERM, SIGINT, SIGHUP and SIGUSR2 (a restart: Note [A restart keeps the
-  // optimizer state]) arrive through StopSignals, made before any thread starts
-  // so that every thread inherits their mask.
+  // SIGTERM, SIGINT, SIGUSR2 (stops that keep the sessions' optimizer state for the
+  // next daemon: Note [A restart keeps the optimizer state]) and SIGHUP arrive
+  // through StopSignals, made before any thread starts so that every thread
+  // inherits their mask.
   std::unique_ptr<trainstream::platform::StopSignals> stop_signals;
   if (int err = trainstream::platform::StopSignals::Create(&stop_signals); err != 0) {
     const std::string msg = trainstream::platform::ErrnoText("cannot receive signals", err);
@@ -222,8 +223,9 @@ int main(int argc, char** argv) {
                                           trainstream::platform::ReportBackgroundReady);
   }
   // Note [The daemon as a Windows service] (platform/service.h): the SCM's
-  // stop arrives as a StopRequest, as SIGTERM does, and the SCM shows the
-  // service running once the daemon serves.
+  // stop arrives as a StopRequest, as SIGTERM does (and keeps the sessions'
+  // state as SIGTERM does), and the SCM shows the service running once the
+  // daemon serves.
   trainstream::platform::StopSignals* stops = stop_signals.get();
   std::string error;
   const int code = trainstream::platform::RunAsService(

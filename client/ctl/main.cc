@@ -70,10 +70,22 @@ int main(int argc, char** argv) {
   status_cmd->add_flag("--json", json, "Print JSON (fields: docs/status-json.md)");
   auto* ping_cmd =
       app.add_subcommand("ping", "Check that the daemon answers; prints its version and pid");
-  auto* shutdown_cmd = app.add_subcommand("shutdown", "Stop the daemon (admins only)");
-  bool drain = false;
-  shutdown_cmd->add_flag("--drain", drain,
-                         "Refuse new sessions and exit once the last one detaches");
+  auto* shutdown_cmd = app.add_subcommand(
+      "shutdown",
+      "Stop the daemon (admins only). With sessions attached, their optimizer state is kept "
+      "for the next daemon on this socket, which adopts it for recovery_grace (default 300 s) "
+      "so their jobs resume, as after a crash or SIGTERM; --drain or --discard-state stop "
+      "cleanly instead (docs/daemon.md, \"Stopping\")");
+  bool drain = false, discard_state = false;
+  auto* drain_flag = shutdown_cmd->add_flag(
+      "--drain", drain,
+      "Refuse new sessions and exit cleanly once the last one detaches (adopted states "
+      "still waiting for their client are freed then)");
+  shutdown_cmd
+      ->add_flag("--discard-state", discard_state,
+                 "Stop now cleanly: tell the sessions, end them and free their optimizer "
+                 "state (and adopted states still waiting); no job can resume")
+      ->excludes(drain_flag);
   auto* base_cmd = app.add_subcommand("base", "Frozen bases: load, list, drop");
   base_cmd->require_subcommand(1);
   auto* base_load = base_cmd->add_subcommand(
@@ -132,15 +144,25 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : Fail(s);
   }
   if (shutdown_cmd->parsed()) {
-    uint32_t sessions = 0;
-    s = client->Shutdown(drain, &sessions);
+    trainstream::ShutdownResult r;
+    s = client->Shutdown(drain           ? trainstream::ShutdownMode::kDrain
+                         : discard_state ? trainstream::ShutdownMode::kDiscardState
+                                         : trainstream::ShutdownMode::kKeepState,
+                         &r);
     if (!s.ok()) return Fail(s);
     if (drain) {
       std::printf(
           "trainstreamd is draining: %u session(s) attached; it exits when the last one detaches\n",
-          sessions);
+          r.sessions);
+    } else if (r.state_kept) {
+      std::printf(
+          "trainstreamd is stopping with %u session(s) attached: their optimizer state (and "
+          "that of adopted sessions still waiting) is kept for the next daemon on this socket, "
+          "which adopts it for recovery_grace (%llu s); `shutdown --discard-state` frees it "
+          "instead\n",
+          r.sessions, static_cast<unsigned long long>(r.recovery_grace_s));
     } else {
-      std::printf("trainstreamd is shutting down (%u session(s) were attached)\n", sessions);
+      std::printf("trainstreamd is shutting down (%u session(s) were attached)\n", r.sessions);
     }
     return 0;
   }

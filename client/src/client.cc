@@ -111,14 +111,19 @@ Status Client::StatusJson(std::string* out) {
   return Status::Ok();
 }
 
-Status Client::Shutdown(bool drain, uint32_t* sessions_attached) {
+Status Client::Shutdown(ShutdownMode mode, ShutdownResult* out) {
   grpc::ClientContext ctx;
   PrepareCall(impl_->target, &ctx, 10);
   v1::ShutdownRequest req;
-  req.set_drain(drain);
+  req.set_drain(mode == ShutdownMode::kDrain);
+  req.set_discard_state(mode == ShutdownMode::kDiscardState);
   v1::ShutdownResponse resp;
   Status s = FromGrpc(impl_->stub->Shutdown(&ctx, req, &resp), impl_->socket_path);
-  if (s.ok() && sessions_attached != nullptr) *sessions_attached = resp.sessions();
+  if (s.ok() && out != nullptr) {
+    out->sessions = resp.sessions();
+    out->state_kept = resp.state_kept();
+    out->recovery_grace_s = resp.recovery_grace_s();
+  }
   return s;
 }
 

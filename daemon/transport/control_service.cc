@@ -182,6 +182,14 @@ grpc::Status ControlService::Attach(
     // Only the first message is defined; later ones are ignored (forward compatible).
     spdlog::debug("session {}: ignoring a message after AttachRequest", id);
   }
+  if (state_->keeping_state.load()) {
+    // Note [A restart keeps the optimizer state] (daemon.cc): the daemon exits next
+    // and leaves this session's state for the next one; its client resumes there.
+    take_back_stream();
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "trainstreamd stopped; this session's optimizer state is kept for the "
+                        "next daemon on this socket");
+  }
   const bool shutting_down = state_->shutting_down.load();
   registry_->End(id, shutting_down ? "daemon shutting down" : "session stream closed", false);
   take_back_stream();
@@ -270,9 +278,17 @@ grpc::Status ControlService::Shutdown(grpc::ServerContext* ctx, const v1::Shutdo
                             " may not shut trainstreamd down; admins: " + who +
                             " (daemon option admin_group)");
   }
-  resp->set_sessions(static_cast<uint32_t>(registry_->size()));
-  spdlog::info("shutdown requested by uid {} pid {} (drain={})", creds.uid, creds.pid,
-               req->drain());
+  const size_t sessions = registry_->size();
+  resp->set_sessions(static_cast<uint32_t>(sessions));
+  // What the main loop will decide, unless sessions come and go meanwhile (Note [A
+  // restart keeps the optimizer state], daemon.cc).
+  const bool discard = req->drain() || req->discard_state();
+  resp->set_state_kept(!discard && config_.recovery_grace_s > 0 &&
+                       (sessions > 0 || registry_->adopted_waiting() > 0));
+  resp->set_recovery_grace_s(config_.recovery_grace_s);
+  spdlog::info("shutdown requested by uid {} pid {} (drain={}, discard_state={})", creds.uid,
+               creds.pid, req->drain(), req->discard_state());
+  if (!req->drain() && req->discard_state()) state_->discard_state.store(true);
   if (req->drain()) {
     if (!state_->draining.exchange(true)) {
       v1::DaemonNotice notice;

@@ -425,12 +425,17 @@ del _error_base
            })
       .def(
           "shutdown",
-          [](Client& c, bool drain) {
-            uint32_t sessions = 0;
-            Check(c.Shutdown(drain, &sessions));
-            return sessions;
+          [](Client& c, bool drain, bool discard_state) {
+            if (drain && discard_state)
+              throw py::value_error("shutdown: drain and discard_state exclude each other");
+            ShutdownResult r;
+            Check(c.Shutdown(drain           ? ShutdownMode::kDrain
+                             : discard_state ? ShutdownMode::kDiscardState
+                                             : ShutdownMode::kKeepState,
+                             &r));
+            return r.sessions;
           },
-          py::arg("drain") = false)
+          py::arg("drain") = false, py::arg("discard_state") = false)
       .def(
           "load_base",
           [](Client& c, const std::string& path, const std::string& format, uint32_t block_size,

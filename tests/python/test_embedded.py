@@ -25,7 +25,8 @@ def embedded_env(tmp_path, build_dir):
     yield env
     sock = tmp_path / "trainstream" / "trainstreamd.sock"
     if sock.exists():
-        subprocess.run([str(build_dir / "bin" / "trainstreamctl"), "--socket", str(sock), "shutdown"],
+        subprocess.run([str(build_dir / "bin" / "trainstreamctl"), "--socket", str(sock), "shutdown",
+                        "--discard-state"],
                        capture_output=True, timeout=30)
 
 

@@ -95,3 +95,15 @@ def test_short_loop_restarts_keep_the_state(build_dir):
     assert f["signal"] == "USR2" and f["daemon_kills"] == 4
     assert f["restart_exits"] == 4  # the daemon's own exit each time, from its log
     assert f["recoveries"] >= 2 and f["lost_reports"] == 0
+
+
+def test_short_loop_stops_keep_the_state(build_dir):
+    # SIGTERM is a stop (systemctl stop, a package upgrade's stop and start): the daemon
+    # keeps its sessions' state for the next one, as SIGUSR2 does, and training goes on
+    # to the same weights.
+    f = run_loop(build_dir, "--short", "--daemon-signal", "TERM", "--kills", "3",
+                 "--seed", "17")
+    assert f["bit_identical"] and not f["failures"]
+    assert f["signal"] == "TERM" and f["daemon_kills"] == 3
+    assert f["restart_exits"] == 3  # the daemon's own exit, keeping the state, each time
+    assert f["recoveries"] >= 2 and f["lost_reports"] == 0

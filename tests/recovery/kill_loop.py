@@ -65,9 +65,10 @@ def parse(argv=None):
     ap.add_argument("--jitter-ms", type=float, default=4.0)
     ap.add_argument("--restart-ms", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--daemon-signal", default="KILL", choices=("KILL", "USR2"),
-                    help="what ends the daemon: KILL (a crash) or USR2 (a restart: "
-                         "Note [A restart keeps the optimizer state])")
+    ap.add_argument("--daemon-signal", default="KILL", choices=("KILL", "USR2", "TERM"),
+                    help="what ends the daemon: KILL (a crash), USR2 (a restart) or TERM (a "
+                         "stop), the last two keeping the state: Note [A restart keeps the "
+                         "optimizer state]")
     ap.add_argument("--device", default="cpu",
                     help="where the client's model trains (cpu, cuda: the GPU host's check)")
     ap.add_argument("--optimizer-mode", default="cpu", choices=("cpu", "gpu"),
@@ -189,7 +190,12 @@ class Daemon:
         with self.cv:
             self.stopping = True
         if self.supervise and self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            # The clean stop: a SIGTERM would keep a state still waiting for a next daemon.
+            ctl = str(Path(self.args.build_dir) / "bin" / "trainstreamctl")
+            r = subprocess.run([ctl, "--socket", self.socket, "shutdown", "--discard-state"],
+                               capture_output=True, timeout=30)
+            if r.returncode != 0 and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -454,14 +460,17 @@ def main(argv=None) -> int:
     else:
         failures.append("the run did not complete")
     daemon.stop()
-    if args.daemon_signal == "USR2" and not args.embedded:
-        # Each restart must have been the daemon's own exit (Note [A restart keeps the
-        # optimizer state]), not SIGUSR2's default action, which would leave the same state.
+    if args.daemon_signal in ("USR2", "TERM") and not args.embedded:
+        # Each stop must have been the daemon's own exit keeping the state (Note [A
+        # restart keeps the optimizer state]), not the signal's default action, which
+        # would leave the same state.
         log = (work / f"daemon-{Path(socket).stem}.log").read_text(errors="replace")
-        figures["restart_exits"] = log.count("SIGUSR2 (restart): exiting")
+        figures["restart_exits"] = log.count(
+            "optimizer state is kept for the next daemon on this socket")
         if figures["restart_exits"] < figures["daemon_kills"]:
-            failures.append(f"{figures['daemon_kills']} SIGUSR2 sent, but the daemon's log shows "
-                            f"{figures['restart_exits']} restart exits")
+            failures.append(f"{figures['daemon_kills']} SIG{args.daemon_signal} sent, but the "
+                            f"daemon's log shows {figures['restart_exits']} exits keeping the "
+                            "state")
     # /dev/shm back to its baseline: nothing of ours is left (an embedded daemon exits
     # once idle; a killed client's adopted state goes when the daemon sees it is gone).
     deadline = time.monotonic() + 15

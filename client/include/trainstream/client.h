@@ -179,6 +179,21 @@ enum class SessionEnd {
   kDetached,    // this process detached
 };
 
+// What Client::Shutdown asks for (Note [A restart keeps the optimizer state] in
+// daemon/daemon.cc).
+enum class ShutdownMode {
+  kKeepState,     // stop now, leaving the sessions' optimizer state for the next
+                  // daemon to adopt for recovery_grace (as a crash does)
+  kDrain,         // refuse new sessions, stop cleanly once the last one detaches
+  kDiscardState,  // stop now cleanly: end the sessions and free their state
+};
+struct ShutdownResult {
+  uint32_t sessions = 0;          // attached when the daemon got the request
+  bool state_kept = false;        // it stops keeping their state (kKeepState with something
+                                  // to keep and recovery_grace > 0); false from an older daemon
+  uint64_t recovery_grace_s = 0;  // how long a kept state waits for its client
+};
+
 // Frozen bases (docs/base-cache.md).
 struct BaseLoadOptions {
   std::string path;         // a .safetensors file or model folder; made absolute here
@@ -248,8 +263,9 @@ class Client {
   // The daemon's status as JSON (the format `trainstreamctl status --json`
   // prints; documented in docs/status-json.md).
   Status StatusJson(std::string* out);
-  // Admin: asks the daemon to stop (drain=false) or drain.
-  Status Shutdown(bool drain, uint32_t* sessions_attached);
+  // Admin: asks the daemon to stop (docs/daemon.md, "Stopping"); `out` (may be
+  // null) gets its answer.
+  Status Shutdown(ShutdownMode mode, ShutdownResult* out);
 
   // Opens a session stream; the Session keeps it open.
   Status Attach(const AttachOptions& options, std::unique_ptr<Session>* out);

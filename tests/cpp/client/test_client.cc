@@ -4,7 +4,7 @@
 // {"ok": true, ...} or {"ok": false, "code": "INVALID_ARGUMENT", "message": ...}.
 //
 // Commands:
-//   ping | status | shutdown [drain]
+//   ping | status | shutdown [drain|discard]
 //   attach [job] [rank]              opens a session (held until detach/quit)
 //   alloc <bytes> [label]            AllocateRegion through the client library
 //   free <region_id>
@@ -105,12 +105,15 @@ json Run(State& st, const std::string& line) {
     return {{"ok", true}, {"status", json::parse(doc)}};
   }
   if (cmd == "shutdown") {
-    std::string drain;
-    in >> drain;
-    uint32_t n = 0;
-    s = st.client->Shutdown(drain == "drain", &n);
+    std::string mode;  // "drain", "discard" or nothing (keep the state)
+    in >> mode;
+    trainstream::ShutdownResult r;
+    s = st.client->Shutdown(mode == "drain"     ? trainstream::ShutdownMode::kDrain
+                            : mode == "discard" ? trainstream::ShutdownMode::kDiscardState
+                                                : trainstream::ShutdownMode::kKeepState,
+                            &r);
     if (!s.ok()) return Error(s);
-    return {{"ok", true}, {"sessions", n}};
+    return {{"ok", true}, {"sessions", r.sessions}, {"state_kept", r.state_kept}};
   }
   if (cmd == "attach") {
     trainstream::AttachOptions o;

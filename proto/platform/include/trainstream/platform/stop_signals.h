@@ -33,8 +33,8 @@ enum class StopKind {
                // SERVICE_CONTROL_SHUTDOWN, a console's CTRL_SHUTDOWN_EVENT);
                // Linux sends SIGTERM for that, so it never arrives there
   kReload,     // SIGHUP; nothing on Windows sends it
-  kRestart,    // SIGUSR2 (Note [A restart keeps the optimizer state],
-               // daemon.cc); nothing on Windows sends it
+  kRestart,    // SIGUSR2 (systemd's RestartKillSignal; daemon.cc's Note [A
+               // restart keeps the optimizer state]); nothing on Windows sends it
 };
 
 struct StopRequest {
