@@ -3,8 +3,8 @@
 // one optimizer state, and answers on each member's completion ring. The
 // session layer owns all memory; the plane only borrows pointers until Stop().
 //
-// Two kinds of plane, one class:
-//   solo    one session (OptimizerService): a group of one whose gradient slot
+// Two kinds of plane, one class, both owned by OptimizerService:
+//   solo    one session: a group of one whose gradient slot
 //           the engine reads directly (no copy, no sum). Parameters may be
 //           added by several RegisterParameters calls. A command the plane
 //           cannot apply is answered with ERROR and the session goes on.
@@ -104,6 +104,15 @@ struct CarriedNorm {
   uint64_t param_id = 0;
   double sumsq = 0;
   bool updated = true;  // false: it was skipped (a non-finite gradient)
+};
+
+// What AddParameters takes, together (BindState, sessions/param_binding.h).
+struct PlaneRegistration {
+  SessionOptimizerOptions options;
+  std::vector<ParamBinding> params;    // request order
+  std::unique_ptr<GradientPool> pool;  // the registration's gradient pool (null: slots)
+  bool adopted = false;
+  std::vector<CarriedNorm> carried;
 };
 
 // Resolves a (region_id, offset, bytes) of one session to a pointer, or

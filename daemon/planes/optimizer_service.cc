@@ -13,9 +13,9 @@ namespace trainstream::daemon {
 struct OptimizerService::Impl {
   explicit Impl(unsigned threads) : pool(optimizer::WorkerPoolOptions{threads, false}) {}
   optimizer::WorkerPool pool;
-  SessionFaultFn on_fault;  // set before sessions start
-  std::mutex mu;            // guards sessions
-  std::unordered_map<uint64_t, std::unique_ptr<OptimizerPlane>> sessions;
+  SessionFaultFn on_fault;  // set before planes start
+  std::mutex mu;
+  std::unordered_map<uint64_t, std::unique_ptr<OptimizerPlane>> planes;  // Guarded by mu.
 };
 
 OptimizerService::OptimizerService(unsigned threads) : impl_(std::make_unique<Impl>(threads)) {
@@ -24,58 +24,56 @@ OptimizerService::OptimizerService(unsigned threads) : impl_(std::make_unique<Im
 }
 
 OptimizerService::~OptimizerService() {
-  std::unordered_map<uint64_t, std::unique_ptr<OptimizerPlane>> sessions;
+  std::unordered_map<uint64_t, std::unique_ptr<OptimizerPlane>> planes;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    sessions.swap(impl_->sessions);
+    planes.swap(impl_->planes);
   }
-  sessions.clear();  // stops each plane before the pool goes away
+  planes.clear();  // stops each plane before the pool goes away
 }
 
 void OptimizerService::SetFaultHandler(SessionFaultFn on_fault) {
   impl_->on_fault = std::move(on_fault);
 }
 
-void OptimizerService::StartSession(uint64_t session_id, const ControlRings& rings,
-                                    RegionResolver resolver) {
-  PlaneOptions options;
-  options.name = "session " + std::to_string(session_id);
+void OptimizerService::StartPlane(uint64_t id, PlaneOptions options,
+                                  std::vector<PlaneMember> members) {
   options.on_fault = impl_->on_fault;
-  std::vector<PlaneMember> members;
-  members.push_back(PlaneMember{0, session_id, rings, std::move(resolver)});
   auto plane =
       std::make_unique<OptimizerPlane>(std::move(options), std::move(members), &impl_->pool);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->sessions[session_id] = std::move(plane);
+  impl_->planes[id] = std::move(plane);
 }
 
-Status OptimizerService::AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
-                                       std::vector<ParamBinding> params, bool adopted,
-                                       std::vector<CarriedNorm> carried,
-                                       std::unique_ptr<GradientPool> pool) {
+Status OptimizerService::AddParameters(uint64_t id, PlaneRegistration params) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  auto it = impl_->sessions.find(session_id);
-  if (it == impl_->sessions.end())
+  auto it = impl_->planes.find(id);
+  if (it == impl_->planes.end())
     return Status(StatusCode::kInvalidArgument,
-                  "session " + std::to_string(session_id) + " has no data plane");
-  return it->second->AddParameters(options, std::move(params), adopted, std::move(carried),
-                                   std::move(pool));
+                  "session " + std::to_string(id) + " has no data plane");
+  return it->second->AddParameters(params.options, std::move(params.params), params.adopted,
+                                   std::move(params.carried), std::move(params.pool));
 }
 
-void OptimizerService::EndSession(uint64_t session_id) {
+void OptimizerService::StopPlane(uint64_t id, const std::string& why, int leaver) {
   std::unique_ptr<OptimizerPlane> plane;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    auto it = impl_->sessions.find(session_id);
-    if (it == impl_->sessions.end()) return;
+    auto it = impl_->planes.find(id);
+    if (it == impl_->planes.end()) return;
     plane = std::move(it->second);
-    impl_->sessions.erase(it);
+    impl_->planes.erase(it);
   }
-  plane.reset();  // outside the lock: stopping can take a step's worth of updates
+  // Outside the lock: stopping can take a step's worth of updates.
+  plane->Stop(why, leaver);
+}
+
+std::string OptimizerService::failure(uint64_t id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->planes.find(id);
+  return it == impl_->planes.end() ? "" : it->second->failure();
 }
 
 unsigned OptimizerService::worker_threads() const { return impl_->pool.size(); }
-
-optimizer::WorkerPool* OptimizerService::pool() { return &impl_->pool; }
 
 }  // namespace trainstream::daemon

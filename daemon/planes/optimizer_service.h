@@ -1,10 +1,10 @@
-// OptimizerService: the AdamW worker pool and the optimizer planes of solo
-// sessions. Each session with a data plane gets one OptimizerPlane
-// (optimizer_plane.h) of one member, created at StartSession and stopped at
-// EndSession. Data-parallel groups create their planes on the same pool
-// (GroupRegistry). The session layer (sessions, segments, RPC handlers) owns
-// all memory; the planes only borrow pointers between StartSession and
-// EndSession.
+// OptimizerService: the AdamW worker pool and every optimizer plane
+// (optimizer_plane.h): a solo session's, started when the session attaches,
+// and a data-parallel group's, started when the group forms or resumes
+// (GroupRegistry). A plane is named by an id: a solo session's is the session
+// id, a group's has kGroupPlane set. The session layer (sessions, segments, RPC
+// handlers) owns all memory; a plane only borrows pointers between StartPlane
+// and StopPlane.
 #pragma once
 
 #include <cstdint>
@@ -15,45 +15,41 @@
 #include "planes/optimizer_plane.h"
 #include "trainstream/status.h"
 
-namespace trainstream::optimizer {
-class WorkerPool;
-}
-
 namespace trainstream::daemon {
+
+// Set in every group plane's id, never in a session id.
+inline constexpr uint64_t kGroupPlane = uint64_t{1} << 63;
 
 class OptimizerService {
  public:
   // `threads`: worker threads for AdamW (0: one per physical core).
   explicit OptimizerService(unsigned threads);
-  ~OptimizerService();
+  ~OptimizerService();  // stops every plane
   OptimizerService(const OptimizerService&) = delete;
   OptimizerService& operator=(const OptimizerService&) = delete;
 
-  // Where a session that breaks the wire rules (client_rings.h) is reported.
-  // Set once, before any session starts.
+  // Where a member that breaks the wire rules (client_rings.h) is reported, for
+  // every plane. Set once, before any plane starts.
   void SetFaultHandler(SessionFaultFn on_fault);
 
-  // Starts serving `session_id`'s rings, laid out as `rings` says (the daemon's
-  // copy, see Note [Rings a client can write]).
-  void StartSession(uint64_t session_id, const ControlRings& rings, RegionResolver resolver);
+  // Starts plane `id` serving `members`' rings (a solo plane has one), laid out
+  // as each says (the daemon's copy, see Note [Rings a client can write]).
+  void StartPlane(uint64_t id, PlaneOptions options, std::vector<PlaneMember> members);
 
-  // Adds parameters to a started session (RegisterParameters; see
-  // OptimizerPlane::AddParameters). Returns OK, else INVALID_ARGUMENT naming
-  // what is wrong (RegisterParameters answers with it as it is).
-  // `adopted` and `carried`: state a restarted daemon adopted (see there).
-  Status AddParameters(uint64_t session_id, const SessionOptimizerOptions& options,
-                       std::vector<ParamBinding> params, bool adopted = false,
-                       std::vector<CarriedNorm> carried = {},
-                       std::unique_ptr<GradientPool> pool = nullptr);
+  // Adds parameters to plane `id` (OptimizerPlane::AddParameters). Returns OK,
+  // else INVALID_ARGUMENT naming what is wrong (RegisterParameters answers with
+  // it as it is).
+  Status AddParameters(uint64_t id, PlaneRegistration params);
 
-  // Stops the session's plane and waits for in-flight work; afterwards no
-  // pointer of the session is touched. Safe to call for unknown ids.
-  void EndSession(uint64_t session_id);
+  // Stops plane `id` and waits for in-flight work; afterwards no pointer it
+  // borrowed is touched. A non-empty `why` then goes to every member but
+  // `leaver` as GROUP_BROKEN (OptimizerPlane::Stop). Safe for unknown ids.
+  void StopPlane(uint64_t id, const std::string& why = "", int leaver = -1);
+
+  // Why group plane `id` failed ("" when it did not, or is not running).
+  std::string failure(uint64_t id);
 
   unsigned worker_threads() const;
-
-  // The AdamW worker pool (data-parallel groups run their planes on it too).
-  optimizer::WorkerPool* pool();
 
  private:
   struct Impl;

@@ -9,13 +9,10 @@
 #include <set>
 #include <vector>
 
-#include "planes/optimizer_plane.h"
+#include "planes/optimizer_service.h"
 #include "recovery/owner.h"
-#include "sessions/param_binding.h"
-#include "sessions/param_layout.h"
 #include "token.h"
 #include "trainstream/platform/user.h"
-#include "trainstream/wire/segment_header.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -90,24 +87,20 @@ class Group {
   double timeout_s = kDefaultGroupTimeoutS;
 
   std::mutex mu;
-  std::condition_variable cv;                   // Register's barrier
-  std::map<int32_t, Member> members;            // Guarded by mu: by local rank
-  State state = State::kForming;                // Guarded by mu.
-  std::string broken_reason;                    // Guarded by mu.
-  bool have_spec = false;                       // Guarded by mu.
-  v1::RegisterParametersRequest spec;           // Guarded by mu: the first registration
-  int32_t spec_rank = 0;                        // Guarded by mu.
-  int32_t registered = 0;                       // Guarded by mu.
-  RegistrationLayout layout;                    // Guarded by mu: valid while running
-  std::unique_ptr<ShmSegment> state_segment;    // Guarded by mu.
-  std::unique_ptr<ShmSegment> staging_segment;  // Guarded by mu.
-  std::unique_ptr<OptimizerPlane> plane;        // Guarded by mu.
+  std::condition_variable cv;          // Register's barrier
+  std::map<int32_t, Member> members;   // Guarded by mu: by local rank
+  State state = State::kForming;       // Guarded by mu.
+  std::string broken_reason;           // Guarded by mu.
+  bool have_spec = false;              // Guarded by mu.
+  v1::RegisterParametersRequest spec;  // Guarded by mu: the first registration
+  int32_t spec_rank = 0;               // Guarded by mu.
+  int32_t registered = 0;              // Guarded by mu.
+  Registration reg;                    // Guarded by mu: formed, or resuming
+  uint64_t plane = 0;                  // Guarded by mu: its plane's id while running
   // Recovery (docs/recovery.md). Guarded by mu.
   std::string recovery_token;  // handed to every rank at registration ("" : off)
   OwnerProof proof{};          // resuming: what every rank must show
-  StateSegmentView view;       // resuming: the adopted state, checked
-  RecoveryReport report;
-  wire::StepRecord step{};
+  wire::StepRecord step{};     // resuming: the last step done
   double waited_s = 0;
 
   Member* FindSession(uint64_t session_id, int32_t* rank) {
@@ -121,14 +114,8 @@ class Group {
   }
 };
 
-GroupRegistry::GroupRegistry(SegmentFactory create, SegmentDropper drop,
-                             optimizer::WorkerPool* pool, SessionFaultFn on_fault,
-                             RecoveryLayoutOptions recovery)
-    : create_(std::move(create)),
-      drop_(std::move(drop)),
-      pool_(pool),
-      on_fault_(std::move(on_fault)),
-      recovery_(recovery) {}
+GroupRegistry::GroupRegistry(const StateMemory* memory, OptimizerService* planes)
+    : memory_(memory), planes_(planes) {}
 
 std::set<std::shared_ptr<Group>> GroupRegistry::AllGroups() {
   std::set<std::shared_ptr<Group>> all;
@@ -291,25 +278,9 @@ Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterParameters
       result = Precondition(name + " is broken: " + g.broken_reason);
     }
     if (result.ok()) {
-      const ShmSegment& seg = *g.staging_segment;
-      v1::Region* region = resp->mutable_staging();
-      region->set_region_id(0);  // the group's, not the session's: never freed by a client
-      region->set_segment_name(seg.name());
-      region->set_offset(wire::kSegmentHeaderBytes);
-      region->set_length(seg.size() - wire::kSegmentHeaderBytes);
-      region->set_segment_size(seg.size());
-      region->set_kind(v1::SEGMENT_KIND_SESSION);
-      region->set_read_only(false);
+      // Region id 0: the group's, not the session's, never freed by a client.
+      FillSlots(g.reg, rank, resp);
       resp->set_group_recovery_token(g.recovery_token);
-      for (int i = 0; i < g.spec.params_size(); ++i) {
-        const ParamPlacement& pl = g.layout.params[static_cast<size_t>(i)];
-        auto* slot = resp->add_slots();
-        slot->set_param_id(g.spec.params(i).param_id());
-        slot->set_grad_offset(pl.grad_offset + static_cast<uint64_t>(rank) * pl.grad_stride);
-        slot->set_param_offset(pl.param_offset);
-        slot->set_sum_offset(pl.sum_offset);
-        slot->set_numel(pl.numel);
-      }
     }
   }
   if (!result.ok()) {
@@ -320,7 +291,8 @@ Status GroupRegistry::Register(uint64_t session_id, const v1::RegisterParameters
   return result;
 }
 
-// The group's optimizer plane over its members' rings (formed or resumed alike).
+// The group's optimizer plane over its members' rings, serving g.reg (formed
+// or resumed alike).
 void GroupRegistry::StartPlane(Group& g, const std::string& name) {
   std::vector<PlaneMember> members;
   for (const auto& [r, m] : g.members)
@@ -330,8 +302,11 @@ void GroupRegistry::StartPlane(Group& g, const std::string& name) {
   options.group = true;
   options.world_size = static_cast<uint32_t>(g.membership.world_size());
   options.cross_node = g.membership.nnodes() > 1;
-  options.on_fault = on_fault_;
-  g.plane = std::make_unique<OptimizerPlane>(std::move(options), std::move(members), pool_);
+  g.plane = kGroupPlane | next_plane_.fetch_add(1);
+  planes_->StartPlane(g.plane, std::move(options), std::move(members));
+  // The plane's first parameters: nothing to disagree with.
+  planes_->AddParameters(g.plane, BindState(g.reg));
+  g.state = Group::State::kRunning;
 }
 
 Status GroupRegistry::Form(Group& g) {
@@ -348,46 +323,31 @@ Status GroupRegistry::Form(Group& g) {
       return Precondition(name + ": " + why);
     }
   }
-  const v1::RegisterParametersRequest& req = g.spec;
   const auto ranks = static_cast<uint32_t>(g.membership.local_world_size());
-  g.layout = ComputeRegistrationLayout(req, ranks, /*sum_slot=*/true, recovery_);
   SegmentOwner owner;
   owner.uid = g.uid;
   owner.job = g.job;
-  Status st = create_(v1::SEGMENT_KIND_STATE, g.layout.state_bytes, "optimizer state of " + name,
-                      owner, &g.state_segment);
-  if (st.ok()) {
-    st = create_(v1::SEGMENT_KIND_SESSION, g.layout.staging_bytes, "staging slots of " + name,
-                 owner, &g.staging_segment);
+  // Note [Optimizer state outlives the daemon]: the group's one state is
+  // resumed by its ranks together, with a token they all hold.
+  RecoveryOwner client;
+  if (memory_->recovery.enabled) {
+    g.recovery_token = RandomHex(16);
+    const OwnerProof proof = ProofOf(g.recovery_token);
+    std::copy(proof.begin(), proof.end(), client.proof);
+    client.uid = g.uid;
+    client.pid = g.members.at(0).joiner.pid;  // local rank 0: who it waits for
+    client.start = ProcessStartTime(client.pid);
+    client.world_size = static_cast<uint32_t>(g.membership.world_size());
+    client.nnodes = static_cast<uint32_t>(g.membership.nnodes());
   }
-  if (!st.ok()) {
+  if (Status st = CreateRegistration(*memory_, g.spec, ranks, owner, client, name, &g.reg);
+      !st.ok()) {
     Break(g, "could not allocate its memory: " + st.message(), -1);
     return st;
   }
-  // Note [Optimizer state outlives the daemon]: the group's one state is
-  // resumed by its ranks together, with a token they all hold.
-  RecoveryOwner recovery_owner;
-  if (recovery_.enabled) {
-    g.recovery_token = RandomHex(16);
-    const OwnerProof proof = ProofOf(g.recovery_token);
-    std::copy(proof.begin(), proof.end(), recovery_owner.proof);
-    recovery_owner.uid = g.uid;
-    recovery_owner.pid = g.members.at(0).joiner.pid;  // local rank 0: who it waits for
-    recovery_owner.start = ProcessStartTime(recovery_owner.pid);
-    recovery_owner.staging_name = g.staging_segment->name();
-    recovery_owner.staging_bytes = g.staging_segment->size();
-    recovery_owner.world_size = static_cast<uint32_t>(g.membership.world_size());
-    recovery_owner.nnodes = static_cast<uint32_t>(g.membership.nnodes());
-  }
-  PlaneRegistration registration =
-      BindRegistration(req, g.layout, g.state_segment->base(), g.staging_segment->base(),
-                       recovery_.enabled ? &recovery_owner : nullptr);
   StartPlane(g, name);
-  // The plane's first parameters: nothing to disagree with.
-  g.plane->AddParameters(registration.options, std::move(registration.params));
-  g.state = Group::State::kRunning;
   spdlog::info("{} formed: {} local ranks, {} parameters (state {} bytes, staging {} bytes)", name,
-               ranks, req.params_size(), g.layout.state_bytes, g.layout.staging_bytes);
+               ranks, g.spec.params_size(), g.reg.state->size(), g.reg.staging->size());
   return Status::Ok();
 }
 
@@ -407,8 +367,8 @@ Status GroupRegistry::Rejoin(const GroupJoiner& joiner, const v1::GroupMembershi
         claimed = Precondition("resume: that recovery token's state is not a group of " +
                                std::to_string(m.local_world_size()) + " local ranks");
         for (auto& r : adopted->registrations) {
-          drop_(std::move(r.staging));
-          drop_(std::move(r.state));
+          memory_->drop(std::move(r.staging));
+          memory_->drop(std::move(r.state));
         }
       }
       if (!claimed.ok()) {
@@ -423,11 +383,8 @@ Status GroupRegistry::Rejoin(const GroupJoiner& joiner, const v1::GroupMembershi
       g->timeout_s = m.timeout_s() > 0 ? m.timeout_s() : kDefaultGroupTimeoutS;
       g->state = Group::State::kResuming;
       g->proof = proof;
-      AdoptedRegistration& reg = adopted->registrations[0];
-      g->view = std::move(reg.view);
-      g->report = std::move(reg.report);
-      g->state_segment = std::move(reg.state);
-      g->staging_segment = std::move(reg.staging);
+      g->reg = ResumeRegistration(std::move(adopted->registrations[0]), adopted->step,
+                                  static_cast<uint32_t>(m.local_world_size()));
       g->step = adopted->step;
       g->waited_s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - adopted->adopted)
@@ -460,7 +417,12 @@ Status GroupRegistry::Rejoin(const GroupJoiner& joiner, const v1::GroupMembershi
                m.local_rank(), joiner.session_id, g.members.size(), have.local_world_size());
   Status result;
   if (g.members.size() == static_cast<size_t>(have.local_world_size())) {
-    result = FormResumed(g);
+    // The ranks own it now: local rank 0 is who a later adoption waits for.
+    const pid_t leader = g.members.at(0).joiner.pid;
+    SetOwner(g.reg, 0, leader, ProcessStartTime(leader));
+    StartPlane(g, name);
+    spdlog::info("{} resumed: {} local ranks, {} parameters ({} finished on adoption)", name,
+                 g.members.size(), g.reg.view.params.size(), g.reg.report.rolled_forward);
     g.cv.notify_all();
   } else {
     const auto deadline =
@@ -486,89 +448,14 @@ Status GroupRegistry::Rejoin(const GroupJoiner& joiner, const v1::GroupMembershi
     return result;
   }
   // Every rank hears the same state, with its own gradient slots.
-  const StateSegmentView& v = g.view;
   out->set_waited_s(g.waited_s);
   out->set_completed_step(g.step.completed_step);
   out->set_completed_grad_norm(g.step.completed_grad_norm);
   out->set_completed_status(g.step.completed_status);
   out->set_completed_params_updated(g.step.completed_params_updated);
-  out->set_restored_subchunks(g.report.restored_subchunks);
-  out->set_rolled_forward(g.report.rolled_forward);
-  auto* rr = out->add_registrations();
-  const ShmSegment& seg = *g.staging_segment;
-  v1::Region* region = rr->mutable_staging();
-  region->set_region_id(0);
-  region->set_segment_name(seg.name());
-  region->set_offset(wire::kSegmentHeaderBytes);
-  region->set_length(seg.size() - wire::kSegmentHeaderBytes);
-  region->set_segment_size(seg.size());
-  region->set_kind(v1::SEGMENT_KIND_SESSION);
-  for (size_t i = 0; i < v.params.size(); ++i) {
-    const CheckedParam& p = v.params[i];
-    const ParamOutcome& o = g.report.params[i];
-    auto* slot = rr->add_slots();
-    slot->set_param_id(p.param_id);
-    slot->set_grad_offset(p.rank_grad_offset +
-                          static_cast<uint64_t>(m.local_rank()) * p.rank_grad_stride);
-    slot->set_param_offset(p.param_offset);
-    slot->set_sum_offset(p.grad_offset);
-    slot->set_numel(p.numel);
-    auto* rp = rr->add_params();
-    rp->set_param_id(p.param_id);
-    rp->set_applied_step(o.applied_step);
-    rp->set_skipped(o.skipped);
-    rp->set_torch_step(o.torch_step);
-  }
-  return Status::Ok();
-}
-
-Status GroupRegistry::FormResumed(Group& g) {
-  const std::string name = "group '" + g.key + "'";
-  StateSegmentView& v = g.view;
-  // The ranks own it now: local rank 0 is who a later adoption waits for.
-  const pid_t leader = g.members.at(0).joiner.pid;
-  v.recovery->owner_pid = static_cast<int32_t>(leader);
-  v.recovery->owner_start = ProcessStartTime(leader);
-  g.state_segment->SetOwner(0);
-  g.staging_segment->SetOwner(0);
-  char* state_base = g.state_segment->base();
-  char* staging_base = g.staging_segment->base();
-  const auto ranks = static_cast<uint32_t>(g.membership.local_world_size());
-  std::vector<ParamBinding> bindings;
-  std::vector<CarriedNorm> carried;
-  for (size_t i = 0; i < v.params.size(); ++i) {
-    const CheckedParam& p = v.params[i];
-    const ParamOutcome& o = g.report.params[i];
-    ParamBinding b;
-    b.param_id = p.param_id;
-    b.name = p.name;
-    b.numel = p.numel;
-    b.group = p.group;
-    b.param_dtype = p.dtype;
-    b.grad_dtype = p.rank_grad_dtype;  // what the ranks post; the engine reads the fp32 sum
-    b.param_slot = staging_base + p.param_offset;
-    BindMaster(&b, p.master_layout, state_base, p.master_offset);
-    b.exp_avg = state_base + p.exp_avg_offset;
-    b.exp_avg_sq = state_base + p.exp_avg_sq_offset;
-    for (uint32_t r = 0; r < ranks; ++r)
-      b.rank_grads.push_back(staging_base + p.rank_grad_offset + r * p.rank_grad_stride);
-    b.sum_slot = reinterpret_cast<float*>(staging_base + p.grad_offset);
-    b.durable = DurableRecordsOf(state_base, v.recovery_offset, p.step_offset, i);
-    bindings.push_back(std::move(b));
-    const uint64_t marked = v.records[i].mark.load() >> 2;
-    if (o.applied_step > g.step.completed_step && marked == o.applied_step)
-      carried.push_back({o.applied_step, p.param_id, o.grad_sumsq, !o.skipped});
-  }
-  SessionOptimizerOptions engine;
-  engine.moment_dtype = v.moment_dtype;
-  engine.max_grad_norm = v.max_grad_norm;
-  engine.seed = v.seed;
-  engine.threads = v.threads;
-  StartPlane(g, name);
-  g.plane->AddParameters(engine, std::move(bindings), /*adopted=*/true, std::move(carried));
-  g.state = Group::State::kRunning;
-  spdlog::info("{} resumed: {} local ranks, {} parameters ({} finished on adoption)", name, ranks,
-               v.params.size(), g.report.rolled_forward);
+  out->set_restored_subchunks(g.reg.report.restored_subchunks);
+  out->set_rolled_forward(g.reg.report.rolled_forward);
+  FillSlots(g.reg, m.local_rank(), out->add_registrations());
   return Status::Ok();
 }
 
@@ -577,10 +464,9 @@ void GroupRegistry::Break(Group& g, const std::string& why, int leaver) {
   g.state = Group::State::kBroken;
   g.broken_reason = why;
   spdlog::warn("group '{}' broken: {}", g.key, why);
-  if (g.plane) g.plane->Stop(why, leaver);  // before any member's memory goes
-  g.plane.reset();
-  drop_(std::move(g.state_segment));
-  drop_(std::move(g.staging_segment));
+  if (g.plane != 0) planes_->StopPlane(g.plane, why, leaver);  // before any member's memory goes
+  g.plane = 0;
+  DropRegistration(*memory_, g.reg);
   g.cv.notify_all();
 }
 
@@ -632,13 +518,13 @@ void GroupRegistry::FillStatus(v1::StatusResponse* out) {
                         : g->state == Group::State::kResuming ? "resuming"
                         : g->state == Group::State::kRunning  ? "running"
                                                               : "broken";
-    if (g->plane && !g->plane->failure().empty()) state = "broken";
+    if (g->plane != 0 && !planes_->failure(g->plane).empty()) state = "broken";
     gs->set_state(state);
     gs->set_params(g->have_spec ? static_cast<uint64_t>(g->spec.params_size())
-                                : static_cast<uint64_t>(g->view.params.size()));
-    for (const ShmSegment* seg : {g->state_segment.get(), g->staging_segment.get()}) {
+                                : static_cast<uint64_t>(g->reg.view.params.size()));
+    for (const ShmSegment* seg : {g->reg.state.get(), g->reg.staging.get()}) {
       if (seg == nullptr) continue;
-      const bool is_state = seg == g->state_segment.get();
+      const bool is_state = seg == g->reg.state.get();
       if (is_state) {
         gs->set_state_bytes(seg->size());
       } else {

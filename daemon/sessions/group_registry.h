@@ -1,8 +1,9 @@
 // GroupRegistry: data-parallel groups (docs/data-parallel.md). The ranks of one
 // job on this machine attach with the same GroupMembership key; together they
 // hold ONE optimizer state, one shared staging segment (a grad slot per rank,
-// an fp32 sum slot and one param slot per parameter) and one OptimizerPlane
-// (a group plane, optimizer_plane.h).
+// an fp32 sum slot and one param slot per parameter): one Registration, made and
+// resumed as a solo session's is (Note [One path for sessions and groups],
+// param_binding.h), served by one group plane that OptimizerService runs.
 //
 // Life of a group:
 //   forming   ranks attach (Join) and register their parameters (Register).
@@ -29,41 +30,31 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
 
-#include "memory/shm_segment.h"
 #include "planes/optimizer_plane.h"
 #include "recovery/adoption.h"
-#include "sessions/param_layout.h"
+#include "sessions/param_binding.h"
 #include "trainstream/platform/user.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
 
-namespace trainstream::optimizer {
-class WorkerPool;
-}
-
 namespace trainstream::daemon {
 
 class Group;
+class OptimizerService;
 
 // Most local ranks one group may have (one bit each in the plane's masks).
 inline constexpr int32_t kMaxLocalWorldSize = 64;
 inline constexpr size_t kMaxGroupKeyBytes = 200;
 inline constexpr double kDefaultGroupTimeoutS = 60;
-
-// Creates / frees a segment against the machine budget (SessionRegistry's).
-using SegmentFactory =
-    std::function<Status(uint32_t kind, uint64_t bytes, const std::string& what,
-                         const SegmentOwner& owner, std::unique_ptr<ShmSegment>* out)>;
-using SegmentDropper = std::function<void(std::unique_ptr<ShmSegment>)>;
 
 // Who is joining: what the session layer knows of the attaching session.
 struct GroupJoiner {
@@ -77,12 +68,9 @@ struct GroupJoiner {
 
 class GroupRegistry {
  public:
-  // `pool` (the optimizer's workers) must outlive the registry. `on_fault`
-  // ends a member whose rings break the wire rules (client_rings.h).
-  // `recovery`: whether (and how) a group's state segment carries recovery
-  // records (Note [Optimizer state outlives the daemon]).
-  GroupRegistry(SegmentFactory create, SegmentDropper drop, optimizer::WorkerPool* pool,
-                SessionFaultFn on_fault, RecoveryLayoutOptions recovery = {});
+  // `memory` (where a group's segments come from) and `planes` (which runs
+  // each group's plane) must outlive the registry.
+  GroupRegistry(const StateMemory* memory, OptimizerService* planes);
   ~GroupRegistry();
   GroupRegistry(const GroupRegistry&) = delete;
   GroupRegistry& operator=(const GroupRegistry&) = delete;
@@ -126,16 +114,13 @@ class GroupRegistry {
   // Every group, joinable (groups_) or broken and still held by members (by_session_).
   std::set<std::shared_ptr<Group>> AllGroups();              // takes mu_
   Status Form(Group& g);                                     // Group::mu held
-  Status FormResumed(Group& g);                              // Group::mu held
   void StartPlane(Group& g, const std::string& name);        // Group::mu held
   void Break(Group& g, const std::string& why, int leaver);  // Group::mu held
 
-  const SegmentFactory create_;
-  const SegmentDropper drop_;
-  optimizer::WorkerPool* const pool_;
-  const SessionFaultFn on_fault_;
-  const RecoveryLayoutOptions recovery_;
+  const StateMemory* const memory_;
+  OptimizerService* const planes_;
 
+  std::atomic<uint64_t> next_plane_{1};  // names each group's plane (kGroupPlane | n)
   std::mutex mu_;
   // (uid, key) -> the group new ranks join. A broken group leaves this map
   // (its key is free again) but lives on in by_session_ until its members leave.

@@ -25,6 +25,8 @@ std::string Num(double v) {
   return buf;
 }
 
+}  // namespace
+
 int MomentDType(const v1::RegisterParametersRequest& req) {
   return req.moment_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : req.moment_dtype();
 }
@@ -32,8 +34,6 @@ int MomentDType(const v1::RegisterParametersRequest& req) {
 int GradDType(const v1::ParameterSpec& p) {
   return p.grad_dtype() == v1::DTYPE_UNSPECIFIED ? p.dtype() : p.grad_dtype();
 }
-
-}  // namespace
 
 // The request's trainstream.v1.DType is the wire's DType, number for number
 // (Note [DType numbers are the wire's]): it is cast, never mapped.

@@ -52,6 +52,10 @@ inline constexpr size_t kMaxGroups = 4096;
 inline constexpr uint64_t kMaxGradPoolBytes = 1ull << 42;
 
 size_t DTypeBytes(int dtype);  // 0 for unknown / unspecified
+// The request's moment dtype and a parameter's gradient dtype, unspecified
+// taken as fp32 and as the parameter's dtype.
+int MomentDType(const v1::RegisterParametersRequest& req);
+int GradDType(const v1::ParameterSpec& p);
 
 // Checks `req` (except the session fields). `registered` holds the session's
 // param ids so far. INVALID_ARGUMENT names the field, e.g. "params[3].shape[1]".

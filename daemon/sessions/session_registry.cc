@@ -10,8 +10,6 @@
 #include "memory/client_memory_guard.h"
 #include "planes/optimizer_service.h"
 #include "sessions/group_registry.h"
-#include "sessions/param_binding.h"
-#include "sessions/param_layout.h"
 #include "token.h"
 #include "trainstream/platform/mapping_faults.h"
 #include "trainstream/platform/sys_call.h"
@@ -24,6 +22,16 @@ namespace {
 constexpr uint64_t kPage = 4096;
 
 Status Invalid(const std::string& msg) { return Status(StatusCode::kInvalidArgument, msg); }
+
+SegmentOwner OwnerOf(const Session& s) {
+  SegmentOwner owner;
+  owner.session_id = s.id;
+  owner.uid = s.creds.uid;
+  owner.job = s.job;
+  owner.rank = s.rank;
+  owner.local_rank = s.local_rank;
+  return owner;
+}
 
 }  // namespace
 
@@ -47,17 +55,15 @@ SessionRegistry::SessionRegistry(const DaemonConfig& config, Budget* budget,
     : config_(config), budget_(budget), optimizer_(optimizer) {
   if (Status st = ClientMemoryGuard::Install(); !st.ok())
     spdlog::error("cannot guard client memory (Note [Client pages can vanish]): {}", st.message());
-  SessionFaultFn on_fault = [this](uint64_t id, const std::string& why) { EndLater(id, why); };
-  optimizer_->SetFaultHandler(on_fault);
-  groups_ = std::make_unique<GroupRegistry>(
-      [this](uint32_t kind, uint64_t bytes, const std::string& what, const SegmentOwner& owner,
-             std::unique_ptr<ShmSegment>* out) {
-        return CreateSegment(owner, kind, bytes, what, out);
-      },
-      [this](std::unique_ptr<ShmSegment> seg) { DropSegment(std::move(seg)); }, optimizer_->pool(),
-      on_fault,
-      RecoveryLayoutOptions{config_.recovery_grace_s > 0, kPlaneChunkElems,
-                            optimizer_->pool()->size()});
+  optimizer_->SetFaultHandler([this](uint64_t id, const std::string& why) { EndLater(id, why); });
+  memory_.create = [this](uint32_t kind, uint64_t bytes, const std::string& what,
+                          const SegmentOwner& owner, std::unique_ptr<ShmSegment>* out) {
+    return CreateSegment(owner, kind, bytes, what, out);
+  };
+  memory_.drop = [this](std::unique_ptr<ShmSegment> seg) { DropSegment(std::move(seg)); };
+  memory_.recovery = RecoveryLayoutOptions{config_.recovery_grace_s > 0, kPlaneChunkElems,
+                                           optimizer_->worker_threads()};
+  groups_ = std::make_unique<GroupRegistry>(&memory_, optimizer_);
   if (config_.recovery_grace_s > 0) {
     AdoptionHooks hooks;
     hooks.reserve = [this](uint64_t bytes, const std::string& what) {
@@ -148,17 +154,6 @@ void SessionRegistry::SetPidHooks(std::function<bool(uint64_t, pid_t)> watch,
                                   std::function<void(uint64_t)> unwatch) {
   watch_pid_ = std::move(watch);
   unwatch_pid_ = std::move(unwatch);
-}
-
-Status SessionRegistry::CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes,
-                                      const std::string& what, std::unique_ptr<ShmSegment>* out) {
-  SegmentOwner owner;
-  owner.session_id = s.id;
-  owner.uid = s.creds.uid;
-  owner.job = s.job;
-  owner.rank = s.rank;
-  owner.local_rank = s.local_rank;
-  return CreateSegment(owner, kind, total_bytes, what, out);
 }
 
 Status SessionRegistry::CreateSegment(const SegmentOwner& owner, uint32_t kind,
@@ -283,8 +278,9 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
   }
 
   std::unique_ptr<ShmSegment> seg;
-  Status st = CreateSegment(*s, v1::SEGMENT_KIND_SESSION, wire::kSegmentHeaderBytes + control_bytes,
-                            "the session control region", &seg);
+  Status st =
+      CreateSegment(OwnerOf(*s), v1::SEGMENT_KIND_SESSION,
+                    wire::kSegmentHeaderBytes + control_bytes, "the session control region", &seg);
   if (!st.ok()) return st;
   // SessionControlHeader, then the command ring, then the completion ring.
   // Note [Rings a client can write]: the layout is kept here and never read back.
@@ -345,9 +341,10 @@ Status SessionRegistry::Create(const PeerCredentials& creds, const v1::AttachReq
       s->registrations = 1;
     }
   } else {
-    std::lock_guard<std::mutex> lock(s->mu);
-    optimizer_->StartSession(s->id, s->rings, std::move(resolver));
-    s->optimizer_started = true;
+    PlaneOptions options;
+    options.name = "session " + std::to_string(s->id);
+    optimizer_->StartPlane(s->id, std::move(options),
+                           {PlaneMember{0, s->id, s->rings, std::move(resolver)}});
   }
   if (resumed) {
     if (Status st = Resume(*s, std::move(resumed), attached->mutable_resumed()); !st.ok()) {
@@ -377,93 +374,19 @@ Status SessionRegistry::Resume(Session& s, std::unique_ptr<AdoptedState> state,
   out->set_completed_params_updated(state->step.completed_params_updated);
   std::lock_guard<std::mutex> lock(s.mu);
   Status result;
-  for (AdoptedRegistration& reg : state->registrations) {
-    const StateSegmentView& v = reg.view;
+  for (AdoptedRegistration& adopted : state->registrations) {
+    Registration reg = ResumeRegistration(std::move(adopted), state->step, /*group_ranks=*/0);
     out->set_restored_subchunks(out->restored_subchunks() + reg.report.restored_subchunks);
     out->set_rolled_forward(out->rolled_forward() + reg.report.rolled_forward);
     if (!result.ok()) {
-      DropSegment(std::move(reg.staging));
-      DropSegment(std::move(reg.state));
+      DropRegistration(memory_, reg);
       continue;
     }
     // The new client owns it now: a later crash is recovered the same way.
-    v.recovery->owner_pid = static_cast<int32_t>(s.creds.pid);
-    v.recovery->owner_start = s.owner_start;
-    reg.state->SetOwner(s.id);
-    reg.staging->SetOwner(s.id);
-    SessionOptimizerOptions options;
-    options.moment_dtype = v.moment_dtype;
-    options.max_grad_norm = v.max_grad_norm;
-    options.seed = v.seed;
-    options.threads = v.threads;
-    std::vector<ParamBinding> bindings;
-    std::vector<CarriedNorm> carried;
-    auto* rr = out->add_registrations();
-    char* state_base = reg.state->base();
-    char* staging_base = reg.staging->base();
-    // Adopted: the header is the client's, which resumes where its replays are.
-    std::unique_ptr<GradientPool> pool;
-    if (v.grad_pool_bytes != 0) {
-      pool = std::make_unique<GradientPool>(staging_base, v.grad_pool_offset, v.grad_pool_bytes,
-                                            /*fresh=*/false);
-      rr->set_grad_pool_offset(v.grad_pool_offset);
-      rr->set_grad_pool_bytes(v.grad_pool_bytes);
-    }
-    for (size_t i = 0; i < v.params.size(); ++i) {
-      const CheckedParam& p = v.params[i];
-      const ParamOutcome& o = reg.report.params[i];
-      ParamBinding b;
-      b.param_id = p.param_id;
-      b.name = p.name;
-      b.numel = p.numel;
-      b.group = p.group;
-      b.param_dtype = p.dtype;
-      b.grad_dtype = p.grad_dtype;
-      if (pool != nullptr) {
-        b.pool = pool.get();
-      } else {
-        b.grad_slot = staging_base + p.grad_offset;
-      }
-      b.param_slot = staging_base + p.param_offset;
-      BindMaster(&b, p.master_layout, state_base, p.master_offset);
-      b.exp_avg = state_base + p.exp_avg_offset;
-      b.exp_avg_sq = state_base + p.exp_avg_sq_offset;
-      b.durable = DurableRecordsOf(state_base, v.recovery_offset, p.step_offset, i);
-      bindings.push_back(std::move(b));
-      // An update that landed in a step whose STEP_DONE never went out: its
-      // norm belongs to that step, which the client ends again.
-      const uint64_t marked = v.records[i].mark.load() >> 2;
-      if (o.applied_step > state->step.completed_step && marked == o.applied_step)
-        carried.push_back({o.applied_step, p.param_id, o.grad_sumsq, !o.skipped});
-      auto* slot = rr->add_slots();
-      slot->set_param_id(p.param_id);
-      slot->set_grad_offset(pool != nullptr ? 0 : p.grad_offset);
-      slot->set_param_offset(p.param_offset);
-      slot->set_numel(p.numel);
-      auto* rp = rr->add_params();
-      rp->set_param_id(p.param_id);
-      rp->set_applied_step(o.applied_step);
-      rp->set_skipped(o.skipped);
-      rp->set_torch_step(o.torch_step);
-    }
-    result = optimizer_->AddParameters(s.id, options, std::move(bindings), /*adopted=*/true,
-                                       std::move(carried), std::move(pool));
-    if (!result.ok()) {
-      DropSegment(std::move(reg.staging));
-      DropSegment(std::move(reg.state));
-      continue;
-    }
-    for (const CheckedParam& p : v.params) s.param_ids.insert(p.param_id);
-    const uint64_t state_length = reg.state->size() - wire::kSegmentHeaderBytes;
-    const uint64_t staging_length = reg.staging->size() - wire::kSegmentHeaderBytes;
-    AddRegion(s, std::move(reg.state), "optimizer-state", state_length, false);
-    const uint64_t staging_id =
-        AddRegion(s, std::move(reg.staging), "staging", staging_length, false);
-    {
-      std::lock_guard<std::mutex> rlock(s.regions_mu);
-      FillRegion(s.regions.at(staging_id), rr->mutable_staging());
-    }
-    ++s.registrations;
+    SetOwner(reg, s.id, s.creds.pid, s.owner_start);
+    v1::ResumedRegistration* rr = out->add_registrations();
+    FillSlots(reg, 0, rr);
+    result = Bind(s, std::move(reg), rr->mutable_staging());
   }
   if (result.ok()) {
     spdlog::info(
@@ -539,7 +462,7 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason, bool c
   }
   // Before any of the session's memory is unmapped (optimizer_service.h,
   // group_registry.h).
-  if (s->optimizer_started) optimizer_->EndSession(session_id);
+  optimizer_->StopPlane(session_id);  // a group member's plane is its group's
   if (groups_ && !s->group.empty()) groups_->Leave(session_id, reason);
   std::map<uint64_t, SessionRegion> regions;
   {
@@ -604,71 +527,37 @@ Status SessionRegistry::RegisterParameters(Session& s, const v1::RegisterParamet
   }
   std::lock_guard<std::mutex> lock(s.mu);
   if (s.closed) return Status(StatusCode::kNotFound, "session_id: the session has ended");
-  Status st = ValidateRegistration(req, s.param_ids);
-  if (!st.ok()) return st;
-  const bool recoverable = !s.recovery_token.empty();
-  RecoveryLayoutOptions recovery;
-  recovery.enabled = recoverable;
-  recovery.chunk_elems = kPlaneChunkElems;
-  recovery.journal_slots = optimizer_->pool()->size();
-  const RegistrationLayout layout = ComputeRegistrationLayout(req, 1, false, recovery);
+  if (Status st = ValidateRegistration(req, s.param_ids); !st.ok()) return st;
+  RecoveryOwner client;
+  std::copy(s.owner_proof.begin(), s.owner_proof.end(), client.proof);
+  client.uid = s.creds.uid;
+  client.pid = s.creds.pid;
+  client.start = s.owner_start;
+  client.registration = s.registrations;
+  Registration reg;
+  if (Status st = CreateRegistration(memory_, req, /*group_ranks=*/0, OwnerOf(s), client,
+                                     std::to_string(req.params_size()) + " parameters", &reg);
+      !st.ok())
+    return st;
+  FillSlots(reg, 0, resp);
+  const uint64_t staging_bytes = reg.staging->size(), state_bytes = reg.state->size();
+  if (Status st = Bind(s, std::move(reg), resp->mutable_staging()); !st.ok()) return st;
+  spdlog::info("session {}: registered {} parameters (staging {} bytes, state {} bytes)", s.id,
+               req.params_size(), staging_bytes, state_bytes);
+  return Status::Ok();
+}
 
-  std::unique_ptr<ShmSegment> state, staging;
-  st = CreateSegment(s, v1::SEGMENT_KIND_STATE, layout.state_bytes,
-                     "optimizer state of " + std::to_string(req.params_size()) + " parameters",
-                     &state);
-  if (!st.ok()) return st;
-  st = CreateSegment(
-      s, v1::SEGMENT_KIND_SESSION, layout.staging_bytes,
-      (layout.grad_pool_bytes != 0 ? "gradient pool and weight slots of " : "staging slots of ") +
-          std::to_string(req.params_size()) + " parameters",
-      &staging);
-  if (!st.ok()) {
-    DropSegment(std::move(state));
+Status SessionRegistry::Bind(Session& s, Registration reg, v1::Region* staging) {
+  if (Status st = optimizer_->AddParameters(s.id, BindState(reg)); !st.ok()) {
+    DropRegistration(memory_, reg);
     return st;
   }
-
-  for (int i = 0; i < req.params_size(); ++i) {
-    const ParamPlacement& pl = layout.params[static_cast<size_t>(i)];
-    auto* slot = resp->add_slots();
-    slot->set_param_id(req.params(i).param_id());
-    slot->set_grad_offset(pl.grad_offset);
-    slot->set_param_offset(pl.param_offset);
-    slot->set_numel(pl.numel);
-  }
-  RecoveryOwner owner;
-  std::copy(s.owner_proof.begin(), s.owner_proof.end(), owner.proof);
-  owner.uid = s.creds.uid;
-  owner.pid = s.creds.pid;
-  owner.start = s.owner_start;
-  owner.registration = s.registrations;
-  owner.staging_name = staging->name();
-  owner.staging_bytes = staging->size();
-  PlaneRegistration plane =
-      BindRegistration(req, layout, state->base(), staging->base(), recoverable ? &owner : nullptr);
-  if (layout.grad_pool_bytes != 0) {
-    resp->set_grad_pool_offset(layout.grad_pool_offset);
-    resp->set_grad_pool_bytes(layout.grad_pool_bytes);
-  }
-  if (Status added = optimizer_->AddParameters(s.id, plane.options, std::move(plane.params),
-                                               /*adopted=*/false, {}, std::move(plane.pool));
-      !added.ok()) {
-    DropSegment(std::move(staging));
-    DropSegment(std::move(state));
-    return added;
-  }
-  const uint64_t staging_length = layout.staging_bytes - wire::kSegmentHeaderBytes;
-  AddRegion(s, std::move(state), "optimizer-state", layout.state_bytes - wire::kSegmentHeaderBytes,
-            false);
-  const uint64_t staging_id = AddRegion(s, std::move(staging), "staging", staging_length, false);
-  {
-    std::lock_guard<std::mutex> rlock(s.regions_mu);
-    FillRegion(s.regions.at(staging_id), resp->mutable_staging());
-  }
-  for (const auto& p : req.params()) s.param_ids.insert(p.param_id());
+  for (const CheckedParam& p : reg.view.params) s.param_ids.insert(p.param_id);
+  const uint64_t state_length = reg.state->size() - wire::kSegmentHeaderBytes;
+  const uint64_t staging_length = reg.staging->size() - wire::kSegmentHeaderBytes;
+  AddRegion(s, std::move(reg.state), "optimizer-state", state_length, false);
+  staging->set_region_id(AddRegion(s, std::move(reg.staging), "staging", staging_length, false));
   ++s.registrations;
-  spdlog::info("session {}: registered {} parameters (staging {} bytes, state {} bytes)", s.id,
-               req.params_size(), layout.staging_bytes, layout.state_bytes);
   return Status::Ok();
 }
 
@@ -700,7 +589,7 @@ Status SessionRegistry::AllocateRegion(Session& s, const v1::AllocateRegionReque
   const uint64_t total = wire::kSegmentHeaderBytes + AlignUp(req.bytes(), kPage);
   std::unique_ptr<ShmSegment> seg;
   Status st =
-      CreateSegment(s, v1::SEGMENT_KIND_SESSION, total,
+      CreateSegment(OwnerOf(s), v1::SEGMENT_KIND_SESSION, total,
                     "region '" + req.label() + "' of session " + std::to_string(s.id), &seg);
   if (!st.ok()) return st;
   const uint64_t id = AddRegion(s, std::move(seg), req.label(), req.bytes(), true);
@@ -729,7 +618,7 @@ Status SessionRegistry::FreeRegion(Session& s, const v1::FreeRegionRequest& req,
     s.regions.erase(it);
   }
   *bytes_freed = region.segment->size();
-  if ((s.optimizer_started || !s.group.empty()) && !s.param_ids.empty()) {
+  if (!s.param_ids.empty()) {
     // The optimizer (the session's or its group's) may still be copying from
     // it (a kLoadState/kExportState of a registered parameter in flight):
     // remove the name now, keep the mapping (and its budget) until teardown.

@@ -35,6 +35,7 @@
 #include "planes/client_rings.h"
 #include "recovery/adoption.h"
 #include "recovery/owner.h"
+#include "sessions/param_binding.h"
 #include "trainstream/platform/mapping_faults.h"
 #include "trainstream/status.h"
 #include "trainstream/v1/control.pb.h"
@@ -101,10 +102,9 @@ class Session {
   uint64_t owner_start = 0;
 
   std::mutex mu;
-  bool closed = false;             // Guarded by mu.
-  std::set<uint64_t> param_ids;    // Guarded by mu.
-  bool optimizer_started = false;  // Guarded by mu.
-  uint32_t registrations = 0;      // Guarded by mu: RegisterParameters calls that succeeded
+  bool closed = false;           // Guarded by mu.
+  std::set<uint64_t> param_ids;  // Guarded by mu.
+  uint32_t registrations = 0;    // Guarded by mu: RegisterParameters calls that succeeded
 
   std::mutex regions_mu;
   std::map<uint64_t, SessionRegion> regions;  // Guarded by regions_mu (writes also hold mu).
@@ -178,22 +178,24 @@ class SessionRegistry {
   uint64_t pinned_bytes() const;
 
  private:
-  Status CreateSegment(Session& s, uint32_t kind, uint64_t total_bytes, const std::string& what,
-                       std::unique_ptr<ShmSegment>* out);
   Status CreateSegment(const SegmentOwner& owner, uint32_t kind, uint64_t total_bytes,
                        const std::string& what, std::unique_ptr<ShmSegment>* out);
   uint64_t AddRegion(Session& s, std::unique_ptr<ShmSegment> seg, const std::string& label,
                      uint64_t length, bool client_freeable);
   void DropSegment(std::unique_ptr<ShmSegment> seg);
-  // Binds a claimed state into the new session `s` (solo: its plane is
-  // started) and describes it in `out`.
+  // Binds a claimed state into the new solo session `s` and describes it in `out`.
   Status Resume(Session& s, std::unique_ptr<AdoptedState> state, v1::ResumedState* out);
+  // Hands `reg` to the session's plane, then its segments to the session as
+  // regions (s.mu held); `staging` (FillSlots's) gets its region id. On error
+  // `reg`'s memory is freed.
+  Status Bind(Session& s, Registration reg, v1::Region* staging);
   void FillRegion(const SessionRegion& r, v1::Region* out) const;
   void ReaperLoop();
 
   const DaemonConfig config_;
   Budget* const budget_;
   OptimizerService* const optimizer_;
+  StateMemory memory_;  // every registration's segments, solo and group
   // Data-parallel groups. Declared after the members its callbacks use.
   std::unique_ptr<GroupRegistry> groups_;
   std::function<bool(uint64_t, pid_t)> watch_pid_;

@@ -237,11 +237,15 @@ TEST_CASE("Group: a member whose ring is corrupt is reported by its session id",
 
 TEST_CASE("Group: the engine runs on `threads` workers, as a solo session's does", "[group]") {
   // Groups dropped RegisterParameters.threads once (the registries each had
-  // their own request-to-binding code); both now go through BindRegistration.
+  // their own request-to-binding code); both now go through BindState
+  // (Note [One path for sessions and groups]).
   v1::RegisterParametersRequest req;
   req.set_threads(1);
   req.set_seed(3);
-  const SessionOptimizerOptions options = OptimizerOptionsOf(req);
+  const RegistrationLayout layout = ComputeRegistrationLayout(req, 2, /*sum_slot=*/true);
+  std::vector<char> state(layout.state_bytes);
+  const SessionOptimizerOptions options =
+      BindState(WriteState(state.data(), layout, req), state.data(), nullptr).options;
   CHECK(options.threads == 1);
   CHECK(options.seed == 3);
   Fixture f;
@@ -264,7 +268,7 @@ TEST_CASE("Group: without `threads` the engine uses the whole pool", "[group]") 
   CHECK(f.plane->engine_workers() == f.pool.size());
 }
 
-TEST_CASE("BindRegistration: a group's layout binds every rank's slot, the sum and the options",
+TEST_CASE("BindState: a group's layout binds every rank's slot, the sum and the options",
           "[group]") {
   v1::RegisterParametersRequest req;
   req.set_threads(1);
@@ -276,7 +280,8 @@ TEST_CASE("BindRegistration: a group's layout binds every rank's slot, the sum a
   p->set_dtype(v1::DTYPE_BFLOAT16);
   const RegistrationLayout layout = ComputeRegistrationLayout(req, 2, /*sum_slot=*/true);
   std::vector<char> state(layout.state_bytes), staging(layout.staging_bytes);
-  const PlaneRegistration r = BindRegistration(req, layout, state.data(), staging.data());
+  const PlaneRegistration r =
+      BindState(WriteState(state.data(), layout, req), state.data(), staging.data());
   CHECK(r.options.threads == 1);
   CHECK(r.options.max_grad_norm == 1.5);
   CHECK(r.options.moment_dtype == wire::DType::kFloat32);  // unspecified: fp32
@@ -294,7 +299,8 @@ TEST_CASE("BindRegistration: a group's layout binds every rank's slot, the sum a
 
   const RegistrationLayout solo = ComputeRegistrationLayout(req);
   std::vector<char> state1(solo.state_bytes), staging1(solo.staging_bytes);
-  const PlaneRegistration s = BindRegistration(req, solo, state1.data(), staging1.data());
+  const PlaneRegistration s =
+      BindState(WriteState(state1.data(), solo, req), state1.data(), staging1.data());
   CHECK(s.options.threads == 1);
   CHECK(s.params[0].grad_slot == staging1.data() + solo.params[0].grad_offset);
   CHECK(s.params[0].rank_grads.empty());

@@ -49,10 +49,12 @@ struct Client {
       std::lock_guard<std::mutex> lock(mu);
       faults.emplace_back(id, why);
     });
-    service.StartSession(kSession, rings, nullptr);
+    PlaneOptions options;
+    options.name = "session 7";
+    service.StartPlane(kSession, std::move(options), {PlaneMember{0, kSession, rings, nullptr}});
   }
   ~Client() {
-    service.EndSession(kSession);  // before the memory goes
+    service.StopPlane(kSession);  // before the memory goes
     ::operator delete (memory, std::align_val_t{64});
   }
   Client(const Client&) = delete;
@@ -61,9 +63,9 @@ struct Client {
   void Register() {
     ParamBinding b = testing::Fp32Binding(master, m, v, param, &step_counter);
     b.grad_slot = grad.data();
-    std::vector<ParamBinding> params;
-    params.push_back(std::move(b));
-    REQUIRE(service.AddParameters(kSession, SessionOptimizerOptions{}, std::move(params)).ok());
+    PlaneRegistration params;
+    params.params.push_back(std::move(b));
+    REQUIRE(service.AddParameters(kSession, std::move(params)).ok());
   }
   bool Post(Opcode op, uint64_t step = 0, wire::StateField field = {}) {
     CommandRecord c = testing::AdamWCommand(op, step);
@@ -157,4 +159,16 @@ TEST_CASE("Solo plane: a client that never drains is ended past the bound", "[pl
   }
   CHECK(c.WaitForFault().find("completions undrained") != std::string::npos);
   CHECK(pushed >= kMaxQueuedCompletions);
+}
+
+TEST_CASE("Service: a stopped plane takes no parameters; stopping twice is safe", "[plane]") {
+  Client c;
+  c.service.StopPlane(kSession);
+  c.service.StopPlane(kSession);
+  CHECK(c.service.failure(kSession).empty());
+  CHECK(c.service.failure(kGroupPlane | kSession).empty());
+  PlaneRegistration none;
+  const Status st = c.service.AddParameters(kSession, std::move(none));
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(st.message().find("no data plane") != std::string::npos);
 }

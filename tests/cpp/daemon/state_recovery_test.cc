@@ -161,7 +161,8 @@ void WriteGrads(float* const* slots, uint64_t step, const std::vector<size_t>& p
   RecoveryOwner owner;
   owner.staging_name = "trainstream-test";
   owner.staging_bytes = mem->layout.staging_bytes;
-  PlaneRegistration reg = BindRegistration(req, mem->layout, mem->state, mem->staging, &owner);
+  PlaneRegistration reg =
+      BindState(WriteState(mem->state, mem->layout, req, &owner), mem->state, mem->staging);
   optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
   optimizer::AdamWEngine engine(&pool, Options(c));
   std::vector<float*> grads;
@@ -189,7 +190,8 @@ struct Reference {
   explicit Reference(const Case& c) {
     const v1::RegisterParametersRequest req = Request(c);
     mem = std::make_unique<Memory>(req, 2);
-    PlaneRegistration reg = BindRegistration(req, mem->layout, mem->state, mem->staging);
+    PlaneRegistration reg =
+        BindState(WriteState(mem->state, mem->layout, req), mem->state, mem->staging);
     optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
     optimizer::AdamWEngine engine(&pool, Options(c));
     std::vector<float*> grads;
@@ -280,21 +282,12 @@ void OneRun(const Case& c, const Reference& ref, std::mt19937* rng, Totals* tota
   optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
   optimizer::AdamWEngine engine(&pool, Options(c));
   std::vector<float*> grads;
+  // Bound as the session registry binds an adopted state.
+  PlaneRegistration adopted = BindState(view, mem.state, mem.staging, /*adopted=*/true);
   for (size_t p = 0; p < view.params.size(); ++p) {
     const CheckedParam& cp = view.params[p];
     CHECK(cp.master_layout == wire::MasterLayoutFor(static_cast<wire::DType>(kDTypes[p])));
-    ParamBinding b;  // as the session registry binds an adopted state
-    b.param_id = cp.param_id;
-    b.numel = cp.numel;
-    b.param_dtype = cp.dtype;
-    b.grad_dtype = cp.grad_dtype;
-    b.grad_slot = mem.staging + cp.grad_offset;
-    b.param_slot = mem.staging + cp.param_offset;
-    BindMaster(&b, cp.master_layout, mem.state, cp.master_offset);
-    b.exp_avg = mem.state + cp.exp_avg_offset;
-    b.exp_avg_sq = mem.state + cp.exp_avg_sq_offset;
-    b.durable = DurableRecordsOf(mem.state, view.recovery_offset, cp.step_offset, p);
-    REQUIRE(engine.AddParam(EngineBinding(b)).ok());
+    REQUIRE(engine.AddParam(EngineBinding(adopted.params[p])).ok());
     grads.push_back(reinterpret_cast<float*>(mem.staging + cp.grad_offset));
   }
   REQUIRE(engine.AdoptInitialized().ok());
@@ -373,7 +366,8 @@ TEST_CASE("A manifest entry whose master layout does not fit its dtype is refuse
   RecoveryOwner owner;
   owner.staging_name = "trainstream-test";
   owner.staging_bytes = mem.layout.staging_bytes;
-  PlaneRegistration reg = BindRegistration(req, mem.layout, mem.state, mem.staging, &owner);
+  PlaneRegistration reg =
+      BindState(WriteState(mem.state, mem.layout, req, &owner), mem.state, mem.staging);
   optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
   {
     optimizer::AdamWEngine engine(&pool, Options(c));
@@ -405,6 +399,67 @@ TEST_CASE("A manifest entry whose master layout does not fit its dtype is refuse
   CHECK(st.message().find("entry 0: state arrays out of range") != std::string::npos);
 }
 
+TEST_CASE("A fresh state's view is the one its adoption reads back: solo, pooled, group",
+          "[recovery]") {
+  // Note [One path for sessions and groups]: a fresh registration is bound and
+  // described from WriteState's view, an adopted one from CheckStateSegment's;
+  // a field on which they differ would bind a resumed state unlike the fresh one.
+  for (int kind = 0; kind < 3; ++kind) {
+    v1::RegisterParametersRequest req = Request(Case{});
+    req.set_threads(2);
+    if (kind == 1) req.set_grad_pool_bytes(1 << 16);
+    const uint32_t ranks = kind == 2 ? 3 : 0;
+    const RegistrationLayout layout = ComputeRegistrationLayout(
+        req, ranks == 0 ? 1 : ranks, ranks != 0, RecoveryLayoutOptions{true, kPlaneChunkElems, 2});
+    std::vector<char> state(layout.state_bytes);
+    auto* header = reinterpret_cast<wire::SegmentHeader*>(state.data());
+    header->magic = wire::kSegmentMagic;
+    header->version = wire::kSegmentVersion;
+    header->total_bytes = layout.state_bytes;
+    RecoveryOwner owner;
+    owner.staging_name = "trainstream-test";
+    owner.staging_bytes = layout.staging_bytes;
+    owner.world_size = ranks;
+    owner.nnodes = ranks != 0 ? 1 : 0;
+    const StateSegmentView fresh = WriteState(state.data(), layout, req, &owner);
+    reinterpret_cast<wire::RecoveryHeader*>(state.data() + layout.recovery_offset)
+        ->flags.fetch_or(wire::kRecoveryInitialized);  // as the engine's Init does
+    StateSegmentView read;
+    REQUIRE(CheckStateSegment(state.data(), layout.state_bytes, &read).ok());
+    CHECK(fresh.moment_dtype == read.moment_dtype);
+    CHECK(fresh.seed == read.seed);
+    CHECK(fresh.max_grad_norm == read.max_grad_norm);
+    CHECK(fresh.threads == read.threads);
+    CHECK(fresh.recovery_offset == read.recovery_offset);
+    CHECK(fresh.group_ranks == read.group_ranks);
+    CHECK(fresh.grad_pool_offset == read.grad_pool_offset);
+    CHECK(fresh.grad_pool_bytes == read.grad_pool_bytes);
+    REQUIRE(fresh.params.size() == read.params.size());
+    for (size_t i = 0; i < fresh.params.size(); ++i) {
+      const CheckedParam& a = fresh.params[i];
+      const CheckedParam& b = read.params[i];
+      CHECK(a.param_id == b.param_id);
+      CHECK(a.name == b.name);
+      CHECK(a.numel == b.numel);
+      CHECK(a.group == b.group);
+      CHECK(a.dtype == b.dtype);
+      CHECK(a.grad_dtype == b.grad_dtype);
+      CHECK(a.master_layout == b.master_layout);
+      CHECK(a.master_offset == b.master_offset);
+      CHECK(a.exp_avg_offset == b.exp_avg_offset);
+      CHECK(a.exp_avg_sq_offset == b.exp_avg_sq_offset);
+      CHECK(a.grad_offset == b.grad_offset);
+      CHECK(a.param_offset == b.param_offset);
+      CHECK(a.rank_grad_offset == b.rank_grad_offset);
+      CHECK(a.rank_grad_stride == b.rank_grad_stride);
+      CHECK(a.rank_grad_dtype == b.rank_grad_dtype);
+      CHECK(a.chunk_first == b.chunk_first);
+      CHECK(a.chunks == b.chunks);
+      CHECK(a.step_offset == b.step_offset);
+    }
+  }
+}
+
 TEST_CASE("A pooled state (version 5) is adopted only with its gradients inside its pool",
           "[recovery][grad_pool]") {
   // docs/staging-pool.md, "Recovery": each record names the pool extent its last
@@ -418,7 +473,8 @@ TEST_CASE("A pooled state (version 5) is adopted only with its gradients inside 
   RecoveryOwner owner;
   owner.staging_name = "trainstream-test";
   owner.staging_bytes = mem.layout.staging_bytes;
-  PlaneRegistration reg = BindRegistration(req, mem.layout, mem.state, mem.staging, &owner);
+  PlaneRegistration reg =
+      BindState(WriteState(mem.state, mem.layout, req, &owner), mem.state, mem.staging);
   REQUIRE(reg.pool != nullptr);
   optimizer::WorkerPool pool(optimizer::WorkerPoolOptions{2, false});
   {
