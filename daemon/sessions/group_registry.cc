@@ -11,9 +11,9 @@
 
 #include "planes/optimizer_plane.h"
 #include "recovery/owner.h"
+#include "security/token.h"
 #include "sessions/param_binding.h"
 #include "sessions/param_layout.h"
-#include "token.h"
 #include "trainstream/platform/user.h"
 #include "trainstream/wire/segment_header.h"
 

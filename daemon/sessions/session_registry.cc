@@ -9,10 +9,10 @@
 
 #include "memory/client_memory_guard.h"
 #include "planes/optimizer_service.h"
+#include "security/token.h"
 #include "sessions/group_registry.h"
 #include "sessions/param_binding.h"
 #include "sessions/param_layout.h"
-#include "token.h"
 #include "trainstream/platform/mapping_faults.h"
 #include "trainstream/wire/segment_header.h"
 #include "trainstream/wire/session_control.h"
