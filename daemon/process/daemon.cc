@@ -34,6 +34,7 @@
 #include "process/daemon_state.h"
 #include "process/startup_checks.h"
 #include "sessions/session_registry.h"
+#include "trainstream/human_bytes.h"
 #include "trainstream/platform/files.h"
 #include "trainstream/platform/process_watcher.h"
 #include "trainstream/platform/stop_signals.h"

@@ -7,6 +7,7 @@
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
 #include "process/config.h"
+#include "trainstream/human_bytes.h"
 #include "trainstream/platform/files.h"
 #include "trainstream/platform/machine.h"
 #include "trainstream/platform/user.h"

@@ -9,6 +9,7 @@
 
 #include "memory/budget.h"
 #include "security/token.h"
+#include "trainstream/human_bytes.h"
 #include "trainstream/platform/files.h"
 #include "trainstream/platform/user.h"
 #include "trainstream/wire/segment_header.h"
