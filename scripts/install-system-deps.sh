@@ -9,7 +9,7 @@ set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config ccache
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
       libboost-dev libspdlog-dev libcli11-dev nlohmann-json3-dev catch2
-      libssl-dev  # SHA-256 of recovery tokens (daemon/token.cc; gRPC's -dev pulls it in too)
+      libssl-dev  # SHA-256 of recovery tokens (daemon/security/token.cc; gRPC's -dev pulls it in too)
       python3)  # the system interpreter: tests run clients as an unprivileged uid with it
 if ! command -v dpkg-query >/dev/null 2>&1; then
   echo "install-system-deps: not a Debian/Ubuntu system; install these yourself: ${pkgs[*]}" >&2

@@ -2,7 +2,7 @@
 # scripts/windows-check.sh: runs the Windows C++ tests that
 # scripts/windows-cross.sh built, under wine64 (docs/windows.md).
 # These are the tests of the CPU kernels, the daemon's AdamW engine, the
-# platform seam, proto/, the client and the daemon core
+# platform seam, common/, proto/, the client and the daemon core
 # (build-windows/bin/*_test.exe); then, unless TESTS names tests, the service
 # cycle (service_cycle below) with the seam's test service,
 # platform_service_host.exe, and the real daemon's (daemon_cycle below:

@@ -2,7 +2,7 @@
 # scripts/windows-cross.sh: cross-builds TrainStream's Windows binaries on a
 # Debian 12 machine with MinGW-w64 (docs/windows.md). So far it
 # builds the CPU compute kernels (kernels/cpu), the daemon's AdamW engine
-# (daemon/optimizer), the platform seam (proto/platform), proto/, the client
+# (daemon/optimizer), the platform seam (platform/), common/, proto/, the client
 # library, trainstreamctl.exe (with TRAINSTREAM_WINDOWS_WITH_DAEMON=ON also
 # trainstreamd.exe) and their C++ tests as .exe files, which
 # scripts/windows-check.sh runs under wine64, and the control plane's

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "status_table.h"
+#include "trainstream/human_bytes.h"
 #include "trainstream/platform/this_process.h"
 
 namespace trainstream::ctl {
@@ -32,8 +33,6 @@ nlohmann::json ToJson(const BaseInfo& b) {
           {"vram_bytes", b.vram_bytes}};
 }
 
-std::string Human(uint64_t bytes) { return HumanBytes(bytes); }
-
 }  // namespace
 
 Status RunBaseCommand(Client& client, const std::string& what, const BaseLoadOptions& load,
@@ -53,8 +52,8 @@ Status RunBaseCommand(Client& client, const std::string& what, const BaseLoadOpt
           // Padded so a shorter line overwrites a longer one.
           std::fprintf(stderr,
                        "\rloading: %u/%u tensors, %s of %s (%.1f%%), %.2f GB/s, %u threads   ",
-                       p.tensors_done, p.tensors_total, Human(p.bytes_read).c_str(),
-                       Human(p.bytes_total).c_str(), 100.0 * p.bytes_read / p.bytes_total,
+                       p.tensors_done, p.tensors_total, HumanBytes(p.bytes_read).c_str(),
+                       HumanBytes(p.bytes_total).c_str(), 100.0 * p.bytes_read / p.bytes_total,
                        rate / 1e9, p.threads);
           shown = true;
         },
@@ -67,7 +66,7 @@ Status RunBaseCommand(Client& client, const std::string& what, const BaseLoadOpt
       std::printf("%s %s\n  key %s\n  %u tensors (%u quantized, %s), %s read -> %s segment %s\n",
                   info.cached ? "cached" : "loaded", info.path.c_str(), info.key.c_str(),
                   info.tensors, info.quantized_tensors, info.format.c_str(),
-                  Human(info.source_bytes).c_str(), Human(info.segment_bytes).c_str(),
+                  HumanBytes(info.source_bytes).c_str(), HumanBytes(info.segment_bytes).c_str(),
                   info.segment_name.c_str());
       if (!info.cached) {
         std::printf(
@@ -75,7 +74,7 @@ Status RunBaseCommand(Client& client, const std::string& what, const BaseLoadOpt
             "peak %s\n",
             info.load_seconds,
             info.load_seconds > 0 ? info.source_bytes / info.load_seconds / 1e9 : 0.0,
-            info.allocate_seconds, info.load_threads, Human(info.scratch_peak_bytes).c_str());
+            info.allocate_seconds, info.load_threads, HumanBytes(info.scratch_peak_bytes).c_str());
       }
     }
     return Status::Ok();
@@ -93,14 +92,14 @@ Status RunBaseCommand(Client& client, const std::string& what, const BaseLoadOpt
     std::printf("%-48s %-6s %-5s %-11s %s\n", "KEY", "FORMAT", "REFS", "BYTES", "PATH");
     for (const auto& b : bases) {
       std::printf("%-48s %-6s %-5u %-11s %s\n", b.key.c_str(), b.format.c_str(), b.refcount,
-                  Human(b.segment_bytes).c_str(), b.path.c_str());
+                  HumanBytes(b.segment_bytes).c_str(), b.path.c_str());
     }
     return Status::Ok();
   }
   uint64_t freed = 0;
   Status s = client.DropBase(drop_key, &freed);
   if (!s.ok()) return s;
-  std::printf("dropped base %s (%s freed)\n", drop_key.c_str(), Human(freed).c_str());
+  std::printf("dropped base %s (%s freed)\n", drop_key.c_str(), HumanBytes(freed).c_str());
   return Status::Ok();
 }
 

@@ -4,24 +4,9 @@
 #include <cstdio>
 #include <sstream>
 
-namespace trainstream::ctl {
+#include "trainstream/human_bytes.h"
 
-std::string HumanBytes(uint64_t bytes) {
-  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(bytes);
-  int unit = 0;
-  while (v >= 1024 && unit < 5) {
-    v /= 1024;
-    ++unit;
-  }
-  char buf[32];
-  if (unit == 0) {
-    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(bytes));
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[unit]);
-  }
-  return buf;
-}
+namespace trainstream::ctl {
 
 namespace {
 std::string Pad(const std::string& s, size_t width) {

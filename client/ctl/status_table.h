@@ -8,6 +8,5 @@
 namespace trainstream::ctl {
 
 std::string RenderStatusTable(const nlohmann::json& status);
-std::string HumanBytes(uint64_t bytes);
 
 }  // namespace trainstream::ctl

@@ -8,7 +8,7 @@
 #include <cinttypes>
 #include <cstdio>
 
-#include "log_safe.h"
+#include "logging/log_safe.h"
 #include "trainstream/platform/user.h"
 #include "trainstream/v1/control.pb.h"
 

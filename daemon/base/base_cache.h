@@ -41,10 +41,10 @@
 #include "base/base_fill.h"
 #include "base/base_loader.h"
 #include "base/vram_export.h"
-#include "caller.h"
-#include "config.h"
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
+#include "process/config.h"
+#include "security/caller.h"
 #include "trainstream/status.h"
 
 namespace trainstream::daemon::base {

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "base/safetensors.h"
-#include "caller.h"
+#include "security/caller.h"
 #include "trainstream/platform/read_only_file.h"
 #include "trainstream/status.h"
 

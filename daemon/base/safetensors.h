@@ -16,7 +16,7 @@
 // kMaxTensors tensors, and a long parse can be cancelled (CancelCheck).
 //
 // No I/O beyond pread on a caller's fd, no gRPC: the fuzz target
-// (tests/fuzz/safetensors_fuzz.cc) links only this file, trainstream_status and
+// (tests/fuzz/safetensors_fuzz.cc) links only this file, trainstream_common and
 // nlohmann-json.
 #pragma once
 

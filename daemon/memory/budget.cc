@@ -2,7 +2,8 @@
 
 #include <cassert>
 #include <cstdint>
-#include <cstdio>
+
+#include "trainstream/human_bytes.h"
 
 namespace trainstream::daemon {
 
@@ -43,23 +44,6 @@ uint64_t Budget::used() const {
 uint64_t Budget::free() const {
   std::lock_guard<std::mutex> lock(mu_);
   return limit_ - used_;
-}
-
-std::string HumanBytes(uint64_t bytes) {
-  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(bytes);
-  int unit = 0;
-  while (v >= 1024 && unit < 5) {
-    v /= 1024;
-    ++unit;
-  }
-  char buf[32];
-  if (unit == 0) {
-    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(bytes));
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
-  }
-  return buf;
 }
 
 }  // namespace trainstream::daemon

@@ -44,7 +44,4 @@ class Budget {
   uint64_t used_ = 0;  // Guarded by mu_.
 };
 
-// "1.50 GiB" style rendering for messages.
-std::string HumanBytes(uint64_t bytes);
-
 }  // namespace trainstream::daemon

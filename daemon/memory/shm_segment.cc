@@ -11,7 +11,8 @@
 
 #include "memory/budget.h"
 #include "memory/client_memory_guard.h"
-#include "token.h"
+#include "security/token.h"
+#include "trainstream/human_bytes.h"
 #include "trainstream/platform/files.h"
 #include "trainstream/platform/machine.h"
 #include "trainstream/platform/shm.h"

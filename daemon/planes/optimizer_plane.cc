@@ -60,7 +60,7 @@
 #include <utility>
 #include <vector>
 
-#include "log_limiter.h"
+#include "logging/log_limiter.h"
 #include "planes/grad_pool.h"
 #include "planes/plane_common.h"
 #include "trainstream/kernels/adamw.h"

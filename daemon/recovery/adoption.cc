@@ -8,7 +8,8 @@
 #include <map>
 
 #include "memory/budget.h"
-#include "token.h"
+#include "security/token.h"
+#include "trainstream/human_bytes.h"
 #include "trainstream/platform/files.h"
 #include "trainstream/platform/user.h"
 #include "trainstream/wire/segment_header.h"

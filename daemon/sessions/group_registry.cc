@@ -11,7 +11,7 @@
 
 #include "planes/optimizer_service.h"
 #include "recovery/owner.h"
-#include "token.h"
+#include "security/token.h"
 #include "trainstream/platform/user.h"
 
 namespace trainstream::daemon {

@@ -9,8 +9,9 @@
 
 #include "memory/client_memory_guard.h"
 #include "planes/optimizer_service.h"
+#include "security/token.h"
 #include "sessions/group_registry.h"
-#include "token.h"
+#include "sessions/param_binding.h"
 #include "trainstream/platform/mapping_faults.h"
 #include "trainstream/platform/sys_call.h"
 #include "trainstream/wire/segment_header.h"

@@ -28,13 +28,13 @@
 #include <utility>
 #include <vector>
 
-#include "caller.h"
-#include "config.h"
 #include "memory/budget.h"
 #include "memory/shm_segment.h"
 #include "planes/client_rings.h"
+#include "process/config.h"
 #include "recovery/adoption.h"
 #include "recovery/owner.h"
+#include "security/caller.h"
 #include "sessions/param_binding.h"
 #include "trainstream/platform/mapping_faults.h"
 #include "trainstream/status.h"

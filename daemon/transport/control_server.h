@@ -1,16 +1,16 @@
 // ControlServer: the gRPC server that answers trainstream.v1.Control on the
-// connections a ControlListener accepts. The process (daemon.cc) starts and stops
-// it through this header, which names no gRPC type (Note [One Status below the
-// transport], trainstream/status.h).
+// connections a ControlListener accepts. The process (process/daemon.cc) starts
+// and stops it through this header, which names no gRPC type (Note [One Status
+// below the transport], trainstream/status.h).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
 
-#include "config.h"
-#include "daemon_state.h"
 #include "memory/budget.h"
+#include "process/config.h"
+#include "process/daemon_state.h"
 #include "sessions/session_registry.h"
 #include "trainstream/status.h"
 #include "transport/control_listener.h"

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "log_safe.h"
+#include "logging/log_safe.h"
 #include "trainstream/platform/control_channel.h"
 #include "trainstream/platform/process_watcher.h"
 #include "trainstream/platform/this_process.h"
@@ -17,8 +17,8 @@
 namespace trainstream::daemon {
 namespace {
 
-// Note [Client strings in the log] (log_safe.h): job names, group keys, region
-// labels and parameter names are shown by `trainstreamctl status` or logged
+// Note [Client strings in the log] (logging/log_safe.h): job names, group keys,
+// region labels and parameter names are shown by `trainstreamctl status` or logged
 // (inside error messages too), so they must be plain text.
 Status CheckPrintable(const std::string& text, const char* field, const char* what) {
   if (PrintableUtf8(text)) return Status::Ok();

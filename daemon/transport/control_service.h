@@ -12,9 +12,9 @@
 #include <string>
 
 #include "base/base_cache.h"
-#include "config.h"
-#include "daemon_state.h"
 #include "memory/budget.h"
+#include "process/config.h"
+#include "process/daemon_state.h"
 #include "sessions/session_registry.h"
 #include "trainstream/grpc_status.h"
 #include "trainstream/status.h"

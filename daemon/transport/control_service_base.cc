@@ -5,7 +5,7 @@
 
 #include <chrono>
 
-#include "log_safe.h"
+#include "logging/log_safe.h"
 #include "trainstream/platform/machine.h"
 #include "transport/control_service.h"
 

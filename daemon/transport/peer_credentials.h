@@ -16,7 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "caller.h"
+#include "security/caller.h"
 #include "trainstream/platform/user.h"
 
 namespace trainstream::daemon {

@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "log_limiter.h"
+#include "logging/log_limiter.h"
 #include "trainstream/platform/sys_call.h"
 #include "trainstream/platform/user.h"
 #include "transport/control_listener.h"

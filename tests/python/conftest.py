@@ -195,7 +195,7 @@ class Daemon:
 
     def stop(self, timeout: float = 15.0) -> int:
         """The clean stop: sessions ended, everything freed (Note [A restart keeps the
-        optimizer state] in daemon/daemon.cc). SIGTERM where the daemon does not answer
+        optimizer state] in daemon/process/daemon.cc). SIGTERM where the daemon does not answer
         the request (a paused one is killed after `timeout`)."""
         if self.proc.poll() is None:
             r = self.ctl("--timeout-ms", "2000", "shutdown", "--discard-state", timeout=10)

@@ -23,7 +23,7 @@ RESULTS = REPO / "benchmarks" / "results"
 # The daemon's sessions, not the project's: (path, text on the line). A new hit of the
 # pattern must be reworded, or, if it is the product's own session, listed here.
 PRODUCT_SESSIONS = [
-    ("daemon/log_safe.h", "info ... session 7"),
+    ("daemon/logging/log_safe.h", "info ... session 7"),
     ("daemon/planes/optimizer_plane.h", '"session 7"'),
     ("daemon/recovery/adoption.h", "as session 0's"),
     ("tests/cpp/daemon/control_service_test.cc", "no session 999"),

@@ -1,5 +1,5 @@
 """A stop keeps what a crash keeps (Note [A restart keeps the optimizer state] in
-daemon/daemon.cc; docs/recovery.md, "Stops and restarts"): SIGTERM or `trainstreamctl
+daemon/process/daemon.cc; docs/recovery.md, "Stops and restarts"): SIGTERM or `trainstreamctl
 shutdown` with sessions attached leaves their optimizer state for the next daemon on the
 socket, and the client resumes there bit for bit, as after a SIGKILL. `--discard-state`,
 `--drain` and recovery_grace 0 are the clean stops."""

@@ -180,7 +180,7 @@ enum class SessionEnd {
 };
 
 // What Client::Shutdown asks for (Note [A restart keeps the optimizer state] in
-// daemon/daemon.cc).
+// daemon/process/daemon.cc).
 enum class ShutdownMode {
   kKeepState,     // stop now, leaving the sessions' optimizer state for the next
                   // daemon to adopt for recovery_grace (as a crash does)

@@ -1,10 +1,10 @@
-#include "config.h"
+#include "process/config.h"
 
 #include <cstdint>
 
 #include "catch_compat.h"
-#include "startup_checks.h"
-#include "token.h"
+#include "process/startup_checks.h"
+#include "security/token.h"
 
 using namespace trainstream::daemon;
 

@@ -1,6 +1,6 @@
 // LogSafe / PrintableUtf8 (Note [Client strings in the log]) and PeerTable's
 // per-uid connection count (Note [Counting connections gRPC owns]).
-#include "log_safe.h"
+#include "logging/log_safe.h"
 
 #include <fcntl.h>
 #include <sys/socket.h>

@@ -1,4 +1,4 @@
-# Note [One Status below the transport] (proto/include/trainstream/status.h):
+# Note [One Status below the transport] (common/include/trainstream/status.h):
 # only daemon/transport/ may include grpcpp or name a grpc:: type. Run as
 #   cmake -DDAEMON_DIR=<source>/daemon -P no_grpc_below_transport.cmake
 file(GLOB_RECURSE _sources RELATIVE ${DAEMON_DIR}

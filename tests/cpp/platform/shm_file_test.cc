@@ -137,7 +137,7 @@ TEST_CASE("a mapping is locked in RAM, past the default working-set quota", "[sh
   REQUIRE(ShmMapping::Map(file, ShmAccess::kReadWrite, kLocked, false, &mapping) == 0);
   const int err = mapping->Lock();
   // Over RLIMIT_MEMLOCK without CAP_IPC_LOCK: what the daemon's startup check
-  // warns about (startup_checks.cc); the seam reports it as mlock does.
+  // warns about (daemon/process/startup_checks.cc); the seam reports it as mlock does.
   if (err == ENOMEM || err == EPERM || err == EAGAIN) {
     TS_SKIP(ErrnoText("this process may not lock 16 MiB", err));
   }

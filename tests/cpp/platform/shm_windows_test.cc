@@ -1,5 +1,5 @@
 // The Windows side's own rule for segments (Note [Segments on Windows are files
-// with an owner-only DACL], proto/platform/shm_windows.cc): a new segment's
+// with an owner-only DACL], platform/shm_windows.cc): a new segment's
 // DACL is protected and grants the process's user, and nobody else, access.
 #include <windows.h>
 // After windows.h:
