@@ -64,14 +64,19 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
   std::string previous;
   const int lock_err = platform::ReadFilePrefix(lock_path, 4095, &previous);
   std::string previous_pid = "?", previous_dir;
+  // ExitKeepingState marks a stop that left the state on purpose.
+  bool previous_kept = false;
   for (size_t at = 0; at < previous.size();) {
     size_t nl = previous.find('\n', at);
     if (nl == std::string::npos) nl = previous.size();
     const std::string line = previous.substr(at, nl - at);
     if (line.rfind("pid=", 0) == 0) previous_pid = line.substr(4);
     if (line.rfind("shm_dir=", 0) == 0) previous_dir = line.substr(8);
+    if (line == "kept_state=1") previous_kept = true;
     at = nl + 1;
   }
+  const std::string left_by =
+      previous_kept ? "that stopped keeping its sessions' state" : "that did not exit cleanly";
   std::vector<std::string> dirs = {config.shm_dir};
   if (!previous_dir.empty() && previous_dir != config.shm_dir) dirs.push_back(previous_dir);
   for (const auto& dir : dirs) {
@@ -80,20 +85,19 @@ void AdoptReclaimAndClaim(const DaemonConfig& config, SessionRegistry* registry)
     if (a.states != 0) {
       spdlog::warn(
           "adopted the optimizer state of {} sessions ({} segments, {}) in {} left by a "
-          "trainstreamd (pid {}) that did not exit cleanly: {} parameters' updates finished, "
+          "trainstreamd (pid {}) {}: {} parameters' updates finished, "
           "{} journaled sub-chunks completed; each waits {} s for its client to re-attach",
-          a.states, a.segments, HumanBytes(a.bytes), dir, previous_pid, a.rolled_forward,
+          a.states, a.segments, HumanBytes(a.bytes), dir, previous_pid, left_by, a.rolled_forward,
           a.restored_subchunks, config.recovery_grace_s);
     }
     ReclaimResult r = ReclaimSegments(dir, tag, a.kept);
     if (r.files != 0) {
-      spdlog::warn(
-          "removed {} segment files ({}) in {} left by a trainstreamd (pid {}) that did "
-          "not exit cleanly{}",
-          r.files, HumanBytes(r.bytes), dir, previous_pid,
-          r.state_segments == 0 ? std::string()
-                                : "; the optimizer state of " + std::to_string(r.state_segments) +
-                                      " sessions in them is lost (load their last state_dict)");
+      spdlog::warn("removed {} segment files ({}) in {} left by a trainstreamd (pid {}) {}{}",
+                   r.files, HumanBytes(r.bytes), dir, previous_pid, left_by,
+                   r.state_segments == 0
+                       ? std::string()
+                       : "; the optimizer state of " + std::to_string(r.state_segments) +
+                             " sessions in them is lost (load their last state_dict)");
     }
     if (!r.error.empty()) spdlog::warn("reclaiming segments in {}: {}", dir, r.error);
   }
@@ -160,8 +164,9 @@ std::string WhyKeep(const platform::StopRequest& request, const DaemonState& sta
 // as it is and exits 0: what is in flight is what a crash at this moment would leave.
 // A signal's stop exits at once; a Shutdown call's reply goes out first.
 [[noreturn]] void ExitKeepingState(const std::string& why, bool answer_rpc, size_t sessions,
-                                   size_t adopted, uint64_t grace_s, DaemonState* state,
-                                   ControlListener* listener, ControlServer* server) {
+                                   size_t adopted, uint64_t grace_s, const std::string& lock_path,
+                                   DaemonState* state, ControlListener* listener,
+                                   ControlServer* server) {
   spdlog::info(
       "{}: stopping with {} sessions attached and {} adopted states waiting; their optimizer "
       "state is kept for the next daemon on this socket to adopt (recovery_grace {} s; "
@@ -174,6 +179,11 @@ std::string WhyKeep(const platform::StopRequest& request, const DaemonState& sta
     state->shutting_down.store(true);
     listener->Stop();
     server->Shutdown(std::chrono::milliseconds(500));
+  }
+  // For the next daemon's log (AdoptReclaimAndClaim): this exit was meant.
+  if (std::string identity; platform::ReadFilePrefix(lock_path, 4095, &identity) == 0) {
+    if (const int err = platform::OverwriteFile(lock_path, identity + "kept_state=1\n"); err != 0)
+      spdlog::warn("cannot record the kept state in {}: {}", lock_path, std::strerror(err));
   }
   spdlog::info("trainstreamd stopped, optimizer state kept");
   spdlog::default_logger()->flush();
@@ -313,8 +323,8 @@ int RunDaemon(const DaemonConfig& cfg_in, platform::StopSignals* stop_signals,
   if (const std::string keep =
           WhyKeep(request, state, rpc_stop, attached, adopted, config.recovery_grace_s);
       !keep.empty()) {
-    ExitKeepingState(keep, rpc_stop, attached, adopted, config.recovery_grace_s, &state,
-                     listener.get(), server.get());
+    ExitKeepingState(keep, rpc_stop, attached, adopted, config.recovery_grace_s,
+                     config.socket_path + ".lock", &state, listener.get(), server.get());
   }
 
   // The clean stop: stop accepting, tell the sessions, free everything, exit 0.

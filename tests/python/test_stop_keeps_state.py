@@ -52,6 +52,7 @@ def test_a_stopped_daemons_state_is_resumed_bit_identical(daemon_factory, how):
     assert opt.stats()["recoveries"] == 1
     _same_run(ours, opt, ref_weights, ref_state)
     assert "adopted the optimizer state of 1 sessions" in d.log()
+    assert "that stopped keeping its sessions' state" in d.log()  # not "did not exit cleanly"
 
 
 def test_discard_state_frees_it_and_the_client_is_told(daemon_factory):
