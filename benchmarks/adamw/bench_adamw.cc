@@ -119,7 +119,11 @@ Args Parse(int argc, char** argv) {
 
 tk::DType DTypeOrDie(const std::string& s) {
   tk::DType d;
-  if (!tk::ParseDType(s.c_str(), &d)) Usage(("unknown dtype " + s).c_str());
+  if (!tk::ParseDType(s, &d)) {
+    Usage(
+        ("unknown dtype " + s + " (accepted: " + std::string(trainstream::wire::kDTypeNames) + ")")
+            .c_str());
+  }
   return d;
 }
 
