@@ -41,13 +41,16 @@ class DaemonSession:
         self._table = table
         self._client = None
         self._session = None
-        self.plane = None  # _C.DataPlane over the session's control segment
+        self._plane = None  # _C.DataPlane over the session's control segment (``plane``)
         self._regions: List[Any] = []  # mappings the slot tensors view; kept alive
         self._registered: List[int] = []  # their base addresses registered with CUDA
         self._scratch = None
         self._backlog: List[Dict[str, Any]] = []  # completions kept for a later wait
         # Note [After the daemon is gone]: why, once it is; None while it answers.
         self._daemon_gone: Optional[str] = None
+        # Note [A daemon gone for good]: the error of the last reconnection that found no
+        # daemon within timeout_s (the next call tries again); None otherwise.
+        self._unanswered: Optional[str] = None
         self._probed_step = 0  # the step whose backward last asked the session if it lives
         # The parameter whose pending gradient an ERROR rejects (daemon_backend.py).
         self.rejected_grad: Callable[[Dict[str, Any]], Optional[ParamEntry]] = lambda c: None
@@ -79,8 +82,8 @@ class DaemonSession:
 
     def _open_plane(self) -> None:
         control_region = self._session.control
-        self.plane = C().DataPlane(control_region.address, control_region.size,
-                                   int(self._table.options["timeout_s"] * 1000))
+        self._plane = C().DataPlane(control_region.address, control_region.size,
+                                    int(self._table.options["timeout_s"] * 1000))
 
     def close(self) -> None:
         for addr in self._registered:
@@ -88,9 +91,10 @@ class DaemonSession:
         self._registered.clear()
         self._backlog = []  # the old session's replies
         self._daemon_gone = None
+        self._unanswered = None
         self._probed_step = 0
         self._recovery_token = b""  # a detached optimizer has nothing to resume
-        self.plane = None
+        self._plane = None
         self._scratch = None
         self._regions.clear()
         if self._session is not None:
@@ -108,19 +112,49 @@ class DaemonSession:
         return list(self._backlog)
 
     def alive(self):
-        """(alive, why) as the daemon's session stream last said."""
+        """(alive, why) as the daemon's session stream last said; (False, why) with no
+        session (the daemon gone: Note [A daemon gone for good])."""
+        if self._session is None:
+            return False, self._daemon_gone or self._unanswered or "no session"
         return self._session.alive()
+
+    @property
+    def plane(self):
+        """The ``_C.DataPlane`` over the session's control segment. Without one it raises
+        what every entry point raises then (Note [A daemon gone for good]): the
+        DaemonError of a daemon that is gone, SessionLost while a reconnection is owed
+        (a caller inside the recovery tries it), or that the optimizer is detached."""
+        if self._plane is None:
+            self._no_session()
+        return self._plane
+
+    def _attached(self):
+        """The control-plane session (``_control.Session``); without one, raises as
+        ``plane`` does."""
+        if self._session is None:
+            self._no_session()
+        return self._session
+
+    def _no_session(self):
+        self.require_attached()  # raises unless a reconnection is half way (then below)
+        raise SessionLost("a reconnection to the TrainStream daemon did not finish")
+
+    @property
+    def gone_reason(self) -> Optional[str]:
+        """The DaemonError's message while the daemon is gone (Note [A daemon gone for
+        good]); None while it answers or when detached."""
+        return self._daemon_gone or self._unanswered
 
     # ------------------------------------------------------------ regions
     def allocate_region(self, nbytes: int, purpose: str):
         """A shared-memory region of ``nbytes`` in the session (the daemon's budget)."""
-        return self.call(self._session.allocate_region, nbytes, purpose)
+        return self.call(self._attached().allocate_region, nbytes, purpose)
 
     def register_parameters(self, *args):
         """RegisterParameters; the staging region it returns is mapped for this session's
         lifetime (``map_staging``). A group's registration hands every rank the group's
         recovery token, which replaces the session's."""
-        out = self.call(self._session.register_parameters, *args)
+        out = self.call(self._attached().register_parameters, *args)
         self._recovery_token = self._session.recovery_token
         return out
 
@@ -154,7 +188,7 @@ class DaemonSession:
         need = max(4 * numel, 4096)
         if self._scratch is None or self._scratch.size < need:
             if self._scratch is not None:
-                self.call(self._session.free_region, self._scratch.region_id)
+                self.call(self._attached().free_region, self._scratch.region_id)
             self._scratch = self.allocate_region(need, "state-transfer")
         return self._scratch
 
@@ -194,6 +228,31 @@ class DaemonSession:
     # is posted into a ring nobody reads. A backward that runs before that posts as
     # usual, and the step() after it raises. detach() clears the state: attach() then
     # starts a fresh session.
+    #
+    # Note [A daemon gone for good]
+    # A daemon that died and did not come back within timeout_s leaves the state in
+    # /dev/shm for the next daemon on the socket to adopt, however late it starts, so
+    # the reconnection's DaemonError (naming the socket, the step in flight and what to
+    # do) does not end the session: the session keeps its mappings, its recovery token
+    # and the step's pending state, and has no control session and no plane. Every
+    # later call then raises the same DaemonError, never an error of the missing plane:
+    # each entry point (backward's hooks, the forward's ParamReadyHooks waiting for an
+    # update in flight, step(), zero_grad(), synchronize(), state_dict(),
+    # load_state_dict(), adding a parameter group) reaches ensure_alive() or the
+    # ``plane`` property, which raise SessionLost, and the recovery around it looks for
+    # a daemon once: nothing accepting on the socket raises the error again at once
+    # (the first call waited timeout_s; a loop that goes on should not wait that at
+    # every call), something accepting is reconnected to as before (at most timeout_s),
+    # and in embedded mode the client tries once to start one. A daemon that came back
+    # is resumed (Note [Resuming after the daemon died]) and the call goes on. A call
+    # that raised changed nothing the resume reads: a forward's hooks raise before the
+    # module runs and zero_grad() before it clears a gradient; a backward's hook raises
+    # once autograd has added that one gradient to p.grad, and a gradient posted
+    # before is posted again as it was posted (from its slot, _recover) while step()
+    # reports the change, as it would have with the daemon alive. stats(),
+    # memory_report() and unwrap() ask the daemon nothing and do not raise; unwrap()
+    # (detach()) gives the state up. A daemon that came back and cannot take the state
+    # ends the session for good (mark_gone, the branches of reconnect()).
     def can_resume(self) -> bool:
         """Whether the session ended because the daemon died (not a clean shutdown, not
         the daemon ending it) and its state may be resumed (docs/recovery.md)."""
@@ -207,12 +266,12 @@ class DaemonSession:
             return SessionLost(f"the TrainStream daemon died ({why}); reconnecting")
         if self._daemon_gone is None:
             self._daemon_gone = (
-                f"this optimizer's session with the TrainStream daemon is over: the daemon is "
-                f"gone or ended it ({why}), and the optimizer state it held (master weights, "
-                "moments) is lost. Start a daemon again if none runs (trainstreamd, or let "
-                "trainstream.wrap() start one), then build a new optimizer and load_state_dict() "
-                "from your last checkpoint, or call detach() and attach() to go on from the "
-                "current weights with fresh moments")
+                f"this optimizer's session with the TrainStream daemon at {self._socket_path} "
+                f"is over: the daemon is gone or ended it ({why}), and the optimizer state it "
+                "held (master weights, moments) is lost. Start a daemon again if none runs "
+                "(trainstreamd, or let trainstream.wrap() start one), then build a new optimizer "
+                "and load_state_dict() from your last checkpoint, or call detach() and attach() "
+                "to go on from the current weights with fresh moments")
         return DaemonError(self._daemon_gone)
 
     def mark_gone(self, why: str) -> None:
@@ -228,7 +287,9 @@ class DaemonSession:
             raise DaemonError(self._daemon_gone)
         if self._session is None:
             if self._reconnection_unfinished():
-                raise SessionLost("a reconnection to the TrainStream daemon did not finish")
+                # Note [A daemon gone for good]: the recovery around the caller tries again.
+                raise SessionLost(self._unanswered
+                                  or "a reconnection to the TrainStream daemon did not finish")
             return
         if in_backward:
             step = self._table.step_id + 1
@@ -236,11 +297,11 @@ class DaemonSession:
                 return
             self._probed_step = step
         alive, why = self._session.alive()
-        if alive and not (self.plane is not None and self.plane.closing):
+        if alive and not (self._plane is not None and self._plane.closing):
             return
         # What the daemon said last (a data-parallel group's end, say) goes first:
         # wait reads what is left on the ring, then finds the session over.
-        if self.plane is not None:
+        if self._plane is not None:
             self.wait(lambda c: False, keep=STEP_REPLIES)
         raise self.gone(why or "the session is closed")
 
@@ -252,14 +313,14 @@ class DaemonSession:
     def require_attached(self) -> None:
         # Without a plane: a reconnection that could not resume (ensure_alive raises its
         # DaemonError) or that did not finish (SessionLost), else a detach.
-        if self.plane is None and self._daemon_gone is None \
+        if self._plane is None and self._daemon_gone is None \
                 and not self._reconnection_unfinished():
             raise TrainStreamError("OffloadAdamW is detached; call attach() first")
         self.ensure_alive()
 
     def _check_alive(self, waited_s: float) -> None:
         alive, why = self._session.alive()
-        if not alive or self.plane.closing:
+        if not alive or self._plane.closing:
             raise self.gone(f"it ended this session: {why or 'closed'}")
         timeout = self._table.options["timeout_s"]
         if waited_s > timeout:
@@ -321,17 +382,21 @@ class DaemonSession:
         off for a second. In embedded mode, starting the daemon is this client's job."""
         delay = 0.002
         while time.monotonic() < deadline:
-            probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-            try:
-                probe.connect(self._socket_path)
+            if self._accepts() or self._embedded:  # (embedded: connect() below starts one)
                 return
-            except OSError:
-                if self._embedded:
-                    return  # connect() below starts one
-            finally:
-                probe.close()
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def _accepts(self) -> bool:
+        """Whether something accepts a connection on the socket now."""
+        probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        try:
+            probe.connect(self._socket_path)
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
 
     def reconnect(self, pending_step: int) -> Dict[str, Any]:
         """After the daemon died (SessionLost): waits, at most ``timeout_s``, for a
@@ -339,17 +404,23 @@ class DaemonSession:
         did), attaches with the recovery token and returns what it resumed
         (``_control.Session.resumed``), with ``seconds`` added. The staging mappings,
         and every slot tensor viewing them, stay: the daemon adopted those files.
-        Raises DaemonError naming ``pending_step`` when the state cannot be resumed."""
+        Raises DaemonError naming ``pending_step`` when the state cannot be resumed.
+        After a reconnection that found no daemon it looks once, not for ``timeout_s``
+        (Note [A daemon gone for good]): nothing accepting on the socket raises that
+        error again at once; in embedded mode it tries to start a daemon once."""
         c = control()
         opts = self._table.options
         t0 = time.monotonic()
-        deadline = t0 + float(opts["timeout_s"])
-        if self.plane is not None:
+        again = self._unanswered is not None
+        if again and not self._embedded and not self._accepts():
+            raise DaemonError(self._unanswered)
+        deadline = t0 + (0.0 if again and self._embedded else float(opts["timeout_s"]))
+        if self._plane is not None:
             try:
-                self.plane.flush()  # the gradient copies in flight land in their slots
+                self._plane.flush()  # the gradient copies in flight land in their slots
             except Exception:  # noqa: BLE001 (a dead ring: nothing more to post)
                 pass
-        self.plane = None
+        self._plane = None
         if self._session is not None:
             self._session.detach()
         self._session = None
@@ -359,14 +430,13 @@ class DaemonSession:
         self._probed_step = 0
         lost_step = (f"step {pending_step} (in flight when the daemon died) and the optimizer "
                      f"state after step {pending_step - 1}")
-        last = "nothing answered"
+        last, tries = "nothing answered", 0
         while True:
-            if time.monotonic() > deadline:
-                self._daemon_gone = (
-                    f"the TrainStream daemon at {self._socket_path} died and none answered there "
-                    f"within timeout_s={opts['timeout_s']} ({last}): {lost_step} are lost with it; "
-                    "load_state_dict() of your last checkpoint is the way on")
-                raise DaemonError(self._daemon_gone)
+            if tries and time.monotonic() > deadline:
+                # Not the end of the session: Note [A daemon gone for good].
+                self._unanswered = self._unanswered_error(lost_step, last)
+                raise DaemonError(self._unanswered)
+            tries += 1
             self._wait_for_socket(deadline)
             try:
                 left = max(1.0, deadline - time.monotonic())
@@ -389,7 +459,7 @@ class DaemonSession:
                 last = str(e)
                 time.sleep(0.02)
         self._client, self._session = client, session
-        self._daemon_gone = None
+        self._daemon_gone = self._unanswered = None
         self._open_plane()
         resumed = dict(session.resumed)
         mine = [r.segment_name for r in self._regions]
@@ -403,6 +473,21 @@ class DaemonSession:
         resumed["seconds"] = time.monotonic() - t0
         self.recoveries.append({k: v for k, v in resumed.items() if k != "registrations"})
         return resumed
+
+    def _unanswered_error(self, lost_step: str, last: str) -> str:
+        path, timeout = self._socket_path, self._table.options["timeout_s"]
+        if self._embedded:
+            start = ("this client starts that daemon itself: once one can start (the reason "
+                     "in parentheses says why none did), the next call starts it and resumes")
+        else:
+            start = (f"start one there (`trainstreamd --socket {path}`, or `systemctl start "
+                     "trainstreamd` for the system's) and call again: the daemon adopts the state "
+                     "and the call resumes it")
+        return (f"the TrainStream daemon at {path} died and none answered there within "
+                f"timeout_s={timeout} ({last}): {lost_step} are lost unless a daemon starts "
+                f"there again. To go on, {start}; until one answers, every later call of this "
+                "optimizer looks for one once and raises this error. Else load_state_dict() of "
+                "your last checkpoint is the way on")
 
     def forget_regions_after(self, count: int) -> None:
         """Drops the staging mappings of registrations after the first ``count`` (one
