@@ -170,7 +170,9 @@ def _convert(optimizer, names, config, opt_options) -> OffloadAdamW:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Detaches ``model`` from the daemon (its optimizer's state there is freed)."""
+    """Detaches ``model`` from the daemon (its optimizer's state there is freed). It
+    does not raise when the daemon is gone: the state left for a daemon that comes back
+    is given up (Note [A daemon gone for good])."""
     session = getattr(model, _SESSION_ATTR, None)
     if session is None:
         if hasattr(model, _SESSION_ATTR):

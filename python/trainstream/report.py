@@ -35,7 +35,10 @@ def memory_report(model: Optional[nn.Module] = None) -> Dict[str, Any]:
     peak_allocated bytes of the current device), "pinned" (``pinned_stats()``) and
     "pinned_by_tag". With a wrapped model also "events", "transfers", "optimizer",
     "resident", "plan", "params", "activations" and "attention", and "pinned" is then
-    the model's optimizer's staging memory (``pinned_stats(optimizer)``)."""
+    the model's optimizer's staging memory (``pinned_stats(optimizer)``). It asks the
+    daemon nothing, so it answers while the daemon is gone too: "optimizer"'s
+    "daemon_gone" then holds the DaemonError every optimizer call raises (None while
+    the daemon answers)."""
     if model is None:
         pinned = pinned_stats()
         return {"gpu": _gpu(), "pinned": pinned, "pinned_by_tag": dict(pinned["by_tag"])}
@@ -65,6 +68,7 @@ def memory_report(model: Optional[nn.Module] = None) -> Dict[str, Any]:
             "steps": stats.get("steps", 0),
             "skipped_steps": stats.get("skipped_steps", 0),
             "last_grad_norm": opt.last_grad_norm if opt is not None else None,
+            "daemon_gone": stats.get("daemon_gone"),
         },
         "resident": {
             "param_bytes": sum(p.numel() * p.element_size() for p in params),

@@ -19,11 +19,12 @@ class RecoveryMixin:
     # PARAM_READY, or the next daemon finished it from the journal and the gradient
     # in the staging slot) or never touched the state (docs/recovery.md). So a
     # SessionLost anywhere below is answered by _recover(): reconnect (waiting for the
-    # daemon at most timeout_s, in embedded mode starting it), resume with the
-    # recovery token, and for each gradient of the pending step that had been posted:
-    # landed -> its weights are copied in as a PARAM_READY would have done, and it is
-    # off the step's pending set; not landed -> posted again (p.grad, or a paged
-    # weight's grad slot, which still holds it). A STEP_END that had gone is sent
+    # daemon at most timeout_s, in embedded mode starting it; once it found none, it
+    # looks once: Note [A daemon gone for good]), resume with the recovery token, and
+    # for each gradient of the pending step that had been posted: landed -> its
+    # weights are copied in as a PARAM_READY would have done, and it is off the step's
+    # pending set; not landed -> posted again (p.grad, or the grad slot, which still
+    # holds it, for a paged weight and for a p.grad changed since). A STEP_END that had gone is sent
     # again; the new daemon counts the landed ones' norms into that step. Then the
     # interrupted operation goes on: each piece run through _resumable is safe to run
     # again (posting skips what is posted, _finish_step keeps its progress in
@@ -82,9 +83,13 @@ class RecoveryMixin:
                 pooled.append(e)  # reposted below, in position order
             elif a["applied_step"] < step:
                 replayed += 1
-                # A paged weight's gradient lives on only in its slot (accept_grad).
-                self._post_grad(e, e.posted_grad if e.posted_grad is not None else e.grad_slot,
-                                replay=True)
+                # A paged weight's gradient lives on only in its slot (accept_grad). So
+                # does, as it was posted, one that a backward added to since (a backward
+                # that raised while no daemon answered: Note [A daemon gone for good]);
+                # step() then reports the change, as it would have with the daemon alive.
+                g = e.posted_grad
+                self._post_grad(e, g if g is not None and g._version == e.posted_version
+                                else e.grad_slot, replay=True)
             else:
                 raise self._unresumable(
                     f"the TrainStream daemon came back with {e.name} at step "

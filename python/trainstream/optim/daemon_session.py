@@ -9,7 +9,6 @@ the daemon is gone]).
 from __future__ import annotations
 
 import os
-import socket as _socket
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -23,6 +22,7 @@ from .._native.wire import OP_ERROR, OP_GROUP_BROKEN, OP_PARAM_READY, OP_STATE_D
 from .._native.wire import FIELD_WEIGHTS, OP_STEP_DONE, OP_SYNC_DONE, STATUS_OK
 from ..errors import DaemonError, TrainStreamError
 from .backend import DTYPE_NAMES, ParamEntry, ParamTable
+from .daemon_reconnect import ReconnectMixin
 
 STEP_REPLIES = (OP_PARAM_READY, OP_STEP_DONE)  # what a step() waits for
 
@@ -33,7 +33,7 @@ class SessionLost(DaemonError):
     on. Whoever does not catch it sees the ``DaemonError`` it is."""
 
 
-class DaemonSession:
+class DaemonSession(ReconnectMixin):
     """Caller owns it; ``close()`` ends the session (the daemon frees its memory). The
     slot tensors of a registration view its regions: they must not outlive it."""
 
@@ -41,13 +41,16 @@ class DaemonSession:
         self._table = table
         self._client = None
         self._session = None
-        self.plane = None  # _C.DataPlane over the session's control segment
+        self._plane = None  # _C.DataPlane over the session's control segment (``plane``)
         self._regions: List[Any] = []  # mappings the slot tensors view; kept alive
         self._registered: List[int] = []  # their base addresses registered with CUDA
         self._scratch = None
         self._backlog: List[Dict[str, Any]] = []  # completions kept for a later wait
         # Note [After the daemon is gone]: why, once it is; None while it answers.
         self._daemon_gone: Optional[str] = None
+        # Note [A daemon gone for good]: the error of the last reconnection that found no
+        # daemon within timeout_s (the next call tries again); None otherwise.
+        self._unanswered: Optional[str] = None
         self._probed_step = 0  # the step whose backward last asked the session if it lives
         # The parameter whose pending gradient an ERROR rejects (daemon_backend.py).
         self.rejected_grad: Callable[[Dict[str, Any]], Optional[ParamEntry]] = lambda c: None
@@ -79,8 +82,8 @@ class DaemonSession:
 
     def _open_plane(self) -> None:
         control_region = self._session.control
-        self.plane = C().DataPlane(control_region.address, control_region.size,
-                                   int(self._table.options["timeout_s"] * 1000))
+        self._plane = C().DataPlane(control_region.address, control_region.size,
+                                    int(self._table.options["timeout_s"] * 1000))
 
     def close(self) -> None:
         for addr in self._registered:
@@ -88,9 +91,10 @@ class DaemonSession:
         self._registered.clear()
         self._backlog = []  # the old session's replies
         self._daemon_gone = None
+        self._unanswered = None
         self._probed_step = 0
         self._recovery_token = b""  # a detached optimizer has nothing to resume
-        self.plane = None
+        self._plane = None
         self._scratch = None
         self._regions.clear()
         if self._session is not None:
@@ -108,19 +112,49 @@ class DaemonSession:
         return list(self._backlog)
 
     def alive(self):
-        """(alive, why) as the daemon's session stream last said."""
+        """(alive, why) as the daemon's session stream last said; (False, why) with no
+        session (the daemon gone: Note [A daemon gone for good])."""
+        if self._session is None:
+            return False, self._daemon_gone or self._unanswered or "no session"
         return self._session.alive()
+
+    @property
+    def plane(self):
+        """The ``_C.DataPlane`` over the session's control segment. Without one it raises
+        what every entry point raises then (Note [A daemon gone for good]): the
+        DaemonError of a daemon that is gone, SessionLost while a reconnection is owed
+        (a caller inside the recovery tries it), or that the optimizer is detached."""
+        if self._plane is None:
+            self._no_session()
+        return self._plane
+
+    def _attached(self):
+        """The control-plane session (``_control.Session``); without one, raises as
+        ``plane`` does."""
+        if self._session is None:
+            self._no_session()
+        return self._session
+
+    def _no_session(self):
+        self.require_attached()  # raises unless a reconnection is half way (then below)
+        raise SessionLost("a reconnection to the TrainStream daemon did not finish")
+
+    @property
+    def gone_reason(self) -> Optional[str]:
+        """The DaemonError's message while the daemon is gone (Note [A daemon gone for
+        good]); None while it answers or when detached."""
+        return self._daemon_gone or self._unanswered
 
     # ------------------------------------------------------------ regions
     def allocate_region(self, nbytes: int, purpose: str):
         """A shared-memory region of ``nbytes`` in the session (the daemon's budget)."""
-        return self.call(self._session.allocate_region, nbytes, purpose)
+        return self.call(self._attached().allocate_region, nbytes, purpose)
 
     def register_parameters(self, *args):
         """RegisterParameters; the staging region it returns is mapped for this session's
         lifetime (``map_staging``). A group's registration hands every rank the group's
         recovery token, which replaces the session's."""
-        out = self.call(self._session.register_parameters, *args)
+        out = self.call(self._attached().register_parameters, *args)
         self._recovery_token = self._session.recovery_token
         return out
 
@@ -154,7 +188,7 @@ class DaemonSession:
         need = max(4 * numel, 4096)
         if self._scratch is None or self._scratch.size < need:
             if self._scratch is not None:
-                self.call(self._session.free_region, self._scratch.region_id)
+                self.call(self._attached().free_region, self._scratch.region_id)
             self._scratch = self.allocate_region(need, "state-transfer")
         return self._scratch
 
@@ -194,6 +228,31 @@ class DaemonSession:
     # is posted into a ring nobody reads. A backward that runs before that posts as
     # usual, and the step() after it raises. detach() clears the state: attach() then
     # starts a fresh session.
+    #
+    # Note [A daemon gone for good]
+    # A daemon that died and did not come back within timeout_s leaves the state in
+    # /dev/shm for the next daemon on the socket to adopt, however late it starts, so
+    # the reconnection's DaemonError (naming the socket, the step in flight and what to
+    # do) does not end the session: the session keeps its mappings, its recovery token
+    # and the step's pending state, and has no control session and no plane. Every
+    # later call then raises the same DaemonError, never an error of the missing plane:
+    # each entry point (backward's hooks, the forward's ParamReadyHooks waiting for an
+    # update in flight, step(), zero_grad(), synchronize(), state_dict(),
+    # load_state_dict(), adding a parameter group) reaches ensure_alive() or the
+    # ``plane`` property, which raise SessionLost, and the recovery around it looks for
+    # a daemon once: nothing accepting on the socket raises the error again at once
+    # (the first call waited timeout_s; a loop that goes on should not wait that at
+    # every call), something accepting is reconnected to as before (at most timeout_s),
+    # and in embedded mode the client tries once to start one. A daemon that came back
+    # is resumed (Note [Resuming after the daemon died]) and the call goes on. A call
+    # that raised changed nothing the resume reads: a forward's hooks raise before the
+    # module runs and zero_grad() before it clears a gradient; a backward's hook raises
+    # once autograd has added that one gradient to p.grad, and a gradient posted
+    # before is posted again as it was posted (from its slot, _recover) while step()
+    # reports the change, as it would have with the daemon alive. stats(),
+    # memory_report() and unwrap() ask the daemon nothing and do not raise; unwrap()
+    # (detach()) gives the state up. A daemon that came back and cannot take the state
+    # ends the session for good (mark_gone, the branches of reconnect()).
     def can_resume(self) -> bool:
         """Whether the session ended because the daemon died (not a clean shutdown, not
         the daemon ending it) and its state may be resumed (docs/recovery.md)."""
@@ -207,12 +266,12 @@ class DaemonSession:
             return SessionLost(f"the TrainStream daemon died ({why}); reconnecting")
         if self._daemon_gone is None:
             self._daemon_gone = (
-                f"this optimizer's session with the TrainStream daemon is over: the daemon is "
-                f"gone or ended it ({why}), and the optimizer state it held (master weights, "
-                "moments) is lost. Start a daemon again if none runs (trainstreamd, or let "
-                "trainstream.wrap() start one), then build a new optimizer and load_state_dict() "
-                "from your last checkpoint, or call detach() and attach() to go on from the "
-                "current weights with fresh moments")
+                f"this optimizer's session with the TrainStream daemon at {self._socket_path} "
+                f"is over: the daemon is gone or ended it ({why}), and the optimizer state it "
+                "held (master weights, moments) is lost. Start a daemon again if none runs "
+                "(trainstreamd, or let trainstream.wrap() start one), then build a new optimizer "
+                "and load_state_dict() from your last checkpoint, or call detach() and attach() "
+                "to go on from the current weights with fresh moments")
         return DaemonError(self._daemon_gone)
 
     def mark_gone(self, why: str) -> None:
@@ -228,7 +287,9 @@ class DaemonSession:
             raise DaemonError(self._daemon_gone)
         if self._session is None:
             if self._reconnection_unfinished():
-                raise SessionLost("a reconnection to the TrainStream daemon did not finish")
+                # Note [A daemon gone for good]: the recovery around the caller tries again.
+                raise SessionLost(self._unanswered
+                                  or "a reconnection to the TrainStream daemon did not finish")
             return
         if in_backward:
             step = self._table.step_id + 1
@@ -236,11 +297,11 @@ class DaemonSession:
                 return
             self._probed_step = step
         alive, why = self._session.alive()
-        if alive and not (self.plane is not None and self.plane.closing):
+        if alive and not (self._plane is not None and self._plane.closing):
             return
         # What the daemon said last (a data-parallel group's end, say) goes first:
         # wait reads what is left on the ring, then finds the session over.
-        if self.plane is not None:
+        if self._plane is not None:
             self.wait(lambda c: False, keep=STEP_REPLIES)
         raise self.gone(why or "the session is closed")
 
@@ -252,14 +313,14 @@ class DaemonSession:
     def require_attached(self) -> None:
         # Without a plane: a reconnection that could not resume (ensure_alive raises its
         # DaemonError) or that did not finish (SessionLost), else a detach.
-        if self.plane is None and self._daemon_gone is None \
+        if self._plane is None and self._daemon_gone is None \
                 and not self._reconnection_unfinished():
             raise TrainStreamError("OffloadAdamW is detached; call attach() first")
         self.ensure_alive()
 
     def _check_alive(self, waited_s: float) -> None:
         alive, why = self._session.alive()
-        if not alive or self.plane.closing:
+        if not alive or self._plane.closing:
             raise self.gone(f"it ended this session: {why or 'closed'}")
         timeout = self._table.options["timeout_s"]
         if waited_s > timeout:
@@ -314,96 +375,7 @@ class DaemonSession:
             if offer(c):
                 return
 
-    # ------------------------------------------------------------ recovery
-    def _wait_for_socket(self, deadline: float) -> None:
-        """Until something accepts on the socket (a daemon bound it), or the deadline; a
-        raw connect costs microseconds, where a gRPC channel to a missing socket backs
-        off for a second. In embedded mode, starting the daemon is this client's job."""
-        delay = 0.002
-        while time.monotonic() < deadline:
-            probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-            try:
-                probe.connect(self._socket_path)
-                return
-            except OSError:
-                if self._embedded:
-                    return  # connect() below starts one
-            finally:
-                probe.close()
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-    def reconnect(self, pending_step: int) -> Dict[str, Any]:
-        """After the daemon died (SessionLost): waits, at most ``timeout_s``, for a
-        daemon at the same socket (in embedded mode starts one, as the first attach
-        did), attaches with the recovery token and returns what it resumed
-        (``_control.Session.resumed``), with ``seconds`` added. The staging mappings,
-        and every slot tensor viewing them, stay: the daemon adopted those files.
-        Raises DaemonError naming ``pending_step`` when the state cannot be resumed."""
-        c = control()
-        opts = self._table.options
-        t0 = time.monotonic()
-        deadline = t0 + float(opts["timeout_s"])
-        if self.plane is not None:
-            try:
-                self.plane.flush()  # the gradient copies in flight land in their slots
-            except Exception:  # noqa: BLE001 (a dead ring: nothing more to post)
-                pass
-        self.plane = None
-        if self._session is not None:
-            self._session.detach()
-        self._session = None
-        self._client = None
-        self._backlog = []
-        self._scratch = None  # the dead daemon's region: not this one's
-        self._probed_step = 0
-        lost_step = (f"step {pending_step} (in flight when the daemon died) and the optimizer "
-                     f"state after step {pending_step - 1}")
-        last = "nothing answered"
-        while True:
-            if time.monotonic() > deadline:
-                self._daemon_gone = (
-                    f"the TrainStream daemon at {self._socket_path} died and none answered there "
-                    f"within timeout_s={opts['timeout_s']} ({last}): {lost_step} are lost with it; "
-                    "load_state_dict() of your last checkpoint is the way on")
-                raise DaemonError(self._daemon_gone)
-            self._wait_for_socket(deadline)
-            try:
-                left = max(1.0, deadline - time.monotonic())
-                client = _daemon.connect_embedded(self._socket_path, left) if self._embedded \
-                    else _daemon.connect(self._socket_path, spawn=False, timeout_s=left)
-                session = client.attach(*self._attach_args, self._recovery_token)
-                break
-            except (c.NotFound, c.FailedPrecondition) as e:
-                self._daemon_gone = (
-                    f"the TrainStream daemon died and the one that came back at "
-                    f"{self._socket_path} could not resume this optimizer's state ({e}): "
-                    f"{lost_step} are lost. load_state_dict() of your last checkpoint is the way "
-                    "on (or detach() and attach() to go on from the current weights with fresh "
-                    "moments)")
-                raise DaemonError(self._daemon_gone) from None
-            except (DaemonError, c.Unavailable, c.ResourceExhausted, c.DeadlineExceeded,
-                    c.Internal) as e:
-                # (A daemon killed again while it answers Attach ends the call with
-                # UNKNOWN or INTERNAL: the next one may be the one that stays.)
-                last = str(e)
-                time.sleep(0.02)
-        self._client, self._session = client, session
-        self._daemon_gone = None
-        self._open_plane()
-        resumed = dict(session.resumed)
-        mine = [r.segment_name for r in self._regions]
-        theirs = [r["segment_name"] for r in resumed["registrations"]]
-        if theirs != mine:
-            self._daemon_gone = (
-                f"the TrainStream daemon came back with {len(theirs)} registrations of this "
-                f"optimizer where it had {len(mine)} ({theirs} against {mine}): {lost_step} "
-                "cannot be resumed; load_state_dict() of your last checkpoint is the way on")
-            raise DaemonError(self._daemon_gone)
-        resumed["seconds"] = time.monotonic() - t0
-        self.recoveries.append({k: v for k, v in resumed.items() if k != "registrations"})
-        return resumed
-
+    # ------------------------------------------------------------ regions after a resume
     def forget_regions_after(self, count: int) -> None:
         """Drops the staging mappings of registrations after the first ``count`` (one
         that a daemon's death interrupted: it is made again)."""

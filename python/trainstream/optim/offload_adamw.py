@@ -371,6 +371,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         s["numel"] = sum(e.param.numel() for e in t.entries.values())
         s["attached"] = self._session is not None
         s["session_id"] = self._session.id if self._session is not None else None
+        # Why every call raises DaemonError (Note [A daemon gone for good]); None otherwise.
+        s["daemon_gone"] = self._session.gone_reason if self._session is not None else None
         for name in ("moment_dtype", "chunk_elems", "pin_moments", "compute_grad_norm",
                      "guard_params", "grad_post"):
             s[name] = self._options[name]
