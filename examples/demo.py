@@ -59,8 +59,15 @@ def main() -> int:
         trainstream.unwrap(model)
         return 0
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
+        # A plain stop would keep an attached session's state for a next daemon on this
+        # socket (docs/recovery.md, "Stops and restarts"); the demo's socket has none.
+        subprocess.run([os.path.join(bin_dir, "trainstreamctl"), "--socket", socket,
+                        "shutdown", "--discard-state"], capture_output=True, timeout=10)
+        try:
+            daemon.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
 
 
 if __name__ == "__main__":

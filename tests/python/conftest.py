@@ -85,6 +85,24 @@ def wait_until(predicate, timeout: float, interval: float = 0.01, what: str = "c
         time.sleep(interval)
 
 
+def pause_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOPs a process and returns once each of its threads has stopped (Note [A
+    paused daemon is stopped in every thread])."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped():
+        tasks = f"/proc/{pid}/task"
+        states = []
+        for tid in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        return bool(states) and all(s in ("T", "t") for s in states)
+    wait_until(stopped, timeout, interval=0.001, what="every trainstreamd thread to stop")
+
+
 class TestClient:
     """Drives build/bin/trainstream-test-client: one command per line, one JSON reply."""
 
@@ -173,19 +191,7 @@ class Daemon:
     # T (stopped) in /proc.
     def pause(self, timeout: float = 10.0) -> None:
         """SIGSTOPs the daemon and waits until each of its threads has stopped."""
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-        def stopped():
-            tasks = f"/proc/{self.proc.pid}/task"
-            states = []
-            for tid in os.listdir(tasks):
-                try:
-                    with open(f"{tasks}/{tid}/stat") as f:
-                        states.append(f.read().rsplit(")", 1)[1].split()[0])
-                except FileNotFoundError:  # a thread that ended meanwhile
-                    continue
-            return bool(states) and all(s in ("T", "t") for s in states)
-        wait_until(stopped, timeout, interval=0.001, what="every trainstreamd thread to stop")
+        pause_process(self.proc.pid, timeout)
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import trainstream
-from conftest import wait_until
+from conftest import pause_process, wait_until
 from test_recovery_resume import _reference, _same_run, _setup, _wrap
 
 TIMEOUT_S = 1.0  # how long the first call waits for a daemon before it raises
@@ -90,20 +90,8 @@ class _Embedded:
         return native_daemon.connect(self.socket).ping()["pid"]
 
     def pause(self):
-        # As conftest's Daemon.pause: SIGSTOP, then until every thread shows it stopped.
-        pid = self._stopped = self._pid()
-        os.kill(pid, signal.SIGSTOP)
-
-        def stopped():
-            states = []
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                try:
-                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                        states.append(f.read().rsplit(")", 1)[1].split()[0])
-                except FileNotFoundError:  # a thread that ended meanwhile
-                    continue
-            return bool(states) and all(st in ("T", "t") for st in states)
-        wait_until(stopped, 10, interval=0.001, what="every trainstreamd thread to stop")
+        self._stopped = self._pid()
+        pause_process(self._stopped)
 
     def kill(self):
         pid = self._stopped or self._pid()  # (a stopped daemon answers no ping)
@@ -176,7 +164,7 @@ def test_every_call_after_the_daemon_is_gone_raises_its_daemon_error(daemon_kind
     assert d.socket in str(first) and "none answered there" in str(first)
     assert "step 2 (in flight when the daemon died)" in str(first)
     for batch in batches[2:4]:  # a hostile loop goes on as if nothing had happened
-        for fn in (lambda: _forward_backward(ours, batch), opt.step, opt.zero_grad,
+        for fn in (lambda b=batch: _forward_backward(ours, b), opt.step, opt.zero_grad,
                    opt.synchronize, opt.state_dict):
             t0 = time.monotonic()
             e = _raises_the_same(first, fn)
