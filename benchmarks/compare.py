@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Head-to-head (issue 22): TrainStream against the libraries users would pick instead,
-on random-weight models with Qwen2.5's shapes, under a VRAM cap and uncapped.
+"""Head-to-head (docs/benchmarks-compare.md): TrainStream against the libraries users
+would pick instead, on random-weight models with Qwen2.5's shapes, under a VRAM cap and
+uncapped.
 
 Scenarios (headtohead/scenarios.py): full1.5b (batch 4x1024), full7b (1x1024),
 lora14b (1x512), lora14b_2k (1x2048), lora32b (1x512). Engines (headtohead/engines.py):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Quality of each quantized base format (issue 22): held-out perplexity of a model
-whose frozen block weights are stored as bf16, int8, NF4, FP8 or NVFP4, before and
-after a short LoRA fine-tune on each base.
+"""Quality of each quantized base format (docs/benchmarks-compare.md): held-out
+perplexity of a model whose frozen block weights are stored as bf16, int8, NF4, FP8 or
+NVFP4, before and after a short LoRA fine-tune on each base.
 
 Nothing is downloaded. The model is trained here, from scratch, on real text that ships
 with every machine: the Python standard library's own sources

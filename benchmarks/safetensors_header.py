@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """How long trainstreamd takes to load a checkpoint whose header lists many
-tensors (issue 16, item 6: the header parse was quadratic).
+tensors (docs/base-cache.md, "Bad input": the header parse used to be quadratic).
 
 Writes one .safetensors file per count N: N - 1 empty U8 tensors and one
-4-byte F32 tensor (the shape of the crafted headers in the issue), starts the
-daemon of --build-dir on a private socket, loads each file with
-`trainstreamctl base load` and prints the wall time of the load and the CPU
-time the daemon spent on it (utime + stime from /proc/<pid>/stat).
+4-byte F32 tensor (the shape of a crafted header), starts the daemon of
+--build-dir on a private socket, loads each file with `trainstreamctl base load`
+and prints the wall time of the load and the CPU time the daemon spent on it
+(utime + stime from /proc/<pid>/stat).
 
     python3 benchmarks/safetensors_header.py --build-dir build-st
     python3 benchmarks/safetensors_header.py --build-dir build --counts 32768 65536

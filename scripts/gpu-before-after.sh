@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One side of the issue-17 before/after comparison on the GPU host:
+# One side of a before/after comparison of two commits on the GPU host:
 # Prepare on the dev machine (.before/ is git-ignored through .git/info/exclude):
 #   mkdir -p .before/src && git archive <before-commit> | tar -x -C .before/src
 # then through the device tool, carrying [".deps", ".before"]: scripts/gpu-before-after.sh before|after

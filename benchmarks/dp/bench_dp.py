@@ -1,4 +1,4 @@
-"""Data parallel on one machine (issue 7): step time and host RAM for
+"""Data parallel on one machine (docs/data-parallel.md): step time and host RAM for
 
   1 rank                        (one process, one optimizer state)
   N ranks, shared state         (default: one group, one state, gradients summed in shm)

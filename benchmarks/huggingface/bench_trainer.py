@@ -1,5 +1,6 @@
-"""The Hugging Face front door under a VRAM cap (issue 18): the reference's recipes run
-through ``TrainStreamTrainer``, each case in its own process.
+"""The Hugging Face front door under a VRAM cap (docs/huggingface-trainer.md; figures in
+docs/benchmarks.md): the reference's recipes run through ``TrainStreamTrainer``, each
+case in its own process.
 
   qlora14b    ``load_model(<14B-shaped checkpoint>, quantize="nf4")`` + PEFT LoRA r=16 on
               all seven projections + ``TrainStreamTrainer(bf16=True)``, batch 1 x --seq

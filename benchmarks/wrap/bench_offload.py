@@ -1,7 +1,7 @@
 """Full fine-tune of a Qwen2.5-1.5B-shaped model (random weights, bf16 autocast): step
 time and peak VRAM for stock PyTorch (fused AdamW, uncapped), TrainStream under a VRAM
 cap, and FSDP2 + CPUOffloadPolicy (one process), each in its own process so peaks
-don't mix. Prints a table and JSON lines; see issue 4.
+don't mix. Prints a table and JSON lines; docs/offload.md has the runs.
 
     python benchmarks/wrap/bench_offload.py --cap-gib 24 [--small] [--modes stock,trainstream,trainstream-gpu,fsdp2]
 

@@ -46,8 +46,8 @@ uint64_t Fnv1a64(std::string_view bytes) {
 //
 // Why not json::parse with a callback: that parser, to drop discarded values,
 // rescans the parent object at every end_object, so a header of n tensors took
-// O(n^2) (issue 16: 32k tensors 4.8 s, 200k over a minute). Here a key costs
-// one map lookup, O(log n), and every other event O(1).
+// O(n^2) (32k tensors 4.8 s, 200k over a minute). Here a key costs one map
+// lookup, O(log n), and every other event O(1).
 //
 // Past the entry limit the DOM is no longer built: the rest of the root object
 // is only scanned to count its members, so the error can name the count.

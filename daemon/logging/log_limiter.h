@@ -1,8 +1,8 @@
 // LogLimiter: caps the log lines one client can cause. A client that posts bad
 // commands as fast as it can must not turn the daemon's log into its own output
-// (issue 16 measured +580 MB in 10 s): the first `burst` lines pass, then one per
-// `interval`, and the line that passes says how many were dropped before it.
-// Thread-safe.
+// (such a client once added 580 MB of log in 10 s): the first `burst` lines
+// pass, then one per `interval`, and the line that passes says how many were
+// dropped before it. Thread-safe.
 #pragma once
 
 #include <chrono>

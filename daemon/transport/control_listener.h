@@ -16,9 +16,9 @@
 // the daemon's own user (PeerTable::kEveryConnection).
 //
 // Note [Accepting under a connection flood]: a client that opens connections
-// and never closes them must not wedge the daemon (issue 16: 1,140 idle
-// connections against 1,024 fds spun the accept loop on EMFILE at 99.7% CPU and
-// wrote 411 MB of log in 8 s). Three defences: OnAccept refuses a uid over its
+// and never closes them must not wedge the daemon (1,140 idle connections
+// against 1,024 fds spun the accept loop on EMFILE at 99.7% CPU and wrote
+// 411 MB of log in 8 s). Three defences: OnAccept refuses a uid over its
 // connection cap, so one user cannot take the fds (PeerTable::Admit); on EMFILE
 // or ENFILE the loop frees its reserve fd, accepts and closes what is waiting
 // (so the clients fail at once instead of timing out, and poll() stops

@@ -39,10 +39,10 @@ void KeepIf(Repeated* items, Keep keep) {
 }
 
 // Note [Status shows a user only their own]: another user's pids, job names and
-// segment names are not a non-admin's to see (issue 16). The registries fill
-// the whole picture; this keeps, for a non-admin, the caller's sessions, their
-// segments, the caller's groups and bases and their segments, and the
-// machine-wide totals (budget, pinned bytes). A group's segments carry
+// segment names are not a non-admin's to see (docs/security.md). The
+// registries fill the whole picture; this keeps, for a non-admin, the caller's
+// sessions, their segments, the caller's groups and bases and their segments,
+// and the machine-wide totals (budget, pinned bytes). A group's segments carry
 // session_id 0 and name their group only in the label ("group 'KEY' ..."), and
 // two users may each have a group of one key, so a group segment is kept only
 // when every group its label can name is the caller's.

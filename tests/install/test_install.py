@@ -1,4 +1,4 @@
-"""`pip install --no-build-isolation .` end to end (issue 19): a fresh virtual
+"""`pip install --no-build-isolation .` end to end (docs/install.md): a fresh virtual
 environment that sees the installed torch, the package built from this checkout and
 installed into it, then used from a directory outside the checkout with no PYTHONPATH:
 training through wrap() with the daemon started on demand from the installed package,

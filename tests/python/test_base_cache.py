@@ -485,7 +485,8 @@ def test_client_dying_mid_load_leaves_nothing_behind(daemon, tmp_path):
     base.release()
 
 
-# Issue 16, item 6: crafted headers, and loads that must stop when asked.
+# Crafted headers, and loads that must stop when asked (docs/base-cache.md, "Bad input"
+# and "Cancelling a load").
 MAX_TENSORS = 1 << 18  # kMaxTensors, daemon/base/safetensors.h
 
 

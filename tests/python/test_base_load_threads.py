@@ -1,4 +1,4 @@
-"""Issue 20: the daemon reads and quantizes a base on several threads (docs/base-cache.md,
+"""The daemon reads and quantizes a base on several threads (docs/base-cache.md,
 "Loading, memory and speed"). The segment a load writes is the same byte for byte with
 1 thread and with N, for every format, and its quantized tensors are quantize_tensor's;
 the daemon caps the threads at its load_threads; progress reaches the caller's callback,

@@ -1,4 +1,5 @@
-"""benchmarks/paging/bench_paging.py at --tiny on the CPU (issue 20's cases): the 7B
+"""benchmarks/paging/bench_paging.py at --tiny on the CPU (docs/paging.md, "On the GPU
+host: host bytes per trained parameter"): the 7B
 full fine-tune with gradient slots and with the pool in one invocation, each with one
 host-bytes-per-trained-parameter figure whose parts add up to it; the full-layers depth
 trains with its loss decreasing and the next depth is refused at wrap() with a

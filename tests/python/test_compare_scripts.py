@@ -1,4 +1,4 @@
-"""benchmarks/compare.py and benchmarks/quality.py at --tiny on the CPU (issue 22): the
+"""benchmarks/compare.py and benchmarks/quality.py at --tiny on the CPU: the
 head-to-head runs each engine in its own process and reports what it measured, or why
 an engine could not run; quality.py trains its small model on the standard library's
 sources and measures every format's perplexity before and after LoRA. The full runs

@@ -1,4 +1,4 @@
-"""A connection flood must not wedge the daemon (issue 16, item 5): one uid is
+"""A connection flood must not wedge the daemon (docs/security.md): one uid is
 capped at max_connections_per_uid, running out of fds neither spins the accept
 loop nor floods the log, and the sessions already attached keep being served.
 Note [Accepting under a connection flood] (daemon/transport/control_listener.h).

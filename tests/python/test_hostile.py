@@ -1,5 +1,5 @@
-"""Hostile clients (issue 16): an attached client that writes into the memory it shares
-with the daemon, or misuses its own segment files, must cost only its own session.
+"""Hostile clients (docs/security.md): an attached client that writes into the memory it
+shares with the daemon, or misuses its own segment files, must cost only its own session.
 
 Each attack runs against a real daemon while a bystander session trains (see
 hostile_bystander.py). The checks are the same for every attack:
@@ -382,8 +382,8 @@ def test_one_uid_cannot_hold_unbounded_sessions(daemon):
 
 
 def _crafted_header(path, count):
-    """A checkpoint of `count` tensors, all but one of them empty: issue 16 measured
-    such headers at quadratic parse time (32k: 4.8 s of daemon CPU)."""
+    """A checkpoint of `count` tensors, all but one of them empty: such headers once
+    took quadratic parse time (32k: 4.8 s of daemon CPU)."""
     import struct
     parts = [f'"t{i}":{{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}' for i in range(count - 1)]
     parts.append('"last":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}')

@@ -1,6 +1,6 @@
-"""Issue 16, item 7: what a client without permission is told, where control-plane
-errors sit in the exception hierarchy, client text in the log, what `status`
-shows other users, and OffloadAdamW after the daemon died."""
+"""What a client without permission is told, where control-plane errors sit in the
+exception hierarchy, client text in the log, what `status` shows other users, and
+OffloadAdamW after the daemon died (docs/security.md)."""
 import grp
 import json
 import os

@@ -1,5 +1,5 @@
-"""Note [One host copy of a trained weight] (proto/include/trainstream/wire/segment_header.h,
-issue 20): an fp32 weight slot is its own master and a bf16 one its master's high half,
+"""Note [One host copy of a trained weight] (proto/include/trainstream/wire/segment_header.h):
+an fp32 weight slot is its own master and a bf16 one its master's high half,
 so the daemon's state segments hold 4 and 2 bytes a parameter less than they did.
 
 A state_dict saved by the daemon that kept a whole fp32 master per parameter in its

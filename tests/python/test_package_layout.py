@@ -1,4 +1,4 @@
-"""The package's layout rules (issue 17, item 7; issue 44, item 5; docs/package-layout.md):
+"""The package's layout rules (docs/package-layout.md):
 small modules, no import cycle among them, the sub-packages' and root modules'
 dependencies running one way in the order docs/package-layout.md draws (this file reads
 the drawing, so the order is written once), the documented import paths importable, and

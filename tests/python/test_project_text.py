@@ -4,6 +4,8 @@
   is named by its host and date (benchmarks/results/README.md), a change by what it does.
   The daemon's own sessions ("session 7" in its log lines, "no session 999" in an error)
   are the product speaking, and are listed below one by one.
+- No text cites a tracker's number ("issue 16", "issues #3", "issue-17"): a comment or
+  docstring says what the thing is or does and cites the doc in docs/ that describes it.
 - Every reference to the design document points into the repository (docs/design.md),
   and no reference points outside it.
 - README.md is at most 250 lines; every kept result lives in benchmarks/results/ and is
@@ -21,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
 # The daemon's sessions, not the project's: (path, text on the line). A new hit of the
-# pattern must be reworded, or, if it is the product's own session, listed here.
+# patterns must be reworded, or, if it is the product's own session, listed here. A
+# tracker's number is never the product's, so no line of that kind belongs here.
 PRODUCT_SESSIONS = [
     ("daemon/logging/log_safe.h", "info ... session 7"),
     ("daemon/planes/optimizer_plane.h", '"session 7"'),
@@ -29,9 +32,13 @@ PRODUCT_SESSIONS = [
     ("tests/cpp/daemon/control_service_test.cc", "no session 999"),
     ("tests/cpp/daemon/optimizer_plane_test.cc", "(session 2)"),
     ("tests/cpp/daemon/optimizer_plane_test.cc", '"session 1"'),
+    ("tests/cpp/daemon/optimizer_service_test.cc", '"session 7"'),
     ("tests/python/test_hostile_misc.py", "session 99 ended"),
-    ("tests/python/test_project_text.py", ""),  # this file names the pattern
+    ("tests/python/test_project_text.py", ""),  # this file names the patterns
 ]
+# What numbers the work: the project's stretches of work, and a tracker's entries.
+HOW_IT_WAS_MADE = (r"session [0-9]|sessions [0-9]|s[0-9]{1,2}-"
+                   r"|issue [0-9]|issues #?[0-9]|issue #[0-9]|issue-[0-9]")
 # Client-chosen bytes the fuzzer found, not words.
 NOT_TEXT = ("tests/fuzz/corpus/",)
 
@@ -49,7 +56,7 @@ def _allowed(path: str, line: str) -> bool:
 
 
 def test_no_text_numbers_how_the_project_was_made():
-    proc = _git("grep", "-I", "-n", "-i", "-E", r"session [0-9]|sessions [0-9]|s[0-9]{1,2}-", "--", ".")
+    proc = _git("grep", "-I", "-n", "-i", "-E", HOW_IT_WAS_MADE, "--", ".")
     assert proc.returncode in (0, 1), proc.stderr
     hits = []
     for row in proc.stdout.splitlines():
@@ -57,7 +64,8 @@ def test_no_text_numbers_how_the_project_was_made():
         _, _, line = rest.partition(":")
         if not _allowed(path, line):
             hits.append(row[:200])
-    assert not hits, "name a run by its host and date, a change by what it does:\n" + "\n".join(hits)
+    assert not hits, ("name a run by its host and date, a change by what it does, and cite "
+                      "docs/ rather than a tracker's number:\n" + "\n".join(hits))
 
 
 def test_no_file_name_numbers_how_the_project_was_made():

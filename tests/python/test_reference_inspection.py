@@ -55,7 +55,7 @@ def test_memory_report_with_model_adds_pinned_by_tag_and_keeps_sections(daemon):
     assert set(r["gpu"]) == {"allocated", "reserved", "peak_allocated"}
     # The optimizer's staging region is live and tagged.
     assert r["pinned_by_tag"].get("staging", 0) >= r["pinned"]["mapped_bytes"] > 0
-    # Host memory per trained parameter, by category (issue 20).
+    # Host memory per trained parameter, by category (docs/inspection.md).
     h = r["host_per_param"]
     n = sum(p.numel() for p in ours.parameters() if p.requires_grad)
     assert h["trained_params"] == n

@@ -2,7 +2,8 @@
 "Options" and "OffloadAdamW"): every documented value of every option is accepted by
 wrap() / OffloadAdamW on CPU (or, where it needs CUDA, refused with the documented
 error), has its documented effect where CPU can show it, and a bad value raises a
-ValueError naming the option and what is accepted. Ids name the item (issue 18)."""
+ValueError naming the option and what is accepted. Each case's id names the option and
+the value it tries."""
 import pytest
 import torch
 from torch import nn

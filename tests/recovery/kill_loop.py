@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """SIGKILLs trainstreamd (and, with --client-kills, the training client) at random
-moments while a client trains, N times, and checks what issue 21 asks
+moments while a client trains, N times, and checks what recovery must guarantee
 (docs/recovery.md, "Measured"):
 
 * the run completes and its final weights are bit-identical to an uninterrupted run's

@@ -220,7 +220,7 @@ class DaemonSession(ReconnectMixin):
     # Once the daemon has died (or ended the session), nothing this optimizer holds
     # there comes back, so every later call raises the same DaemonError, saying so and
     # what to do: the gradient hook (which would otherwise count a second backward of
-    # the step that never ended and raise "backward() reached ... 2 times", issue 16),
+    # the step that never ended and raise "backward() reached ... 2 times"),
     # step(), zero_grad(), synchronize(), state_dict() and load_state_dict(). Each of
     # those asks the session whether it lives (a pybind call; the hook only at the
     # first gradient of a step), so once the client has seen the session's stream end

@@ -99,7 +99,7 @@ TEST_CASE("Layout: aligned, disjoint slots; manifest then state tensors", "[para
   CHECK(b.exp_avg_sq_offset + 2 * 7 <= l.state_bytes);
 }
 
-TEST_CASE("State segment: a trained weight is held once (issue 20)", "[params]") {
+TEST_CASE("State segment: a trained weight is held once", "[params]") {
   // 8 parameters of 2^20 elements, fp32 moments (8 B an element). The fp32 master
   // took 4 more bytes an element for every dtype before; now an fp32 weight's slot
   // is the master and a bf16 one is its high half (Note [One host copy of a trained

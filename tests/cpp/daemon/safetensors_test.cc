@@ -193,9 +193,9 @@ std::string ManyTensors(uint64_t n, bool metadata = false) {
 
 }  // namespace
 
-// Issue 16: a header of many tensors took quadratic time. The parse is now
-// linear (benchmarks/safetensors_header.py measures it); these pin the results
-// at and past the cap.
+// A header of many tensors took quadratic time. The parse is now linear
+// (benchmarks/safetensors_header.py measures it, docs/base-cache.md, "Bad
+// input"); these pin the results at and past the cap.
 TEST_CASE("A header at the tensor cap parses completely", "[safetensors]") {
   SafetensorsHeader h;
   REQUIRE(Parse(ManyTensors(kMaxTensors - 1, /*metadata=*/true), &h) == "");

@@ -1,7 +1,7 @@
 // The platform seam for the control plane's channel: how a client reaches the
 // daemon named by an endpoint, how each call proves who makes it, and how the
-// daemon checks that proof (issue 23, docs/windows.md, "The socket and peer
-// identity on Windows").
+// daemon checks that proof (docs/windows.md, "The socket and peer identity on
+// Windows").
 //
 // An endpoint is what a user names (TRAINSTREAM_SOCKET, --socket). On Linux it
 // is the daemon's unix socket: gRPC connects to "unix:<path>", and the kernel

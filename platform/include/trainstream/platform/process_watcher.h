@@ -2,7 +2,7 @@
 // watched process exits, so a killed client's memory is reclaimed within
 // milliseconds even when gRPC is slow to notice the closed connection. One
 // watcher serves every session. Two sides, picked by
-// platform/CMakeLists.txt (issue 23, docs/windows.md):
+// platform/CMakeLists.txt (docs/windows.md):
 //   process_watcher_linux.cc    pidfd_open + poll, woken by an eventfd
 //   process_watcher_windows.cc  a process handle (SYNCHRONIZE) per watch, waited
 //                               on by the system thread pool

@@ -1,5 +1,5 @@
 // The platform seam for running the daemon as the system's service. Two
-// sides, picked by platform/CMakeLists.txt (issue 23, docs/windows.md):
+// sides, picked by platform/CMakeLists.txt (docs/windows.md):
 //   service_windows.cc  a Windows service: installed in the service control
 //                       manager (SCM), started by it, reporting its state to
 //                       it, stopped by it (Note [The daemon as a Windows

@@ -1,6 +1,6 @@
 // The platform seam for the requests that stop or restart the daemon, and the
 // wait of its main loop. Two sides, picked by platform/CMakeLists.txt
-// (issue 23, docs/windows.md):
+// (docs/windows.md):
 //   stop_signals_linux.cc    SIGTERM, SIGINT, SIGHUP and SIGUSR2 blocked in
 //                            every thread and read from a signalfd; Wake() and
 //                            Deliver() write an eventfd; Wait() polls both

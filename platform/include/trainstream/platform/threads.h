@@ -2,7 +2,7 @@
 // they group into physical cores, and pinning and naming the calling thread.
 // The daemon's AdamW worker pool (daemon/optimizer/worker_pool.cc) uses it and
 // nothing else for these; threads_linux.cc and threads_windows.cc are its two
-// sides, picked by platform/CMakeLists.txt (issue 23, docs/windows.md).
+// sides, picked by platform/CMakeLists.txt (docs/windows.md).
 //
 // CPU ids are the operating system's logical processor numbers: Linux's CPU
 // numbers, Windows' bit positions in the process affinity mask. On Windows only
