@@ -3,7 +3,7 @@
 // client (client/src/mapped_region.cc) both go through it and nothing else.
 // Two sides, picked by platform/CMakeLists.txt: shm_posix.cc (below) and
 // shm_windows.cc (Note [Segments on Windows are files with an owner-only
-// DACL]; the daemon and the client do not use it yet, docs/windows.md).
+// DACL]; docs/windows.md).
 //
 // Note [Segments through Boost.Interprocess]. Boost.Interprocess does what it
 // has a portable call for; the steps it has none for stay POSIX, made on the
