@@ -120,9 +120,9 @@ def test_a_full_pool_makes_backward_wait_until_the_daemon_frees_room(daemon_fact
     # The daemon is paused (every thread stopped) before the second step's forward, so
     # it releases no extent; the tied embedding's gradient, the pool's whole size and
     # the last to finish, cannot fit beside any earlier one, so backward must wait for
-    # room. Once it waits, the test checks that backward has not returned, then resumes
-    # the daemon: backward returns only after that, and the run trains as gradient
-    # slots do.
+    # room. Once it waits, the test checks that backward does not return while the
+    # daemon stays paused, then resumes it: backward returns only after that, and the
+    # run trains as gradient slots do.
     d = daemon_factory()
     want, _ = _train(d, 0, steps=2)
     model = _model()
@@ -130,7 +130,10 @@ def test_a_full_pool_makes_backward_wait_until_the_daemon_frees_room(daemon_fact
     order = []  # what happened, in order, on either thread
 
     def resume():
-        order.append("backward running" if not returned.is_set() else "backward returned")
+        # With every daemon thread stopped no room can come, so backward cannot return
+        # however long one looks; 0.2 s bounds the look (a daemon that frees room
+        # returns it within milliseconds), it is never waited out otherwise.
+        order.append("backward returned" if returned.wait(0.2) else "backward still waiting")
         order.append("resumed")
         d.resume()
     returned = threading.Event()
@@ -151,7 +154,7 @@ def test_a_full_pool_makes_backward_wait_until_the_daemon_frees_room(daemon_fact
     stats = opt.stats()
     opt.detach()
     assert stats["grad_pool_bytes"] >= LARGEST
-    assert order == ["backward running", "resumed", "backward returned"], (order, stats)
+    assert order == ["backward still waiting", "resumed", "backward returned"], (order, stats)
     assert stats["pool_waits"] >= 1, stats
     _same(model, want)
 
