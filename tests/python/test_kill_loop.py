@@ -1,7 +1,8 @@
 """The short kill loop (tests/recovery/kill_loop.py; docs/recovery.md, "Measured"): the
-daemon is SIGKILLed at random moments while a client trains, and the run must end with
-the weights of an uninterrupted run, bit for bit, every lost step reported exactly, and
-/dev/shm as it was. The long loop is `tests/recovery/kill_loop.py --long`."""
+daemon is SIGKILLed at random moments (or from inside a step, with its gradients posted
+and none applied) while a client trains, and the run must end with the weights of an
+uninterrupted run, bit for bit, every lost step reported exactly, and /dev/shm as it
+was. The long loop is `tests/recovery/kill_loop.py --long`."""
 from __future__ import annotations
 
 import json
