@@ -17,9 +17,9 @@ Lines on stdout (each flushed):
   hold <step> backward  (--in-flight-at) about to run backward of <step>; waits for a
                         line on stdin (the harness pauses the daemon first)
   inflight <step> <json> (--in-flight-at) backward of <step> has posted every gradient
-                        (<json>: how many it posted) and step() has not run; waits for a line on
-                        stdin (the harness kills the paused daemon first, so none of
-                        them was applied)
+                        (<json>: how many) and step() has not run; waits for a line
+                        on stdin (the harness kills the paused daemon first, so none
+                        of them was applied)
 Started with --resume, it goes on from its last checkpoint (model, optimizer, step):
 a killed worker, or one whose state was lost, picks up there.
 """
