@@ -6,7 +6,6 @@ for room ends in DaemonError, not a hang."""
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -114,26 +113,39 @@ def test_the_pool_trains_bit_identically_to_gradient_slots(daemon, pool):
     assert slots["grad_pool_bytes"] == 0
     assert pooled["grad_pool_bytes"] >= LARGEST
     # Whether a pool of one largest gradient makes backward wait here depends on how fast
-    # the daemon frees it (0 waits once in a CI rehearsal): the next test makes it wait.
+    # the daemon frees it; the next test holds the daemon so that it must wait.
 
 
 def test_a_full_pool_makes_backward_wait_until_the_daemon_frees_room(daemon_factory):
-    # The daemon is paused before the second step's forward, so it releases no extent;
-    # the tied embedding's gradient, the pool's whole size and the last to finish,
-    # cannot fit beside any earlier one, so backward must wait for room. The daemon
-    # resumes 0.3 s after that wait began; backward then goes on, and the run trains as
-    # gradient slots do.
+    # The daemon is paused (every thread stopped) before the second step's forward, so
+    # it releases no extent; the tied embedding's gradient, the pool's whole size and
+    # the last to finish, cannot fit beside any earlier one, so backward must wait for
+    # room. Once it waits, the test checks that backward does not return while the
+    # daemon stays paused, then resumes it: backward returns only after that, and the
+    # run trains as gradient slots do.
     d = daemon_factory()
     want, _ = _train(d, 0, steps=2)
     model = _model()
     opt = trainstream.OffloadAdamW(_groups(model), lr=3e-3, socket=d.socket, grad_pool=LARGEST)
+    order = []  # what happened, in order, on either thread
+
+    def resume():
+        # With every daemon thread stopped no room can come, so backward cannot return
+        # however long one looks; 0.2 s bounds the look (a daemon that frees room
+        # returns it within milliseconds), it is never waited out otherwise.
+        order.append("backward returned" if returned.wait(0.2) else "backward still waiting")
+        order.append("resumed")
+        d.resume()
+    returned = threading.Event()
     try:
         for i, (x, y) in enumerate(text_batches(TEXT, CFG, batch=4, steps=2)):
             if i == 1:
                 d.pause()
-                t = _when_waiting(opt, lambda: (time.sleep(0.3), d.resume()))
+                t = _when_waiting(opt, resume)
             model(x, y).backward()
             if i == 1:
+                order.append("backward returned")
+                returned.set()
                 t.join()
             opt.step()
             opt.zero_grad()
@@ -142,8 +154,8 @@ def test_a_full_pool_makes_backward_wait_until_the_daemon_frees_room(daemon_fact
     stats = opt.stats()
     opt.detach()
     assert stats["grad_pool_bytes"] >= LARGEST
-    assert stats["pool_waits"] >= 1
-    assert stats["pool_wait_s"] >= 0.3  # the wait lasted until the daemon resumed
+    assert order == ["backward still waiting", "resumed", "backward returned"], (order, stats)
+    assert stats["pool_waits"] >= 1, stats
     _same(model, want)
 
 

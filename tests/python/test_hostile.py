@@ -15,6 +15,7 @@ truncate, try_open, try_chmod), a separate process as a real client would be.
 import grp
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -36,6 +37,8 @@ MAX_LOG_GROWTH = 256 * 1024
 HDR_COMMAND_RING_OFFSET = 16
 HDR_COMPLETION_RING_OFFSET = 24
 RING_HEAD, RING_TAIL = 64, 128
+# A segment's header (wire/segment_header.h, segment_kind.h).
+SEGMENT_MAGIC, SEGMENT_STAGING = 0x54535347, 2
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="needs root to run a client under another uid")
@@ -226,17 +229,42 @@ def test_truncating_the_control_segment_ends_only_that_session(daemon):
 
 
 def test_truncating_staging_under_an_update_ends_only_that_session(daemon):
+    # Note [Client pages can vanish] (daemon/memory/client_memory_guard.h): the daemon's
+    # access to the vanished pages lands in private zero pages, never in the file, and
+    # ending the session removes the file's name. So the staging file the attacker
+    # truncated stays empty (nothing the daemon read or wrote afterwards reached it,
+    # nor did the daemon grow it back) and is gone from the shm dir once the session
+    # ends; the bystander's weights and state are checked bit for bit by under_attack.
+    numel = 1 << 18
+
     def attack():
         c, _ = attach(daemon)
-        reg = register_one(c)
-        assert c.send(f"truncate {reg['staging']} 0")["ok"]
-        # Initialising reads the weights from the param slot, the update reads the
-        # gradient slot and writes the weights: all on pages that are gone.
-        assert c.send('post {"opcode": 3, "seq": 0, "param_id": 0, "field": 4}')["ok"]
-        # The session may already be over when these go: the client then posts nothing.
-        c.send('post {"opcode": 1, "seq": 1, "param_id": 0, "step": 1, "lr": 0.001}')
-        c.send('post {"opcode": 2, "seq": 2, "step": 1}')
-        expect_ended(c, "truncated")
+        reg = register_one(c, numel)
+        path = os.path.join(daemon.shm_dir, reg["staging"])
+        fd = os.open(path, os.O_RDONLY)  # the file as the daemon leaves it, name or not
+        try:
+            # What the daemon wrote when it made the segment, and what the client wrote
+            # into its weight slot, are the file's bytes.
+            magic, _version, kind, _flags, total = struct.unpack("<IIIIQ", os.pread(fd, 24, 0))
+            assert (magic, kind, total) == (SEGMENT_MAGIC, SEGMENT_STAGING,
+                                            reg["staging_size"]), (magic, kind, total, reg)
+            slot = reg["slots"][0]["param_offset"]
+            assert c.send(f"fill_staging 0 {slot} {numel * 4} {0x3F}")["ok"]
+            assert os.pread(fd, numel * 4, slot) == b"\x3f" * (numel * 4)
+            assert c.send(f"truncate {reg['staging']} 0")["ok"]
+            # Initialising reads the weights from the param slot, the update reads the
+            # gradient slot and writes the weights: all on pages that are gone.
+            assert c.send('post {"opcode": 3, "seq": 0, "param_id": 0, "field": 4}')["ok"]
+            # The session may already be over when these go: the client then posts nothing.
+            c.send('post {"opcode": 1, "seq": 1, "param_id": 0, "step": 1, "lr": 0.001}')
+            c.send('post {"opcode": 2, "seq": 2, "step": 1}')
+            expect_ended(c, "truncated")
+            assert os.fstat(fd).st_size == 0, os.fstat(fd)
+            assert os.pread(fd, 4096, 0) == b""
+            wait_until(lambda: not os.path.exists(path), 10,
+                       what="the ended session's staging file to be removed")
+        finally:
+            os.close(fd)
     under_attack(daemon, attack)
 
 

@@ -1,7 +1,8 @@
 """The short kill loop (tests/recovery/kill_loop.py; docs/recovery.md, "Measured"): the
-daemon is SIGKILLed at random moments while a client trains, and the run must end with
-the weights of an uninterrupted run, bit for bit, every lost step reported exactly, and
-/dev/shm as it was. The long loop is `tests/recovery/kill_loop.py --long`."""
+daemon is SIGKILLed at random moments (or from inside a step, with its gradients posted
+and none applied) while a client trains, and the run must end with the weights of an
+uninterrupted run, bit for bit, every lost step reported exactly, and /dev/shm as it
+was. The long loop is `tests/recovery/kill_loop.py --long`."""
 from __future__ import annotations
 
 import json
@@ -29,12 +30,16 @@ def run_loop(build_dir: Path, *args: str) -> dict:
 
 
 def test_short_loop_supervised_eager(build_dir):
-    f = run_loop(build_dir, "--short", "--seed", "11")
+    # The first three kills come from inside a step: the daemon is paused before its
+    # backward and SIGKILLed once backward has posted every gradient, so each finds the
+    # step's gradients in flight (none landed, all posted again on resume); the other
+    # three land at random moments.
+    f = run_loop(build_dir, "--short", "--seed", "11", "--in-flight-kills", "3")
     assert f["bit_identical"] and not f["failures"]
     assert f["daemon_kills"] == 6
-    assert f["recoveries"] >= 3  # two kills close together may be seen as one
-    # Whether a kill finds a gradient in flight (replayed or landed) depends on timing:
-    # the long loop and tests/python/test_recovery_resume.py check those paths.
+    assert f["in_flight_kills"] == 3, f
+    assert f["replayed_grads"] >= 3, f  # at least one gradient each time
+    assert f["recoveries"] >= 4  # two of the random kills close together may be seen as one
 
 
 def test_short_loop_with_a_gradient_pool_of_one_embedding(build_dir):

@@ -16,7 +16,12 @@ the daemon's update (step()), state_dict() (checkpoints), a base load; the kill 
 supervisor: the client restarts the daemon itself. With --lose-every K, every K-th
 kill also deletes the client's staging segment (its gradient pool or slots, and its
 weight slots) while no daemon runs, so the state cannot be resumed: the client must
-report the lost step. --grad-pool sets the client's gradient staging pool
+report the lost step. With --in-flight-kills K, the first K daemon kills come from inside
+a step instead: the worker waits before that step's backward while the harness pauses
+the daemon (SIGSTOP, every thread stopped), runs backward, which posts its gradients to
+the paused daemon, and waits again while the harness SIGKILLs it; so each of these kills
+finds every gradient of the step posted and none applied, and the resume that follows
+must post each of them again (figures: in_flight_kills). --grad-pool sets the client's gradient staging pool
 (docs/staging-pool.md; a small one makes backward wait for room, so kills land there).
 
   kill_loop.py                      20 daemon kills in a 200-step run
@@ -62,6 +67,11 @@ def parse(argv=None):
                     help="data-parallel ranks sharing one state (daemon kills only)")
     ap.add_argument("--lose-every", type=int, default=0,
                     help="every K-th daemon kill also deletes the staging segment (0: never)")
+    ap.add_argument("--in-flight-kills", type=int, default=0,
+                    help="the first K daemon kills come with a step's gradients posted to "
+                         "the paused daemon and none applied (SIGKILL, supervised, no "
+                         "clipping, one rank, slots or the auto pool, no client kills or "
+                         "lost steps)")
     ap.add_argument("--jitter-ms", type=float, default=4.0)
     ap.add_argument("--restart-ms", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=1)
@@ -85,6 +95,14 @@ def parse(argv=None):
     if a.dp > 1 and a.client_kills:
         ap.error("--client-kills with --dp: a killed rank breaks its group by design "
                  "(docs/data-parallel.md); kill the daemon only")
+    if a.in_flight_kills and (a.embedded or a.clip or a.dp > 1 or a.client_kills
+                              or a.lose_every or a.daemon_signal != "KILL"
+                              or str(a.grad_pool) not in ("auto", "0")):
+        # A pool smaller than the step's gradients would make backward wait for room
+        # that the paused daemon never frees.
+        ap.error("--in-flight-kills needs a supervised daemon killed by SIGKILL, eager "
+                 "updates (no --clip), one rank, gradient slots or the 'auto' pool, and "
+                 "no client kills or lost steps")
     if a.short:
         a.kills, a.steps, a.n_embd = min(a.kills, 6), 60, 32
     if a.long:
@@ -171,6 +189,31 @@ class Daemon:
         except (OSError, IndexError, ValueError):
             return None
 
+    def pause(self) -> None:
+        """SIGSTOPs the running daemon and returns once every one of its threads has
+        stopped (a SIGSTOP returns before they all have: Note [A paused daemon is
+        stopped in every thread])."""
+        deadline = time.monotonic() + 20
+        pid = self.pid()
+        while pid is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            pid = self.pid()
+        if pid is None:
+            raise SystemExit("no daemon came back to pause")
+        os.kill(pid, signal.SIGSTOP)
+        while time.monotonic() < deadline:
+            states = []
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                except FileNotFoundError:  # a thread that ended meanwhile
+                    continue
+                states.append(stat.rsplit(")", 1)[1].split()[0])
+            if states and all(st in ("T", "t") for st in states):
+                return
+            time.sleep(0.001)
+        raise SystemExit("the daemon did not stop in every thread in 20 s")
+
     def kill(self, lose: bool = False) -> bool:
         # The previous kill's daemon may not be back yet: a kill is of a running one
         # (the client may still be resuming: killing that is part of the test).
@@ -211,7 +254,8 @@ class Worker:
 
     runs = 0
 
-    def __init__(self, args, work: Path, socket, env, resume: bool, out: str):
+    def __init__(self, args, work: Path, socket, env, resume: bool, out: str,
+                 in_flight_at=()):
         cmd = [sys.executable, str(HERE / "kill_worker.py"), "--steps", str(args.steps),
                "--n-embd", str(args.n_embd), "--ckpt", str(work / (Path(out).stem + ".ckpt")),
                "--out", out, "--base", str(work / "base.safetensors"), "--timeout-s", "60"]
@@ -224,6 +268,8 @@ class Worker:
         cmd += ["--grad-pool", str(args.grad_pool)]
         if resume:
             cmd.append("--resume")
+        if in_flight_at:
+            cmd += ["--in-flight-at", ",".join(map(str, in_flight_at))]
         Worker.runs += 1
         self.procs = []
         err = open(work / "worker.err", "ab")
@@ -235,6 +281,7 @@ class Worker:
                                 TORCHELASTIC_RUN_ID=f"kill-loop-{os.getpid()}-{Worker.runs}")
             self.procs.append(subprocess.Popen(
                 cmd + (["--dp"] if args.dp > 1 else []), env=rank_env, text=True, stderr=err,
+                stdin=subprocess.PIPE if in_flight_at else None,
                 stdout=subprocess.PIPE if rank == 0 else open(work / f"rank{rank}.out", "a")))
         self.proc = self.procs[0]
         self.lines: "queue.Queue" = queue.Queue()
@@ -244,6 +291,11 @@ class Worker:
         for line in self.proc.stdout:
             self.lines.put((time.monotonic(), line.split(maxsplit=2)))
         self.lines.put((time.monotonic(), None))
+
+    def go(self) -> None:
+        """Lets a worker waiting on the harness (hold, inflight) go on."""
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
 
     def wait(self, timeout: float = 180.0) -> int:
         """Every rank's exit; rank 0's code (the others' must match it). A rank still
@@ -327,10 +379,19 @@ def main(argv=None) -> int:
     events.sort(key=lambda e: e[1])
     figures = {"daemon_kills": 0, "client_kills": 0, "by_phase": {p: 0 for p in PHASES},
                "recoveries": 0, "replayed_grads": 0, "landed_grads": 0, "lost_reports": 0,
-               "lost_reports_exact": 0, "worker_restarts": 0, "resume_s": []}
+               "lost_reports_exact": 0, "worker_restarts": 0, "in_flight_kills": 0,
+               "resume_s": []}
     failures = []
     out = str(work / "killed.pt")
-    worker = Worker(args, work, worker_socket, env, resume=False, out=out)
+    # The steps whose gradients the first --in-flight-kills daemon kills find in flight:
+    # at or after each event's step, one step apart at least.
+    in_flight_at = []
+    for kind, at_step in events:
+        if kind == "daemon" and len(in_flight_at) < args.in_flight_kills:
+            in_flight_at.append(max(int(at_step) + 1, in_flight_at[-1] + 1 if in_flight_at else 1))
+    worker = Worker(args, work, worker_socket, env, resume=False, out=out,
+                    in_flight_at=in_flight_at)
+    in_flight = {}  # the in-flight kill whose resume is still to come: step, gradients posted
     last_phase = (None, 0)
     kill_times = []
     daemon_kills_done = 0
@@ -347,6 +408,17 @@ def main(argv=None) -> int:
             figures["recoveries"] += 1
             figures["replayed_grads"] += info["replayed"]
             figures["landed_grads"] += info["landed"]
+            if in_flight:
+                # The daemon was paused before the step's backward and killed after it:
+                # none of the step's gradients landed, every one is posted again.
+                if (int(words[1]) == in_flight["step"] and info["landed"] == 0
+                        and info["replayed"] == in_flight["posted"] > 0):
+                    figures["in_flight_kills"] += 1
+                else:
+                    failures.append(f"the kill in step {in_flight['step']} with "
+                                    f"{in_flight['posted']} gradients posted and none applied "
+                                    f"was resumed in step {words[1]} with {info}")
+                in_flight.clear()
             if kill_times:
                 figures["resume_s"].append(time.monotonic() - kill_times[-1])
         elif words[0] == "lost":
@@ -407,6 +479,27 @@ def main(argv=None) -> int:
     pending = list(events)
     while pending and not done:
         kind, at_step = pending[0]
+        if kind == "daemon" and daemon_kills_done < len(in_flight_at):
+            pending.pop(0)
+            step = in_flight_at[daemon_kills_done]
+            daemon_kills_done += 1
+            if pump(lambda w, s=step: w[0] == "hold" and int(w[1]) == s) is None:
+                failures.append(f"the worker exited before step {step}'s backward")
+                break
+            daemon.pause()
+            worker.go()
+            words = pump(lambda w, s=step: w[0] == "inflight" and int(w[1]) == s)
+            if words is None:
+                failures.append(f"the worker exited in step {step}'s backward")
+                break
+            if not daemon.kill():
+                raise SystemExit("the paused daemon was gone before its kill")
+            kill_times.append(time.monotonic())
+            figures["daemon_kills"] += 1
+            figures["by_phase"]["backward"] += 1
+            in_flight.update(step=step, posted=json.loads(words[2])["posted"])
+            worker.go()
+            continue
         # At least one step after the last kill: every event gets a moment of its own.
         at_step = max(at_step, last_phase[1] + 1)
         target_phase = rng.choice(PHASES) if kind == "daemon" else rng.choice(PHASES[:3])
@@ -484,6 +577,11 @@ def main(argv=None) -> int:
     if not args.embedded:
         shutil.rmtree(shm, ignore_errors=True)
     planned = (args.kills, args.client_kills)
+    if in_flight:
+        failures.append(f"the kill in step {in_flight['step']} was never resumed")
+    if figures["in_flight_kills"] != len(in_flight_at) and not failures:
+        failures.append(f"{figures['in_flight_kills']} of {len(in_flight_at)} kills found "
+                        "their step's gradients in flight")
     if (figures["daemon_kills"], figures["client_kills"]) != planned and not failures:
         failures.append(f"only {figures['daemon_kills']} daemon and {figures['client_kills']} "
                         f"client kills of {planned} happened before the run ended: give it "

@@ -14,6 +14,12 @@ Lines on stdout (each flushed):
                         message and the step as the optimizer counts it (from this
                         process's start). The process then exits with code 3.
   done <json>           finished; <json> holds the optimizer's recovery figures
+  hold <step> backward  (--in-flight-at) about to run backward of <step>; waits for a
+                        line on stdin (the harness pauses the daemon first)
+  inflight <step> <json> (--in-flight-at) backward of <step> has posted every gradient
+                        (<json>: how many) and step() has not run; waits for a line
+                        on stdin (the harness kills the paused daemon first, so none
+                        of them was applied)
 Started with --resume, it goes on from its last checkpoint (model, optimizer, step):
 a killed worker, or one whose state was lost, picks up there.
 """
@@ -61,6 +67,9 @@ def parse(argv=None):
     ap.add_argument("--optimizer-mode", default="cpu",
                     help="wrap()'s optimizer_mode: cpu (the daemon's host AdamW, whose state "
                          "the daemon keeps) or gpu (zero-copy; its state is a client region)")
+    ap.add_argument("--in-flight-at", default="",
+                    help="comma-separated steps whose backward waits for the harness before "
+                         "it runs and once it has posted its gradients (hold, inflight)")
     ap.add_argument("--dp", action="store_true",
                     help="one rank of a data-parallel job (RANK, WORLD_SIZE, LOCAL_RANK, "
                          "LOCAL_WORLD_SIZE set): the ranks share one state in the daemon")
@@ -155,8 +164,14 @@ class Recoveries:
         self.seen = dict(now)
 
 
+def wait_for_harness() -> None:
+    if not sys.stdin.readline():
+        raise SystemExit("the harness closed stdin")
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    in_flight_at = {int(s) for s in args.in_flight_at.split(",") if s}
     faulthandler.register(signal.SIGUSR1)  # the harness asks a stuck worker where it is
     model, opt, batches, rank = build(args)
     start = 0
@@ -173,8 +188,16 @@ def main(argv=None) -> int:
                 load_base(args, step)
             x, y = batches[i]
             say("phase", "backward", step)
+            if step in in_flight_at:
+                say("hold", step, "backward")
+                wait_for_harness()
+                posted_before = opt.stats()["grads_posted"]
             loss = model(x, y)
             loss.backward()
+            if step in in_flight_at:
+                posted = opt.stats()["grads_posted"] - posted_before
+                say("inflight", step, json.dumps({"posted": posted}))
+                wait_for_harness()
             seen.report(step)
             say("phase", "step", step)
             opt.step()
