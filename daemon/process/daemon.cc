@@ -183,7 +183,8 @@ std::string WhyKeep(const platform::StopRequest& request, const DaemonState& sta
   // For the next daemon's log (AdoptReclaimAndClaim): this exit was meant.
   if (std::string identity; platform::ReadFilePrefix(lock_path, 4095, &identity) == 0) {
     if (const int err = platform::OverwriteFile(lock_path, identity + "kept_state=1\n"); err != 0)
-      spdlog::warn("cannot record the kept state in {}: {}", lock_path, std::strerror(err));
+      spdlog::warn("cannot record the kept state in {}: {}", lock_path,
+                   platform::ErrnoMessage(err));
   }
   spdlog::info("trainstreamd stopped, optimizer state kept");
   spdlog::default_logger()->flush();
