@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, roofline, offload, dp, base, paging, scale, capdiag, frontdoor, compare, quality, recovery, fp8diag
+STAGES=${STAGES:-"build test bench"}  # also: lean, pytest, cudafiles, roofline, offload, dp, base, paging, scale, capdiag, frontdoor, compare, quality, recovery, fp8diag
 
 if [ -f .deps/unpack.sh ]; then
   # shellcheck disable=SC1091
@@ -51,6 +51,20 @@ if [[ $STAGES == *pytest* ]]; then
   PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu \
     .venv/bin/python -m pytest -q -rs ${PYTEST_FILES:-tests/python} > "$OUT/pytest.log" 2>&1 || rc=1
   tail -30 "$OUT/pytest.log"
+fi
+# "cudafiles": the Python test files that run on the GPU (the ones a change of the
+# daemon, the client or the kernels must pass there), verbose, so that a call cut off by
+# its time limit still says which tests passed and which failed.
+if [[ $STAGES == *cudafiles* ]]; then
+  PYTHONPATH=$PWD/build-gpu/python TRAINSTREAM_BUILD_DIR=$PWD/build-gpu \
+    timeout "${CUDAFILES_TIMEOUT:-480}" .venv/bin/python -m pytest -v -rfs --tb=short \
+    tests/python/test_wrap_cuda.py tests/python/test_wrap_gpu_mode.py \
+    tests/python/test_paging_cuda.py tests/python/test_quant_cuda.py \
+    tests/python/test_base_cache_cuda.py tests/python/test_base_vram.py \
+    tests/python/test_dp_cuda.py tests/python/test_hf_trainer_paging.py \
+    tests/python/test_base_cache.py tests/python/test_compare_scripts.py \
+    > "$OUT/cudafiles.log" 2>&1 || rc=1
+  grep -E "FAILED|ERROR|passed|failed" "$OUT/cudafiles.log" | tail -30
 fi
 if [[ $STAGES == *test* && $STAGES != *pytest* ]]; then
   make test PYTHON=python3 BUILD=build-gpu CMAKE_ARGS="$CMAKE_ARGS" PYTEST_ARGS="-rs" > "$OUT/test.log" 2>&1 || rc=1
